@@ -1,0 +1,179 @@
+//! The one error type of lockkit.
+
+use std::time::Duration;
+
+use crate::FencingToken;
+
+/// A boxed error from a backend's client library, kept as the `source()` of an [`Error`].
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// Shorthand for `Result<T, lockkit_core::Error>`.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong when acquiring, renewing, releasing or fencing.
+///
+/// Variants are matchable in tests; client-library errors are kept as [`source`](std::error::Error::source)
+/// so `{:#}` / error reporters show the root cause. Use [`Error::is_retryable`] to tell a transient
+/// failure (worth a retry with backoff) from a permanent one.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A try-acquire ([`Wait::No`](crate::Wait::No)) found the lock held by someone else.
+    #[error("lock {name:?} is held by another holder")]
+    Held {
+        /// The lock name.
+        name: String,
+    },
+
+    /// A waiting acquire did not get the lock within its timeout.
+    #[error("timed out after {waited:?} waiting for lock {name:?}")]
+    Timeout {
+        /// The lock name.
+        name: String,
+        /// How long the acquire waited.
+        waited: Duration,
+    },
+
+    /// Renew or release by a lease that no longer owns the lock on the server: it lapsed, and the
+    /// lock is free or was granted to someone else. Nothing was changed on the server.
+    #[error("lease on lock {name:?} is no longer held")]
+    NotHeld {
+        /// The lock name.
+        name: String,
+    },
+
+    /// The lease is [`LeaseState::Lost`](crate::LeaseState::Lost) on the client side: its deadline
+    /// passed or the backend session that carried it expired. A lost lease is never revived.
+    #[error("lease on lock {name:?} was lost")]
+    LeaseLost {
+        /// The lock name.
+        name: String,
+    },
+
+    /// A fenced write carried a token lower than one the resource already accepted.
+    #[error("stale fencing token {token} for {resource:?}: the resource has seen {current}")]
+    StaleToken {
+        /// The protected resource.
+        resource: String,
+        /// The token that was rejected.
+        token: FencingToken,
+        /// The highest token the resource has seen (or the current holder's token).
+        current: FencingToken,
+    },
+
+    /// The lock name is empty, too long, or could escape the backend's key namespace.
+    #[error("invalid lock name {name:?}: {reason}")]
+    InvalidName {
+        /// The rejected name (possibly truncated for display).
+        name: String,
+        /// Why it was rejected.
+        reason: &'static str,
+    },
+
+    /// Bad options or configuration: zero or absurd TTL, malformed URL, unknown scheme,
+    /// a scheme whose Cargo feature is off.
+    #[error("invalid configuration: {reason}")]
+    InvalidConfig {
+        /// What is wrong, for humans.
+        reason: String,
+        /// The parser's error, if any.
+        #[source]
+        source: Option<BoxError>,
+    },
+
+    /// The backend cannot do this (for example a manual-renewal lease on ZooKeeper, whose session
+    /// heartbeats cannot be paused).
+    #[error("{operation} is not supported by the {backend} backend")]
+    NotSupported {
+        /// What was asked.
+        operation: &'static str,
+        /// Which backend.
+        backend: &'static str,
+    },
+
+    /// The server refused the credentials.
+    #[error("{backend}: authentication failed")]
+    Auth {
+        /// Which backend.
+        backend: &'static str,
+        /// The client library's error.
+        #[source]
+        source: BoxError,
+    },
+
+    /// The server could not be reached or did not answer in time. Transient: worth a retry.
+    #[error("{backend}: server unavailable")]
+    Unavailable {
+        /// Which backend.
+        backend: &'static str,
+        /// The client library's error.
+        #[source]
+        source: BoxError,
+    },
+
+    /// Any other error reported by the backend's client library. Treated as permanent.
+    #[error("{backend}: backend error")]
+    Backend {
+        /// Which backend.
+        backend: &'static str,
+        /// The client library's error.
+        #[source]
+        source: BoxError,
+    },
+}
+
+impl Error {
+    /// Whether retrying the same call later may succeed (the server was unreachable or slow).
+    ///
+    /// [`Held`](Error::Held) and [`Timeout`](Error::Timeout) are not "retryable" in this sense: they
+    /// describe contention, which the acquire's [`Wait`](crate::Wait) policy handles.
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, Error::Unavailable { .. })
+    }
+
+    /// Builds [`Error::InvalidConfig`] without a source.
+    pub fn config(reason: impl Into<String>) -> Self {
+        Error::InvalidConfig {
+            reason: reason.into(),
+            source: None,
+        }
+    }
+
+    /// Builds [`Error::InvalidConfig`] keeping the parser's error as source.
+    pub fn config_with(reason: impl Into<String>, source: impl Into<BoxError>) -> Self {
+        Error::InvalidConfig {
+            reason: reason.into(),
+            source: Some(source.into()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retryable_classification() {
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused");
+        assert!(
+            Error::Unavailable {
+                backend: "redis",
+                source: io.into()
+            }
+            .is_retryable()
+        );
+        assert!(!Error::Held { name: "a".into() }.is_retryable());
+        assert!(!Error::config("x").is_retryable());
+    }
+
+    #[test]
+    fn source_is_kept() {
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused");
+        let e = Error::Unavailable {
+            backend: "redis",
+            source: io.into(),
+        };
+        let src = std::error::Error::source(&e).expect("source kept");
+        assert_eq!(src.to_string(), "refused");
+    }
+}

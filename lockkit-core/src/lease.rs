@@ -1,0 +1,534 @@
+//! Leases: what a successful acquire returns, its client-side state and its keepalive.
+
+use std::any::Any;
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tokio::sync::watch;
+use tokio::task::AbortHandle;
+use tokio::time::Instant;
+
+use crate::{AcquireOptions, Error, FencingToken, Result};
+
+/// What the holder can know about its lease, on the client's monotonic clock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LeaseState {
+    /// Renewed recently: the lease is valid until [`Lease::valid_until`].
+    Held,
+    /// No renewal has been acknowledged for more than half the TTL (or the backend reports its
+    /// connection down). The lease may still be valid until [`Lease::valid_until`], but the holder
+    /// should stop starting new work that it cannot finish before that deadline.
+    Suspect,
+    /// The deadline passed, the server said the lease is gone, or the lease was released.
+    /// Final: a lost lease never becomes held again. Another holder may have the lock.
+    Lost,
+}
+
+/// The clock-drift margin subtracted from every deadline: 1 % of the TTL plus 2 ms, the rule of
+/// the Redlock description (<https://redis.io/docs/latest/develop/use/patterns/distributed-locks/>,
+/// "Safety arguments"). It covers the server's clock running up to 1 % faster than ours.
+pub fn drift_margin(ttl: Duration) -> Duration {
+    ttl / 100 + Duration::from_millis(2)
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Validity {
+    /// Send time of the last request that granted or renewed the lease (acknowledged).
+    confirmed_sent_at: Instant,
+    valid_until: Instant,
+    suspect_flag: bool,
+    lost: bool,
+}
+
+/// The client-side clock of one lease: when it was last confirmed, when it becomes
+/// [`Suspect`](LeaseState::Suspect) and [`Lost`](LeaseState::Lost).
+///
+/// Backends create one per grant with the **send time** of the request that granted it, and call
+/// [`confirm`](Self::confirm) with the send time of every acknowledged renewal. The deadline is
+/// `send time + TTL − drift_margin(TTL)`: because the server started its TTL no earlier than we
+/// sent the request, the client always gives up before the server frees the lock (up to the
+/// drift margin). The state flips on that deadline by itself; no socket error is awaited.
+///
+/// Cheap to clone; all clones share one state.
+#[derive(Clone)]
+pub struct LeaseTracker {
+    tx: Arc<watch::Sender<Validity>>,
+    ttl: Duration,
+}
+
+impl fmt::Debug for LeaseTracker {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LeaseTracker")
+            .field("ttl", &self.ttl)
+            .field("state", &self.state())
+            .field("valid_until", &self.valid_until())
+            .finish()
+    }
+}
+
+impl LeaseTracker {
+    /// A tracker for a lease of `ttl` granted by a request sent at `sent_at`.
+    pub fn new(sent_at: Instant, ttl: Duration) -> Self {
+        let v = Validity {
+            confirmed_sent_at: sent_at,
+            valid_until: deadline(sent_at, ttl),
+            suspect_flag: false,
+            lost: false,
+        };
+        Self {
+            tx: Arc::new(watch::Sender::new(v)),
+            ttl,
+        }
+    }
+
+    /// The lease's TTL.
+    pub fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
+    /// Records a renewal that the server acknowledged, sent at `sent_at`. Moves the deadline
+    /// forward only, and clears a [`mark_suspect`](Self::mark_suspect).
+    ///
+    /// Returns `false` (and changes nothing) if the lease is already lost: an acknowledgement
+    /// arriving after the deadline does not revive it, because the holder may already have been
+    /// told it lost the lock.
+    pub fn confirm(&self, sent_at: Instant) -> bool {
+        let now = Instant::now();
+        let mut alive = false;
+        self.tx.send_modify(|v| {
+            if v.lost || now >= v.valid_until {
+                v.lost = true;
+                return;
+            }
+            alive = true;
+            v.suspect_flag = false;
+            if sent_at > v.confirmed_sent_at {
+                v.confirmed_sent_at = sent_at;
+                v.valid_until = deadline(sent_at, self.ttl);
+            }
+        });
+        alive
+    }
+
+    /// Marks the lease suspect until the next [`confirm`](Self::confirm) (e.g. the backend's
+    /// connection dropped). The deadline is unchanged.
+    pub fn mark_suspect(&self) {
+        self.tx.send_if_modified(|v| {
+            let changed = !v.suspect_flag && !v.lost;
+            v.suspect_flag = true;
+            changed
+        });
+    }
+
+    /// Marks the lease lost now (the server said it is gone, or it was released). Final.
+    pub fn mark_lost(&self) {
+        self.tx.send_if_modified(|v| {
+            let changed = !v.lost;
+            v.lost = true;
+            changed
+        });
+    }
+
+    /// The state now.
+    pub fn state(&self) -> LeaseState {
+        state_at(&self.tx.borrow(), self.ttl, Instant::now())
+    }
+
+    /// When the lease becomes [`Lost`](LeaseState::Lost) unless renewed.
+    pub fn valid_until(&self) -> Instant {
+        self.tx.borrow().valid_until
+    }
+
+    /// Send time of the request that last granted or renewed the lease.
+    pub fn confirmed_at(&self) -> Instant {
+        self.tx.borrow().confirmed_sent_at
+    }
+
+    /// A future that resolves once the lease is lost: at the deadline if nothing renews it, or as
+    /// soon as [`mark_lost`](Self::mark_lost) is called. It owns what it needs (`'static`), so it
+    /// can be moved into a task or a `select!`.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropping it has no effect on the lease.
+    pub fn lost(&self) -> impl Future<Output = ()> + Send + 'static {
+        let mut rx = self.tx.subscribe();
+        async move {
+            loop {
+                let v = *rx.borrow_and_update();
+                if v.lost || Instant::now() >= v.valid_until {
+                    return;
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep_until(v.valid_until) => {}
+                    changed = rx.changed() => {
+                        if changed.is_err() {
+                            // Nothing can renew the lease any more: it ends at its deadline.
+                            tokio::time::sleep_until(v.valid_until).await;
+                            return;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn deadline(sent_at: Instant, ttl: Duration) -> Instant {
+    sent_at + ttl.saturating_sub(drift_margin(ttl))
+}
+
+fn state_at(v: &Validity, ttl: Duration, now: Instant) -> LeaseState {
+    if v.lost || now >= v.valid_until {
+        LeaseState::Lost
+    } else if v.suspect_flag || now >= v.confirmed_sent_at + ttl / 2 {
+        LeaseState::Suspect
+    } else {
+        LeaseState::Held
+    }
+}
+
+/// The server side of one lease, implemented by each backend.
+///
+/// Both calls must be **conditional on ownership**: they act only if the lock is still held by
+/// this very grant (compare-and-pexpire, compare-and-delete, version-checked delete…), and return
+/// [`Error::NotHeld`] otherwise, touching nothing.
+#[async_trait]
+pub trait LeaseOps: Send + Sync + fmt::Debug + 'static {
+    /// Extends the lease on the server to `ttl` from now, if this grant still holds the lock.
+    /// Must never re-take a lock that lapsed.
+    ///
+    /// # Errors
+    /// [`Error::NotHeld`] if the grant no longer holds the lock; transport errors otherwise.
+    ///
+    /// # Cancel safety
+    /// Must be cancel safe: a dropped renewal either happened or did not.
+    async fn renew(&self, ttl: Duration) -> Result<()>;
+
+    /// Releases the lock if this grant still holds it.
+    ///
+    /// # Errors
+    /// [`Error::NotHeld`] if the grant no longer holds the lock; transport errors otherwise.
+    ///
+    /// # Cancel safety
+    /// Must be cancel safe: a dropped release either happened or did not; the TTL frees the lock
+    /// in the second case.
+    async fn release(&self) -> Result<()>;
+
+    /// `true` if the backend keeps the lease's [`LeaseTracker`] confirmed by itself (a session
+    /// keepalive shared by many leases, as on etcd and ZooKeeper), so the core must not run a
+    /// keepalive task of its own. Default `false`.
+    fn self_renewing(&self) -> bool {
+        false
+    }
+
+    /// The backend's own type, so its fence helpers can reach grant details (keys, revisions)
+    /// from a `&Lease`.
+    fn as_any(&self) -> &dyn Any;
+}
+
+/// A granted lock: name, fencing token, TTL, client-side state, renewal and release.
+///
+/// Returned by [`Lock::acquire`](crate::Lock::acquire). While it lives (and unless the acquire
+/// opted out) it is renewed about every TTL/3. Use [`token`](Self::token) on every write to the
+/// protected resource, and stop when [`lost`](Self::lost) resolves.
+///
+/// Dropping a lease without [`release`](Self::release) stops its keepalive and, if
+/// [`AcquireOptions::release_on_drop`] is on (the default), spawns a best-effort release on the
+/// current Tokio runtime. That release is **not immediate** and may not happen at all (no runtime,
+/// runtime shutting down, server unreachable); the TTL frees the lock in any case.
+/// [`leak`](Self::leak) stops keepalive without releasing.
+#[must_use = "a lease that is dropped at once releases the lock at once"]
+pub struct Lease {
+    name: String,
+    token: FencingToken,
+    tracker: LeaseTracker,
+    ops: Arc<dyn LeaseOps>,
+    keepalive: Option<AbortHandle>,
+    release_on_drop: bool,
+    done: bool,
+}
+
+impl fmt::Debug for Lease {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Lease")
+            .field("name", &self.name)
+            .field("token", &self.token)
+            .field("ttl", &self.tracker.ttl)
+            .field("state", &self.state())
+            .field("ops", &self.ops)
+            .finish()
+    }
+}
+
+impl Lease {
+    /// Assembles a lease; called by backends once the server granted the lock.
+    ///
+    /// `tracker` must have been created with the send time of the granting request. Starts the
+    /// keepalive task when `opts.keepalive` is on and `ops` is not [`self_renewing`](LeaseOps::self_renewing)
+    /// (this needs a Tokio runtime, which every backend's acquire runs on).
+    pub fn new(
+        name: impl Into<String>,
+        token: FencingToken,
+        tracker: LeaseTracker,
+        ops: Arc<dyn LeaseOps>,
+        opts: &AcquireOptions,
+    ) -> Self {
+        let name = name.into();
+        let keepalive = (opts.keepalive && !ops.self_renewing()).then(|| {
+            tokio::spawn(keepalive_loop(name.clone(), tracker.clone(), ops.clone())).abort_handle()
+        });
+        Self {
+            name,
+            token,
+            tracker,
+            ops,
+            keepalive,
+            release_on_drop: opts.release_on_drop,
+            done: false,
+        }
+    }
+
+    /// The lock name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The fencing token of this grant. Send it with every write to the protected resource.
+    pub fn token(&self) -> FencingToken {
+        self.token
+    }
+
+    /// The lease's TTL.
+    pub fn ttl(&self) -> Duration {
+        self.tracker.ttl
+    }
+
+    /// The state now (see [`LeaseState`]).
+    pub fn state(&self) -> LeaseState {
+        self.tracker.state()
+    }
+
+    /// The deadline on the monotonic clock after which the lease is [`Lost`](LeaseState::Lost)
+    /// unless renewed: send time of the last acknowledged grant/renewal + TTL − [`drift_margin`].
+    pub fn valid_until(&self) -> Instant {
+        self.tracker.valid_until()
+    }
+
+    /// Time left until [`valid_until`](Self::valid_until); zero once lost.
+    pub fn remaining(&self) -> Duration {
+        if self.state() == LeaseState::Lost {
+            return Duration::ZERO;
+        }
+        self.valid_until().saturating_duration_since(Instant::now())
+    }
+
+    /// Resolves when the lease is lost: on the deadline, without waiting for a socket error, or
+    /// as soon as the backend learns it is gone. `'static`: move it into a task or `select!`.
+    ///
+    /// ```no_run
+    /// # async fn f(lease: lockkit_core::Lease) {
+    /// tokio::select! {
+    ///     _ = lease.lost() => { /* stop: someone else may hold the lock now */ }
+    ///     _ = async { /* the critical section */ } => {}
+    /// }
+    /// # }
+    /// ```
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropping it has no effect on the lease.
+    pub fn lost(&self) -> impl Future<Output = ()> + Send + 'static {
+        self.tracker.lost()
+    }
+
+    /// The lease's tracker (shared state), for backends and for watching from elsewhere.
+    pub fn tracker(&self) -> &LeaseTracker {
+        &self.tracker
+    }
+
+    /// The backend's half of the lease; fence helpers downcast it with [`LeaseOps::as_any`].
+    pub fn ops(&self) -> &dyn LeaseOps {
+        &*self.ops
+    }
+
+    /// Renews the lease once, now: extends it on the server by its TTL if this grant still holds
+    /// the lock. On success the deadline moves to send time + TTL − margin.
+    ///
+    /// # Errors
+    /// - [`Error::LeaseLost`] if the lease is already lost on the client side (no request is sent:
+    ///   a lost lease is never revived).
+    /// - [`Error::NotHeld`] if the server says the lock lapsed; the lease becomes lost. The lock
+    ///   is never silently re-taken.
+    /// - Transport errors ([`Error::Unavailable`]…): the lease state is unchanged and turns
+    ///   suspect/lost by the clock.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: a dropped renewal either extended the lease on the server or did not; the
+    /// client-side deadline only moves on an acknowledged renewal.
+    pub async fn renew(&self) -> Result<()> {
+        if self.state() == LeaseState::Lost {
+            return Err(Error::LeaseLost {
+                name: self.name.clone(),
+            });
+        }
+        let sent = Instant::now();
+        match self.ops.renew(self.tracker.ttl).await {
+            Ok(()) if self.tracker.confirm(sent) => Ok(()),
+            Ok(()) => Err(Error::LeaseLost {
+                name: self.name.clone(),
+            }),
+            Err(e @ Error::NotHeld { .. }) => {
+                self.tracker.mark_lost();
+                Err(e)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Releases the lock if this grant still holds it (compare-and-delete), and stops keepalive.
+    ///
+    /// # Errors
+    /// - [`Error::NotHeld`] if the lease lapsed and the lock is free or held by someone else;
+    ///   nothing was touched.
+    /// - Transport errors: the lock stays held until its TTL ends; if release-on-drop is on, one
+    ///   more best-effort release is spawned.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: if the future is dropped, the release either happened or the lease is dropped
+    /// with it (best-effort release on drop, then the TTL).
+    pub async fn release(mut self) -> Result<()> {
+        self.stop_keepalive();
+        let res = self.ops.release().await;
+        self.tracker.mark_lost();
+        match &res {
+            Ok(()) | Err(Error::NotHeld { .. }) => self.done = true,
+            Err(_) => {}
+        }
+        res
+    }
+
+    /// Stops keepalive and forgets the lease without releasing it: the lock stays held on the
+    /// server until its TTL runs out. For handing a lock over to a process that will not renew it.
+    pub fn leak(mut self) {
+        self.stop_keepalive();
+        self.done = true;
+    }
+
+    fn stop_keepalive(&mut self) {
+        if let Some(h) = self.keepalive.take() {
+            h.abort();
+        }
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.stop_keepalive();
+        if self.done {
+            return;
+        }
+        self.tracker.mark_lost();
+        if self.release_on_drop {
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                let ops = self.ops.clone();
+                let name = self.name.clone();
+                rt.spawn(async move {
+                    if let Err(e) = ops.release().await {
+                        tracing::debug!(lock = %name, error = %e, "release on drop failed; the TTL will free the lock");
+                    }
+                });
+            }
+        }
+    }
+}
+
+/// Renews at about TTL/3 from the last acknowledged send time; a failed renewal is retried every
+/// TTL/12 until the deadline. Stops when the lease is lost or the task is aborted.
+async fn keepalive_loop(name: String, tracker: LeaseTracker, ops: Arc<dyn LeaseOps>) {
+    let ttl = tracker.ttl();
+    let interval = ttl / 3;
+    let retry = (ttl / 12).max(Duration::from_millis(5));
+    let mut next = tracker.confirmed_at() + interval;
+    loop {
+        tokio::time::sleep_until(next).await;
+        if tracker.state() == LeaseState::Lost {
+            return;
+        }
+        let sent = Instant::now();
+        match tokio::time::timeout_at(tracker.valid_until(), ops.renew(ttl)).await {
+            Ok(Ok(())) => {
+                if !tracker.confirm(sent) {
+                    // Acknowledged too late: the holder has been told it lost the lock, so give
+                    // the lock back rather than keep a lease nobody uses.
+                    let _ = ops.release().await;
+                    return;
+                }
+                next = sent + interval;
+            }
+            Ok(Err(Error::NotHeld { .. })) => {
+                tracing::warn!(lock = %name, "keepalive: lease no longer held on the server");
+                tracker.mark_lost();
+                return;
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(lock = %name, error = %e, "keepalive failed; retrying");
+                next = Instant::now() + retry;
+            }
+            Err(_elapsed) => {
+                tracing::warn!(lock = %name, "keepalive did not answer before the deadline");
+                next = Instant::now();
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn tracker_states_follow_the_clock() {
+        let ttl = Duration::from_secs(10);
+        let t = LeaseTracker::new(Instant::now(), ttl);
+        assert_eq!(t.state(), LeaseState::Held);
+        tokio::time::advance(Duration::from_secs(6)).await;
+        assert_eq!(t.state(), LeaseState::Suspect);
+        // A renewal sent now and acknowledged moves the deadline.
+        assert!(t.confirm(Instant::now()));
+        assert_eq!(t.state(), LeaseState::Held);
+        let lost = t.lost();
+        let start = Instant::now();
+        lost.await;
+        let waited = start.elapsed();
+        assert_eq!(waited, ttl - drift_margin(ttl));
+        assert_eq!(t.state(), LeaseState::Lost);
+        // Lost is final.
+        assert!(!t.confirm(Instant::now()));
+        assert_eq!(t.state(), LeaseState::Lost);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn mark_lost_wakes_waiters_and_suspect_clears() {
+        let t = LeaseTracker::new(Instant::now(), Duration::from_secs(10));
+        t.mark_suspect();
+        assert_eq!(t.state(), LeaseState::Suspect);
+        assert!(t.confirm(Instant::now()));
+        assert_eq!(t.state(), LeaseState::Held);
+        let lost = tokio::spawn(t.lost());
+        tokio::task::yield_now().await;
+        t.mark_lost();
+        lost.await.unwrap();
+        assert_eq!(t.state(), LeaseState::Lost);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn deadline_counts_from_send_time() {
+        let ttl = Duration::from_secs(3);
+        let sent = Instant::now();
+        tokio::time::advance(Duration::from_secs(1)).await; // a slow reply
+        let t = LeaseTracker::new(sent, ttl);
+        assert_eq!(t.valid_until(), sent + ttl - drift_margin(ttl));
+    }
+}

@@ -1,0 +1,57 @@
+//! # lockkit-core
+//!
+//! The stable core of [lockkit](https://docs.rs/lockkit): the [`Lock`] trait every backend
+//! implements, the [`Lease`] it grants (with its [`FencingToken`], client-side [`LeaseState`] and
+//! keepalive), [`AcquireOptions`], the one [`Error`] type, fences for the protected resource, the
+//! in-process [`MemoryLock`] backend, and (feature `contract`) the contract suite every backend
+//! passes.
+//!
+//! ```
+//! use std::time::Duration;
+//! use lockkit_core::{AcquireOptions, Lock, LockExt, MemoryFence, MemoryLock};
+//!
+//! # #[tokio::main(flavor = "current_thread")] async fn main() -> lockkit_core::Result<()> {
+//! let locks = MemoryLock::new();
+//! let storage = MemoryFence::new();
+//!
+//! let lease = locks.acquire("report", AcquireOptions::new().ttl(Duration::from_secs(10))).await?;
+//! // Every write to the protected resource carries the token; the resource rejects older ones.
+//! storage.write("report.csv", lease.token(), "rows…")?;
+//! lease.release().await?;
+//! # Ok(()) }
+//! ```
+//!
+//! Backends build on [`Lease::new`], [`LeaseTracker`] and [`LeaseOps`]: the core owns the
+//! deadlines, the loss signal, the keepalive task and release-on-drop, so every backend behaves
+//! the same.
+#![forbid(unsafe_code)]
+#![warn(missing_docs, missing_debug_implementations)]
+#![deny(rustdoc::broken_intra_doc_links)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+mod error;
+mod fence;
+mod lease;
+mod lock;
+mod memory;
+mod options;
+mod token;
+
+#[cfg(feature = "contract")]
+#[cfg_attr(docsrs, doc(cfg(feature = "contract")))]
+pub mod contract;
+
+pub use error::{BoxError, Error, Result};
+pub use fence::MemoryFence;
+pub use lease::{Lease, LeaseOps, LeaseState, LeaseTracker, drift_margin};
+pub use lock::{Guarantees, Lock, LockExt, LockKind, retry_transient, wait_deadline};
+pub use memory::MemoryLock;
+pub use options::{
+    AcquireOptions, DEFAULT_TTL, MAX_NAME_BYTES, MAX_TTL, MIN_TTL, RetryPolicy, Wait,
+    validate_name, validate_ttl,
+};
+pub use token::FencingToken;
+
+// Re-exported so adapters and users name one version of these.
+pub use async_trait::async_trait;
+pub use tokio::time::Instant;

@@ -1,0 +1,297 @@
+//! The `Lock` trait, its extension trait, and what each backend guarantees.
+
+use std::fmt;
+use std::future::Future;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use backon::{BackoffBuilder, ExponentialBuilder};
+use tokio::time::Instant;
+
+use crate::{AcquireOptions, Error, FencingToken, Lease, Result, Wait};
+
+/// Whether a lock may be trusted for correctness or only for efficiency.
+///
+/// See Kleppmann, *How to do distributed locking*
+/// (<https://martin.kleppmann.com/2016/02/08/how-to-do-distributed-locking.html>): an efficiency
+/// lock saves duplicate work and may occasionally grant twice; a correctness lock must not.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LockKind {
+    /// May grant the same lock to two holders in rare failures (e.g. Redis failover). Use it to
+    /// avoid doing work twice, not to protect data — or protect data with a fence as well.
+    Efficiency,
+    /// Never grants twice while its servers keep their documented promises (consensus or a single
+    /// durable server). Fencing tokens still guard against paused holders.
+    Correctness,
+}
+
+/// What a backend promises. The contract suite checks each backend delivers what it claims.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Guarantees {
+    /// Short backend name (`"memory"`, `"redis"`, `"etcd"`, `"zk"`, `"postgres"`).
+    pub backend: &'static str,
+    /// Efficiency or correctness lock.
+    pub kind: LockKind,
+    /// Fencing tokens keep increasing after the server restarts (and, where relevant, after the
+    /// lock's data is wiped).
+    pub tokens_survive_restart: bool,
+    /// A failover to another server never grants a held lock a second time.
+    pub safe_across_failover: bool,
+    /// Waiters are granted the lock in the order they started waiting.
+    pub fifo_waiters: bool,
+    /// `keepalive(false)` leases are supported (the holder renews by hand). Backends whose session
+    /// heartbeat cannot be paused return [`Error::NotSupported`] for such acquires.
+    pub manual_renewal: bool,
+    /// How much later than its TTL the server may free a lapsed lease (TTL rounding, session
+    /// timeout granularity, expiry sweeps). The contract suite allows this much.
+    pub expiry_slack: Duration,
+    /// One line for humans: the fine print.
+    pub notes: &'static str,
+}
+
+impl Guarantees {
+    /// A description with every promise off; backends switch on what they deliver.
+    pub fn new(backend: &'static str, kind: LockKind) -> Self {
+        Self {
+            backend,
+            kind,
+            tokens_survive_restart: false,
+            safe_across_failover: false,
+            fifo_waiters: false,
+            manual_renewal: false,
+            expiry_slack: Duration::ZERO,
+            notes: "",
+        }
+    }
+}
+
+/// A distributed lock service: grants [`Lease`]s on named locks.
+///
+/// Object safe: the facade hands out `Arc<dyn Lock>` chosen from a URL. Implementations hold a
+/// client (connection, session) and a key prefix; cloning or sharing it is cheap.
+///
+/// # Contract
+/// - `acquire` validates the name ([`validate_name`](crate::validate_name)) and options
+///   ([`AcquireOptions::validate`]) before any I/O.
+/// - At most one lease per name is [`Held`](crate::LeaseState::Held) at a time (up to the
+///   backend's [`Guarantees`]), and every grant's [`FencingToken`] is larger than every earlier
+///   grant's for that name.
+/// - Waiting follows [`AcquireOptions::wait`]; transient errors are retried per
+///   [`AcquireOptions::retry`].
+/// - Dropping the acquire future at any await point leaves nothing behind on the server.
+///
+/// The contract suite (`lockkit_core::contract`, feature `contract`) tests all of this.
+#[async_trait]
+pub trait Lock: Send + Sync + fmt::Debug {
+    /// Acquires the lock `name` with `opts`.
+    ///
+    /// # Errors
+    /// - [`Error::InvalidName`], [`Error::InvalidConfig`]: bad input, nothing was sent.
+    /// - [`Error::Held`]: with [`Wait::No`], the lock is held.
+    /// - [`Error::Timeout`]: with [`Wait::Timeout`], the lock was not granted in time.
+    /// - [`Error::Unavailable`], [`Error::Auth`], [`Error::Backend`]: from the server, after the
+    ///   retries allowed by [`AcquireOptions::retry`].
+    /// - [`Error::NotSupported`]: the options ask for something the backend cannot do.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropping the future at any point leaves no lock and no waiter entry behind
+    /// (cleanup of a server-side entry may complete shortly after the drop, in the background).
+    async fn acquire(&self, name: &str, opts: AcquireOptions) -> Result<Lease>;
+
+    /// What this backend promises.
+    fn guarantees(&self) -> Guarantees;
+}
+
+/// Convenience calls on every [`Lock`], implemented once for all.
+pub trait LockExt: Lock {
+    /// Tries once: a lease, or [`Error::Held`] at once.
+    ///
+    /// # Errors
+    /// As [`Lock::acquire`].
+    ///
+    /// # Cancel safety
+    /// As [`Lock::acquire`].
+    fn try_acquire<'a>(
+        &'a self,
+        name: &'a str,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<Lease>> + Send + 'a {
+        self.acquire(name, AcquireOptions::new().ttl(ttl).wait(Wait::No))
+    }
+
+    /// Waits up to `timeout` for the lock.
+    ///
+    /// # Errors
+    /// As [`Lock::acquire`]; [`Error::Timeout`] when `timeout` runs out.
+    ///
+    /// # Cancel safety
+    /// As [`Lock::acquire`].
+    fn acquire_timeout<'a>(
+        &'a self,
+        name: &'a str,
+        ttl: Duration,
+        timeout: Duration,
+    ) -> impl Future<Output = Result<Lease>> + Send + 'a {
+        self.acquire(
+            name,
+            AcquireOptions::new().ttl(ttl).wait(Wait::Timeout(timeout)),
+        )
+    }
+
+    /// Runs `f` while holding the lock, then releases it.
+    ///
+    /// `f` gets the fencing token to send with its writes. If the lease is lost before `f`
+    /// finishes, `f`'s future is **dropped** and [`Error::LeaseLost`] is returned: the critical
+    /// section never runs on past the lease.
+    ///
+    /// # Errors
+    /// As [`Lock::acquire`]; [`Error::LeaseLost`] as above. A failed release after `f` finished is
+    /// ignored (the TTL frees the lock): `f`'s result is returned.
+    ///
+    /// # Cancel safety
+    /// Dropping the future drops `f` and the lease (best-effort release in the background).
+    fn with_lock<T, F, Fut>(
+        &self,
+        name: &str,
+        opts: AcquireOptions,
+        f: F,
+    ) -> impl Future<Output = Result<T>> + Send
+    where
+        F: FnOnce(FencingToken) -> Fut + Send,
+        Fut: Future<Output = T> + Send,
+        T: Send,
+    {
+        async move {
+            let lease = self.acquire(name, opts).await?;
+            let lost = lease.lost();
+            let out = tokio::select! {
+                biased;
+                _ = lost => None,
+                out = f(lease.token()) => Some(out),
+            };
+            match out {
+                Some(out) => {
+                    let _ = lease.release().await;
+                    Ok(out)
+                }
+                None => Err(Error::LeaseLost {
+                    name: lease.name().to_owned(),
+                }),
+            }
+        }
+    }
+}
+
+impl<L: Lock + ?Sized> LockExt for L {}
+
+/// When an acquire started waiting with `wait` must give up, if ever.
+pub fn wait_deadline(wait: Wait, start: Instant) -> Option<Instant> {
+    match wait {
+        Wait::No => Some(start),
+        Wait::Timeout(d) => Some(start + d),
+        Wait::Forever => None,
+    }
+}
+
+/// Runs one acquire attempt `attempt` and retries it on [`Error::is_retryable`] errors with
+/// exponential backoff and full jitter (backon's `ExponentialBuilder`), as configured by
+/// `opts.retry`, never sleeping past `deadline`. For backends' `acquire` implementations.
+///
+/// # Errors
+/// The last attempt's error.
+///
+/// # Cancel safety
+/// As cancel safe as `attempt`.
+pub async fn retry_transient<T, F, Fut>(
+    opts: &AcquireOptions,
+    deadline: Option<Instant>,
+    mut attempt: F,
+) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T>>,
+{
+    let mut delays = opts.retry.map(|r| {
+        ExponentialBuilder::default()
+            .with_min_delay(r.min_delay)
+            .with_max_delay(r.max_delay)
+            .with_max_times(r.max_retries)
+            .with_jitter()
+            .build()
+    });
+    loop {
+        match attempt().await {
+            Err(e) if e.is_retryable() => {
+                let Some(delay) = delays.as_mut().and_then(Iterator::next) else {
+                    return Err(e);
+                };
+                let wake = Instant::now() + delay;
+                // A try-once acquire (`Wait::No`) still retries transient errors; a timed one
+                // stops when the pause would run past its deadline.
+                if opts.wait != Wait::No && deadline.is_some_and(|d| wake >= d) {
+                    return Err(e);
+                }
+                tracing::debug!(error = %e, ?delay, "transient error; retrying");
+                tokio::time::sleep_until(wake).await;
+            }
+            other => return other,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    fn unavailable() -> Error {
+        Error::Unavailable {
+            backend: "test",
+            source: "down".into(),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn retries_transient_then_succeeds() {
+        let n = AtomicUsize::new(0);
+        let opts = AcquireOptions::new();
+        let out = retry_transient(&opts, None, || async {
+            if n.fetch_add(1, Ordering::SeqCst) < 2 {
+                Err(unavailable())
+            } else {
+                Ok(7)
+            }
+        })
+        .await
+        .unwrap();
+        assert_eq!(out, 7);
+        assert_eq!(n.load(Ordering::SeqCst), 3);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn gives_up_after_max_retries_and_never_retries_permanent() {
+        let n = AtomicUsize::new(0);
+        let opts = AcquireOptions::new().retry(Some(crate::RetryPolicy::new(
+            Duration::from_millis(1),
+            Duration::from_millis(4),
+            3,
+        )));
+        let r: Result<()> = retry_transient(&opts, None, || async {
+            n.fetch_add(1, Ordering::SeqCst);
+            Err(unavailable())
+        })
+        .await;
+        assert!(matches!(r, Err(Error::Unavailable { .. })));
+        assert_eq!(n.load(Ordering::SeqCst), 4);
+
+        let m = AtomicUsize::new(0);
+        let r: Result<()> = retry_transient(&opts, None, || async {
+            m.fetch_add(1, Ordering::SeqCst);
+            Err(Error::Held { name: "x".into() })
+        })
+        .await;
+        assert!(matches!(r, Err(Error::Held { .. })));
+        assert_eq!(m.load(Ordering::SeqCst), 1);
+    }
+}

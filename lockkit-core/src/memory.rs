@@ -1,0 +1,335 @@
+//! The embedded in-process backend.
+
+use std::any::Any;
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use crate::{
+    AcquireOptions, Error, FencingToken, Guarantees, Lease, LeaseOps, LeaseTracker, Lock, LockKind,
+    Result, Wait, validate_name, wait_deadline,
+};
+
+#[derive(Default)]
+struct State {
+    locks: HashMap<String, Entry>,
+    next_id: u64,
+}
+
+#[derive(Default)]
+struct Entry {
+    holder: Option<Holder>,
+    last_token: u64,
+    waiters: VecDeque<(u64, Arc<Notify>)>,
+}
+
+struct Holder {
+    owner: u64,
+    expires: Instant,
+}
+
+impl Entry {
+    fn holder_live(&mut self, now: Instant) -> Option<&Holder> {
+        if self.holder.as_ref().is_some_and(|h| h.expires <= now) {
+            self.holder = None;
+        }
+        self.holder.as_ref()
+    }
+
+    fn wake_head(&self) {
+        if let Some((_, n)) = self.waiters.front() {
+            n.notify_one();
+        }
+    }
+}
+
+/// An in-process lock service with real TTLs, fencing tokens and FIFO waiters; the embedded
+/// default (`memory://`).
+///
+/// Clones share one lock table, so clones behave like separate clients of one server. Tokens
+/// start at 1 and are kept per name for the life of the table (one `u64` per name ever locked).
+/// Nothing survives the process.
+#[derive(Clone, Default)]
+pub struct MemoryLock {
+    state: Arc<Mutex<State>>,
+}
+
+impl fmt::Debug for MemoryLock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemoryLock")
+            .field("names", &lock(&self.state).locks.len())
+            .finish()
+    }
+}
+
+fn lock(state: &Mutex<State>) -> MutexGuard<'_, State> {
+    // The table is consistent after every statement; a panic elsewhere must not poison it.
+    state.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Removes a waiter from its queue when its acquire ends or is dropped, and passes the turn on.
+struct WaiterGuard {
+    state: Arc<Mutex<State>>,
+    name: String,
+    id: u64,
+}
+
+impl Drop for WaiterGuard {
+    fn drop(&mut self) {
+        let mut st = lock(&self.state);
+        if let Some(e) = st.locks.get_mut(&self.name) {
+            let was_head = e.waiters.front().is_some_and(|(id, _)| *id == self.id);
+            e.waiters.retain(|(id, _)| *id != self.id);
+            if was_head {
+                e.wake_head();
+            }
+        }
+    }
+}
+
+impl MemoryLock {
+    /// An empty lock table.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Grants `name` to `owner` if it is free and `owner` is first in line. Returns the token, or
+    /// the instant at which the current holder's lease ends.
+    fn try_grant(
+        &self,
+        name: &str,
+        owner: u64,
+        ttl: Duration,
+    ) -> std::result::Result<u64, Option<Instant>> {
+        let now = Instant::now();
+        let mut st = lock(&self.state);
+        let e = st.locks.entry(name.to_owned()).or_default();
+        if let Some(h) = e.holder_live(now) {
+            return Err(Some(h.expires));
+        }
+        if e.waiters.front().is_some_and(|(id, _)| *id != owner) {
+            return Err(None);
+        }
+        e.last_token += 1;
+        e.holder = Some(Holder {
+            owner,
+            expires: now + ttl,
+        });
+        Ok(e.last_token)
+    }
+}
+
+#[async_trait]
+impl Lock for MemoryLock {
+    async fn acquire(&self, name: &str, opts: AcquireOptions) -> Result<Lease> {
+        validate_name(name)?;
+        opts.validate()?;
+        let start = Instant::now();
+        let deadline = wait_deadline(opts.wait, start);
+        let (owner, notify) = {
+            let mut st = lock(&self.state);
+            st.next_id += 1;
+            (st.next_id, Arc::new(Notify::new()))
+        };
+        let mut guard = None;
+        loop {
+            let sent = Instant::now();
+            let holder_expires = match self.try_grant(name, owner, opts.ttl) {
+                Ok(token) => {
+                    drop(guard);
+                    // The next waiter in line now watches the new holder's expiry.
+                    if let Some(e) = lock(&self.state).locks.get(name) {
+                        e.wake_head();
+                    }
+                    let ops = Arc::new(MemoryLease {
+                        state: self.state.clone(),
+                        name: name.to_owned(),
+                        owner,
+                    });
+                    let tracker = LeaseTracker::new(sent, opts.ttl);
+                    return Ok(Lease::new(
+                        name,
+                        FencingToken::new(token),
+                        tracker,
+                        ops,
+                        &opts,
+                    ));
+                }
+                Err(expires) => expires,
+            };
+            if opts.wait == Wait::No {
+                return Err(Error::Held {
+                    name: name.to_owned(),
+                });
+            }
+            if guard.is_none() {
+                let mut st = lock(&self.state);
+                let e = st.locks.entry(name.to_owned()).or_default();
+                e.waiters.push_back((owner, notify.clone()));
+                guard = Some(WaiterGuard {
+                    state: self.state.clone(),
+                    name: name.to_owned(),
+                    id: owner,
+                });
+                // We may be first in line already: try again before sleeping.
+                continue;
+            }
+            let expiry = async {
+                match holder_expires {
+                    Some(t) => tokio::time::sleep_until(t).await,
+                    None => std::future::pending().await,
+                }
+            };
+            let timeout = async {
+                match deadline {
+                    Some(d) => tokio::time::sleep_until(d).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                _ = notify.notified() => {}
+                _ = expiry => {}
+                _ = timeout => {
+                    return Err(Error::Timeout { name: name.to_owned(), waited: start.elapsed() });
+                }
+            }
+        }
+    }
+
+    fn guarantees(&self) -> Guarantees {
+        Guarantees {
+            tokens_survive_restart: false,
+            safe_across_failover: true,
+            fifo_waiters: true,
+            manual_renewal: true,
+            expiry_slack: Duration::ZERO,
+            notes: "one process only; nothing survives it",
+            ..Guarantees::new("memory", LockKind::Correctness)
+        }
+    }
+}
+
+struct MemoryLease {
+    state: Arc<Mutex<State>>,
+    name: String,
+    owner: u64,
+}
+
+impl fmt::Debug for MemoryLease {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemoryLease")
+            .field("name", &self.name)
+            .field("owner", &self.owner)
+            .finish()
+    }
+}
+
+#[async_trait]
+impl LeaseOps for MemoryLease {
+    async fn renew(&self, ttl: Duration) -> Result<()> {
+        let now = Instant::now();
+        let mut st = lock(&self.state);
+        let e = st.locks.get_mut(&self.name);
+        match e.and_then(|e| e.holder.as_mut()) {
+            Some(h) if h.owner == self.owner && h.expires > now => {
+                h.expires = now + ttl;
+                Ok(())
+            }
+            _ => Err(Error::NotHeld {
+                name: self.name.clone(),
+            }),
+        }
+    }
+
+    async fn release(&self) -> Result<()> {
+        let now = Instant::now();
+        let mut st = lock(&self.state);
+        let Some(e) = st.locks.get_mut(&self.name) else {
+            return Err(Error::NotHeld {
+                name: self.name.clone(),
+            });
+        };
+        match &e.holder {
+            Some(h) if h.owner == self.owner => {
+                let live = h.expires > now;
+                e.holder = None;
+                e.wake_head();
+                if live {
+                    Ok(())
+                } else {
+                    Err(Error::NotHeld {
+                        name: self.name.clone(),
+                    })
+                }
+            }
+            _ => Err(Error::NotHeld {
+                name: self.name.clone(),
+            }),
+        }
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::LockExt;
+
+    #[tokio::test(start_paused = true)]
+    async fn fifo_order() {
+        let l = MemoryLock::new();
+        let first = l.acquire("q", AcquireOptions::new()).await.unwrap();
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        for i in 0..3 {
+            let l = l.clone();
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                let lease = l.acquire("q", AcquireOptions::new()).await.unwrap();
+                tx.send((i, lease.token())).unwrap();
+                lease.release().await.unwrap();
+            });
+            // Let each waiter enqueue before the next one starts.
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        first.release().await.unwrap();
+        let mut got = vec![];
+        for _ in 0..3 {
+            got.push(rx.recv().await.unwrap());
+        }
+        assert_eq!(got.iter().map(|g| g.0).collect::<Vec<_>>(), vec![0, 1, 2]);
+        assert!(got.windows(2).all(|w| w[0].1 < w[1].1));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn expiry_frees_and_renew_after_regrant_is_not_held() {
+        let l = MemoryLock::new();
+        let ttl = Duration::from_secs(1);
+        let a = l
+            .acquire("e", AcquireOptions::new().ttl(ttl).keepalive(false))
+            .await
+            .unwrap();
+        let b = l
+            .acquire_timeout("e", ttl, Duration::from_secs(5))
+            .await
+            .unwrap();
+        assert!(b.token() > a.token());
+        assert!(matches!(
+            a.ops().renew(ttl).await,
+            Err(Error::NotHeld { .. })
+        ));
+        assert!(matches!(a.release().await, Err(Error::NotHeld { .. })));
+        assert!(matches!(
+            l.try_acquire("e", ttl).await,
+            Err(Error::Held { .. })
+        ));
+        b.release().await.unwrap();
+    }
+}

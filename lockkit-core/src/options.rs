@@ -1,0 +1,282 @@
+//! Acquire options and input validation shared by every backend.
+
+use std::time::Duration;
+
+use crate::{Error, Result};
+
+/// The shortest TTL any backend accepts: 100 ms. Shorter leases cannot be renewed reliably over
+/// a network and would only produce spurious losses.
+pub const MIN_TTL: Duration = Duration::from_millis(100);
+
+/// The longest TTL any backend accepts: 24 hours. A lease that long is a lock that a crashed holder
+/// blocks for a day; anything longer is taken as a unit mistake (seconds passed as milliseconds).
+pub const MAX_TTL: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// The TTL used when none is given: 30 s.
+pub const DEFAULT_TTL: Duration = Duration::from_secs(30);
+
+/// The longest lock name, in bytes of UTF-8: 256.
+pub const MAX_NAME_BYTES: usize = 256;
+
+/// How long an acquire waits for a lock that is held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Wait {
+    /// Try once: fail with [`Error::Held`] if the lock is held.
+    No,
+    /// Wait up to this long, then fail with [`Error::Timeout`].
+    Timeout(Duration),
+    /// Wait until the lock is granted (or the future is dropped).
+    #[default]
+    Forever,
+}
+
+/// Retry of *transient* failures ([`Error::is_retryable`]) during an acquire: exponential backoff
+/// with full jitter, bounded by the acquire's [`Wait`] deadline.
+///
+/// Contention is not a transient failure: waiting for a held lock is the job of [`Wait`], and the
+/// backends do it by watching, not by retrying.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RetryPolicy {
+    /// First delay. Default 50 ms.
+    pub min_delay: Duration,
+    /// Largest delay. Default 2 s.
+    pub max_delay: Duration,
+    /// Attempts after the first one. Default 5.
+    pub max_retries: usize,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        Self {
+            min_delay: Duration::from_millis(50),
+            max_delay: Duration::from_secs(2),
+            max_retries: 5,
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// A policy with the given delays and number of retries.
+    pub fn new(min_delay: Duration, max_delay: Duration, max_retries: usize) -> Self {
+        Self {
+            min_delay,
+            max_delay,
+            max_retries,
+        }
+    }
+}
+
+/// Options of one acquire. Build with [`AcquireOptions::new`] and the chained setters.
+///
+/// ```
+/// use std::time::Duration;
+/// use lockkit_core::{AcquireOptions, Wait};
+///
+/// let opts = AcquireOptions::new()
+///     .ttl(Duration::from_secs(10))
+///     .wait(Wait::Timeout(Duration::from_secs(2)));
+/// assert_eq!(opts.ttl, Duration::from_secs(10));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct AcquireOptions {
+    /// Lease TTL. Between [`MIN_TTL`] and [`MAX_TTL`]; default [`DEFAULT_TTL`].
+    pub ttl: Duration,
+    /// How long to wait for a held lock. Default [`Wait::Forever`].
+    pub wait: Wait,
+    /// Retry of transient failures. Default: `Some(RetryPolicy::default())`.
+    pub retry: Option<RetryPolicy>,
+    /// Renew the lease automatically about every TTL/3 until it is released. Default `true`.
+    /// With `false` the holder must call [`Lease::renew`](crate::Lease::renew) itself.
+    pub keepalive: bool,
+    /// Release the lock (best effort, in the background) when the [`Lease`](crate::Lease) is
+    /// dropped without [`release`](crate::Lease::release). Default `true`.
+    pub release_on_drop: bool,
+}
+
+impl Default for AcquireOptions {
+    fn default() -> Self {
+        Self {
+            ttl: DEFAULT_TTL,
+            wait: Wait::Forever,
+            retry: Some(RetryPolicy::default()),
+            keepalive: true,
+            release_on_drop: true,
+        }
+    }
+}
+
+impl AcquireOptions {
+    /// The defaults: 30 s TTL, wait forever, retry transient errors, keepalive, release on drop.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Sets the lease TTL.
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+
+    /// Sets how long to wait for a held lock.
+    pub fn wait(mut self, wait: Wait) -> Self {
+        self.wait = wait;
+        self
+    }
+
+    /// Sets (or with `None` disables) retry of transient failures.
+    pub fn retry(mut self, retry: Option<RetryPolicy>) -> Self {
+        self.retry = retry;
+        self
+    }
+
+    /// Turns automatic renewal on or off.
+    pub fn keepalive(mut self, on: bool) -> Self {
+        self.keepalive = on;
+        self
+    }
+
+    /// Turns best-effort release on drop on or off.
+    pub fn release_on_drop(mut self, on: bool) -> Self {
+        self.release_on_drop = on;
+        self
+    }
+
+    /// Checks the TTL and the wait timeout.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] if the TTL is outside [`MIN_TTL`]..=[`MAX_TTL`] or the wait
+    /// timeout is longer than [`MAX_TTL`] (almost surely a unit mistake; use [`Wait::Forever`]).
+    pub fn validate(&self) -> Result<()> {
+        validate_ttl(self.ttl)?;
+        if let Wait::Timeout(d) = self.wait {
+            if d > MAX_TTL {
+                return Err(Error::config(format!(
+                    "wait timeout {d:?} is longer than {MAX_TTL:?}; use Wait::Forever"
+                )));
+            }
+        }
+        if let Some(r) = &self.retry {
+            if r.min_delay > r.max_delay {
+                return Err(Error::config("retry min_delay is larger than max_delay"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Checks a TTL against [`MIN_TTL`] and [`MAX_TTL`].
+///
+/// # Errors
+/// [`Error::InvalidConfig`] naming the bound that was crossed.
+pub fn validate_ttl(ttl: Duration) -> Result<()> {
+    if ttl.is_zero() {
+        return Err(Error::config("TTL is zero: every lease must expire"));
+    }
+    if ttl < MIN_TTL {
+        return Err(Error::config(format!(
+            "TTL {ttl:?} is shorter than the minimum {MIN_TTL:?}"
+        )));
+    }
+    if ttl > MAX_TTL {
+        return Err(Error::config(format!(
+            "TTL {ttl:?} is longer than the maximum {MAX_TTL:?}"
+        )));
+    }
+    Ok(())
+}
+
+/// Checks a lock name. The same rules hold on every backend, so a name that works on one works on
+/// all:
+///
+/// - 1 to [`MAX_NAME_BYTES`] bytes of UTF-8;
+/// - no `/` (it would reach outside the lock's own node or key prefix on etcd and ZooKeeper);
+/// - not `.` or `..` (path components with a meaning);
+/// - no control characters (U+0000–U+001F, U+007F–U+009F), which ZooKeeper forbids in node names
+///   and which hide in logs.
+///
+/// Any other Unicode is fine, including spaces, `:` and `*`; backends escape what their key space needs.
+///
+/// # Errors
+/// [`Error::InvalidName`] with the reason.
+pub fn validate_name(name: &str) -> Result<()> {
+    let reason = if name.is_empty() {
+        Some("name is empty")
+    } else if name.len() > MAX_NAME_BYTES {
+        Some("name is longer than 256 bytes")
+    } else if name.contains('/') {
+        Some("name contains '/'")
+    } else if name == "." || name == ".." {
+        Some("name is '.' or '..'")
+    } else if name.chars().any(char::is_control) {
+        Some("name contains a control character (NUL included)")
+    } else {
+        None
+    };
+    match reason {
+        None => Ok(()),
+        Some(reason) => Err(Error::InvalidName {
+            name: name.chars().take(64).collect(),
+            reason,
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names() {
+        for ok in [
+            "a",
+            "jobs:nightly",
+            "ünïcödé lock",
+            "a..b",
+            &"x".repeat(256),
+        ] {
+            validate_name(ok).unwrap();
+        }
+        for bad in ["", "a/b", "..", ".", "a\0b", "tab\t", &"x".repeat(257), "/"] {
+            assert!(
+                matches!(validate_name(bad), Err(Error::InvalidName { .. })),
+                "{bad:?} accepted"
+            );
+        }
+    }
+
+    #[test]
+    fn ttls() {
+        validate_ttl(Duration::from_secs(1)).unwrap();
+        validate_ttl(MIN_TTL).unwrap();
+        validate_ttl(MAX_TTL).unwrap();
+        for bad in [
+            Duration::ZERO,
+            Duration::from_millis(99),
+            MAX_TTL + Duration::from_secs(1),
+        ] {
+            assert!(matches!(
+                validate_ttl(bad),
+                Err(Error::InvalidConfig { .. })
+            ));
+        }
+    }
+
+    #[test]
+    fn options_validate() {
+        AcquireOptions::new().validate().unwrap();
+        assert!(
+            AcquireOptions::new()
+                .ttl(Duration::ZERO)
+                .validate()
+                .is_err()
+        );
+        assert!(
+            AcquireOptions::new()
+                .wait(Wait::Timeout(Duration::from_secs(100 * 86_400)))
+                .validate()
+                .is_err()
+        );
+    }
+}

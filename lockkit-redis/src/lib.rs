@@ -1,0 +1,1 @@
+//! The redis backend of lockkit (in progress).

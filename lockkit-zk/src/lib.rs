@@ -1,0 +1,1 @@
+//! The zk backend of lockkit (in progress).

@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# Starts (or stops) private test instances of Redis, etcd, ZooKeeper and PostgreSQL on loopback,
+# each on its own free port with its own temp data dir, and writes the URLs to an env file.
+#
+#   scripts/servers.sh start [DIR]   # DIR defaults to target/lockkit-servers; prints the env file path
+#   scripts/servers.sh stop  [DIR]   # stops only the processes this script started (by PID)
+#   scripts/servers.sh logs  [DIR]   # tails every server's log
+#
+# The env file defines LOCKKIT_REDIS_URL, LOCKKIT_ETCD_URL, LOCKKIT_ZK_URL, LOCKKIT_POSTGRES_URL.
+# Set LOCKKIT_SERVERS="redis etcd" to start a subset.
+set -euo pipefail
+
+cmd=${1:-start}
+root=$(cd "$(dirname "$0")/.." && pwd)
+dir=${2:-$root/target/lockkit-servers}
+servers=${LOCKKIT_SERVERS:-redis etcd zk postgres}
+
+free_port() {
+  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'
+}
+
+wait_for() { # name, tries(0.1s), command...
+  local name=$1 tries=$2; shift 2
+  for _ in $(seq "$tries"); do
+    if "$@" >/dev/null 2>&1; then return 0; fi
+    sleep 0.1
+  done
+  echo "servers: $name did not become ready; log:" >&2
+  tail -n 30 "$dir/$name.log" >&2 || true
+  return 1
+}
+
+stop_pid() { # pidfile
+  local f=$1 pid
+  [ -f "$f" ] || return 0
+  pid=$(cat "$f")
+  kill -TERM "$pid" 2>/dev/null || true
+  for _ in $(seq 100); do
+    st=$(ps -o stat= -p "$pid" 2>/dev/null || true)
+    case "$st" in ""|Z*) break;; esac
+    sleep 0.1
+  done
+  kill -KILL "$pid" 2>/dev/null || true
+  rm -f "$f"
+}
+
+pg_bin() { echo "/usr/lib/postgresql/$(ls /usr/lib/postgresql | sort -V | tail -n1)/bin"; }
+
+start_redis() {
+  local p; p=$(free_port)
+  mkdir -p "$dir/redis"
+  redis-server --bind 127.0.0.1 --port "$p" --dir "$dir/redis" --save '' --appendonly no \
+    --daemonize no --logfile "$dir/redis.log" >/dev/null 2>&1 &
+  echo $! > "$dir/redis.pid"
+  wait_for redis 100 redis-cli -p "$p" ping
+  echo "LOCKKIT_REDIS_URL=redis://127.0.0.1:$p" >> "$dir/env"
+}
+
+start_etcd() {
+  local c pp; c=$(free_port); pp=$(free_port)
+  # tmpfs-backed data dir where available: etcd fsyncs every write.
+  local data="$dir/etcd-data"
+  [ -d /dev/shm ] && data=$(mktemp -d /dev/shm/lockkit-etcd.XXXXXX) && echo "$data" > "$dir/etcd.datadir"
+  etcd --name n1 --data-dir "$data" \
+    --listen-client-urls "http://127.0.0.1:$c" --advertise-client-urls "http://127.0.0.1:$c" \
+    --listen-peer-urls "http://127.0.0.1:$pp" --initial-advertise-peer-urls "http://127.0.0.1:$pp" \
+    --initial-cluster "n1=http://127.0.0.1:$pp" --initial-cluster-state new \
+    --heartbeat-interval 10 --election-timeout 100 \
+    --logger zap --log-outputs stderr --log-level warn > "$dir/etcd.log" 2>&1 &
+  echo $! > "$dir/etcd.pid"
+  wait_for etcd 150 env ETCDCTL_API=3 etcdctl --endpoints="http://127.0.0.1:$c" endpoint health
+  echo "LOCKKIT_ETCD_URL=etcd://127.0.0.1:$c" >> "$dir/env"
+}
+
+start_zk() {
+  local p; p=$(free_port)
+  mkdir -p "$dir/zk-data"
+  cat > "$dir/zoo.cfg" <<CFG
+tickTime=500
+minSessionTimeout=1000
+maxSessionTimeout=60000
+dataDir=$dir/zk-data
+clientPortAddress=127.0.0.1
+clientPort=$p
+admin.enableServer=false
+4lw.commands.whitelist=ruok,srvr,stat,mntr,conf,cons,wchc,wchs
+forceSync=no
+CFG
+  ZOO_LOG_DIR="$dir" ZOO_LOG4J_PROP="WARN,CONSOLE" \
+    /usr/share/zookeeper/bin/zkServer.sh start-foreground "$dir/zoo.cfg" > "$dir/zk.log" 2>&1 &
+  echo $! > "$dir/zk.pid"
+  wait_for zk 300 bash -c "[ \"\$(echo ruok | timeout 2 nc -w 2 -q 1 127.0.0.1 $p)\" = imok ]"
+  echo "LOCKKIT_ZK_URL=zk://127.0.0.1:$p" >> "$dir/env"
+}
+
+start_postgres() {
+  local p bin; p=$(free_port); bin=$(pg_bin)
+  local r="$dir/pg"
+  install -d -o postgres -g postgres "$r"
+  runuser -u postgres -- "$bin/initdb" -D "$r/data" -U postgres -A trust -E UTF8 --no-sync >/dev/null
+  runuser -u postgres -- "$bin/pg_ctl" -D "$r/data" -l "$r/postgres.log" -w \
+    -o "-c listen_addresses=127.0.0.1 -p $p -k $r -c fsync=off -c max_connections=300" start >/dev/null
+  ln -sf "$r/postgres.log" "$dir/postgres.log"
+  echo "$p" > "$dir/postgres.port"
+  wait_for postgres 100 pg_isready -h 127.0.0.1 -p "$p"
+  echo "LOCKKIT_POSTGRES_URL=postgres://postgres@127.0.0.1:$p/postgres" >> "$dir/env"
+}
+
+stop_postgres() {
+  [ -d "$dir/pg/data" ] || return 0
+  runuser -u postgres -- "$(pg_bin)/pg_ctl" -D "$dir/pg/data" -m immediate -w stop >/dev/null 2>&1 || true
+}
+
+case "$cmd" in
+  start)
+    "$0" stop "$dir" >/dev/null 2>&1 || true
+    rm -rf "$dir"; mkdir -p "$dir"; chmod 755 "$dir"; : > "$dir/env"
+    for s in $servers; do
+      case "$s" in
+        redis) start_redis;; etcd) start_etcd;; zk) start_zk;; postgres) start_postgres;;
+        *) echo "servers: unknown server $s" >&2; exit 2;;
+      esac
+    done
+    echo "$dir/env"
+    ;;
+  stop)
+    [ -d "$dir" ] || exit 0
+    for s in redis etcd zk; do stop_pid "$dir/$s.pid"; done
+    stop_postgres
+    if [ -f "$dir/etcd.datadir" ]; then rm -rf "$(cat "$dir/etcd.datadir")"; fi
+    ;;
+  logs)
+    for f in "$dir"/*.log; do [ -e "$f" ] || continue; echo "==> $f <=="; tail -n 40 "$f"; done
+    ;;
+  *) echo "usage: $0 start|stop|logs [DIR]" >&2; exit 2;;
+esac

@@ -1,0 +1,138 @@
+//! # lockkit
+//!
+//! Distributed locks that stay correct when holders pause, crash or lose the network: every lock
+//! is a **lease** with a TTL, every grant carries a strictly increasing [`FencingToken`], and the
+//! holder is told on a deadline when its lease is lost. One API on every backend, chosen at run
+//! time from a URL:
+//!
+//! | URL | backend | Cargo feature |
+//! |---|---|---|
+//! | `memory://` | in-process ([`MemoryLock`]) | always on |
+//! | `redis://host:port`, `rediss://…` | Redis (efficiency lock) | `redis` |
+//! | `etcd://host:port[,host:port]` | etcd v3 (correctness lock) | `etcd` |
+//! | `zk://host:port[,host:port][/chroot]` | ZooKeeper (correctness lock) | `zk` |
+//! | `postgres://user@host:port/db` | PostgreSQL advisory locks | `postgres` |
+//!
+//! ```
+//! use std::time::Duration;
+//! use lockkit::{AcquireOptions, MemoryFence};
+//!
+//! # #[tokio::main(flavor = "current_thread")] async fn main() -> lockkit::Result<()> {
+//! let locks = lockkit::connect("memory://").await?;
+//! let storage = MemoryFence::new();
+//!
+//! let lease = locks.acquire("nightly-report", AcquireOptions::new().ttl(Duration::from_secs(10))).await?;
+//! tokio::select! {
+//!     _ = lease.lost() => { /* stop at once: another holder may have the lock */ }
+//!     written = async { storage.write("report.csv", lease.token(), "rows…") } => written?,
+//! }
+//! lease.release().await?;
+//! # Ok(()) }
+//! ```
+//!
+//! ## Why fencing tokens
+//! A holder can pause (GC, SIGSTOP, a swapped-out VM) past its TTL and wake up believing it still
+//! holds the lock after someone else got it. No timeout fixes that. The resource must check the
+//! token: keep the highest token seen and reject lower ones ([`MemoryFence`], and each backend's
+//! fence for data stored in it).
+//!
+//! The wrong way and the right way:
+//! ```text
+//! let lease = locks.acquire("job", opts).await?;
+//! storage.put(data).await?;                       // WRONG: a paused holder overwrites the new one
+//! storage.put_if_token_at_least(lease.token(), data).await?; // RIGHT: the stale write is rejected
+//! ```
+#![forbid(unsafe_code)]
+#![warn(missing_docs, missing_debug_implementations)]
+#![deny(rustdoc::broken_intra_doc_links)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+use std::sync::Arc;
+
+pub use lockkit_core::*;
+
+#[cfg(feature = "etcd")]
+#[cfg_attr(docsrs, doc(cfg(feature = "etcd")))]
+pub use lockkit_etcd as etcd;
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub use lockkit_postgres as postgres;
+#[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+pub use lockkit_redis as redis;
+#[cfg(feature = "zk")]
+#[cfg_attr(docsrs, doc(cfg(feature = "zk")))]
+pub use lockkit_zk as zk;
+
+/// Connects to the lock service named by `url` and returns it as `Arc<dyn Lock>`.
+///
+/// The scheme picks the backend (see the table in the crate docs); the rest of the URL is the
+/// backend's own (each backend's `connect` documents its options, such as the key prefix).
+/// `memory://` returns a fresh, empty in-process lock table each time.
+///
+/// # Errors
+/// - [`Error::InvalidConfig`] for a malformed URL, an unknown scheme, or a scheme whose Cargo
+///   feature is not enabled (the message names the feature). The URL is never echoed back, so a
+///   password in it does not reach logs.
+/// - [`Error::Unavailable`] if the server cannot be reached, [`Error::Auth`] if it refuses the
+///   credentials.
+pub async fn connect(url: &str) -> Result<Arc<dyn Lock>> {
+    let Some((scheme, _rest)) = url.split_once("://") else {
+        return Err(Error::config(
+            "malformed lock service URL: expected scheme://…, e.g. redis://127.0.0.1:6379",
+        ));
+    };
+    match scheme.to_ascii_lowercase().as_str() {
+        "memory" => Ok(Arc::new(MemoryLock::new())),
+        "redis" | "rediss" => {
+            #[cfg(feature = "redis")]
+            return Ok(Arc::new(lockkit_redis::RedisLock::connect(url).await?));
+            #[cfg(not(feature = "redis"))]
+            return Err(feature_off(scheme, "redis"));
+        }
+        "etcd" => {
+            #[cfg(feature = "etcd")]
+            return Ok(Arc::new(lockkit_etcd::EtcdLock::connect(url).await?));
+            #[cfg(not(feature = "etcd"))]
+            return Err(feature_off(scheme, "etcd"));
+        }
+        "zk" => {
+            #[cfg(feature = "zk")]
+            return Ok(Arc::new(lockkit_zk::ZkLock::connect(url).await?));
+            #[cfg(not(feature = "zk"))]
+            return Err(feature_off(scheme, "zk"));
+        }
+        "postgres" | "postgresql" => {
+            #[cfg(feature = "postgres")]
+            return Ok(Arc::new(lockkit_postgres::PgLock::connect(url).await?));
+            #[cfg(not(feature = "postgres"))]
+            return Err(feature_off(scheme, "postgres"));
+        }
+        other => Err(Error::config(format!(
+            "unknown lock service scheme {other:?}: expected memory, redis, rediss, etcd, zk or postgres"
+        ))),
+    }
+}
+
+#[allow(dead_code)] // unused when every backend feature is on
+fn feature_off(scheme: &str, feature: &str) -> Error {
+    Error::config(format!(
+        "the {scheme}:// backend is not compiled in: enable lockkit's Cargo feature \"{feature}\""
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn bad_urls_are_typed_errors() {
+        for url in ["", "no-scheme", "ftp://x", "://"] {
+            match connect(url).await {
+                Err(Error::InvalidConfig { .. }) => {}
+                other => panic!("{url:?}: {other:?}"),
+            }
+        }
+        assert!(connect("memory://").await.is_ok());
+    }
+}

@@ -1,0 +1,158 @@
+//! Test support: server URLs, harnesses, and private server processes.
+#![allow(dead_code)] // each backend module uses a part
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use lockkit::contract::Harness;
+use lockkit::{Lock, async_trait};
+
+/// The URL of the shared test server in `var`. Panics loudly when it is missing: a missing server
+/// is a failure, never a skip.
+pub fn server_url(var: &str) -> String {
+    std::env::var(var).unwrap_or_else(|_| {
+        panic!(
+            "{var} is not set. Run the suite with scripts/test.sh, or start servers with \
+             `scripts/servers.sh start` and export the variables in the env file it prints."
+        )
+    })
+}
+
+/// A random key prefix, so runs and tests never see each other's locks.
+pub fn fresh_prefix() -> String {
+    format!("lockkit-test-{:016x}", rand::random::<u64>())
+}
+
+/// `url` with a `prefix=` query parameter added.
+pub fn with_prefix(url: &str, prefix: &str) -> String {
+    let sep = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{sep}prefix={prefix}")
+}
+
+/// A harness that connects a new client through `lockkit::connect` for every `client()` call.
+pub struct UrlHarness {
+    pub url: String,
+    pub short_ttl: Duration,
+    pub tolerance: Duration,
+}
+
+impl UrlHarness {
+    /// A harness on the shared server in env var `var`, with a fresh prefix.
+    pub fn from_env(var: &str) -> Self {
+        Self {
+            url: with_prefix(&server_url(var), &fresh_prefix()),
+            short_ttl: Duration::from_secs(1),
+            tolerance: Duration::from_secs(1),
+        }
+    }
+}
+
+#[async_trait]
+impl Harness for UrlHarness {
+    async fn client(&self) -> Arc<dyn Lock> {
+        lockkit::connect(&self.url)
+            .await
+            .unwrap_or_else(|e| panic!("connect {}: {e:#?}", self.url))
+    }
+    fn short_ttl(&self) -> Duration {
+        self.short_ttl
+    }
+    fn tolerance(&self) -> Duration {
+        self.tolerance
+    }
+}
+
+/// A free TCP port on 127.0.0.1 (bound, then released).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("no free port")
+}
+
+/// A server process owned by one test: killed (SIGKILL) and reaped on drop; its data dir is a
+/// temp dir removed on drop; its log is printed if the test panics.
+pub struct ServerProcess {
+    pub name: String,
+    child: Option<Child>,
+    pub dir: tempfile::TempDir,
+    pub log: PathBuf,
+}
+
+impl ServerProcess {
+    /// Spawns `cmd` (stdout and stderr to `<dir>/<name>.log`).
+    pub fn spawn(name: &str, dir: tempfile::TempDir, mut cmd: Command) -> Self {
+        let log = dir.path().join(format!("{name}.log"));
+        let out = std::fs::File::create(&log).expect("log file");
+        let err = out.try_clone().expect("log file");
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {name}: {e} (run scripts/install-deps.sh)"));
+        Self {
+            name: name.to_owned(),
+            child: Some(child),
+            dir,
+            log,
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map(|c| c.id()).expect("process gone")
+    }
+
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Sends `signal` (e.g. "STOP", "CONT", "KILL", "TERM") with kill(1).
+    pub fn signal(&self, signal: &str) {
+        let st = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(self.pid().to_string())
+            .status()
+            .expect("kill");
+        assert!(st.success(), "kill -{signal} {} failed", self.pid());
+    }
+
+    /// SIGKILL and reap.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// The last lines of the log.
+    pub fn log_tail(&self) -> String {
+        let s = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = s.lines().collect();
+        lines[lines.len().saturating_sub(40)..].join("\n")
+    }
+}
+
+impl Drop for ServerProcess {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("---- {} log ----\n{}", self.name, self.log_tail());
+        }
+        self.kill();
+    }
+}
+
+/// Polls `check` every 50 ms until it returns true or `limit` passes. For waiting on a process
+/// that has no readiness signal other than answering (a server starting up).
+pub async fn wait_until(what: &str, limit: Duration, mut check: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + limit;
+    while !check() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{what} not ready after {limit:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

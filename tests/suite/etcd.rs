@@ -1,0 +1,1 @@
+//! etcd backend tests (in progress).

@@ -1,0 +1,1 @@
+//! redis backend tests (in progress).

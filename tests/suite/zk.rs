@@ -1,0 +1,1 @@
+//! zk backend tests (in progress).

@@ -13,8 +13,18 @@ set -a
 . "$env_file"
 set +a
 
-if ! cargo test --workspace --all-features "$@"; then
+fail() {
   echo "---- server logs ----"
   scripts/servers.sh logs || true
   exit 1
-fi
+}
+
+cargo test --workspace --all-features "$@" || fail
+
+# The fencing demo, on the embedded default and on every real server: the stale write must be
+# rejected.
+for url in memory:// "$LOCKKIT_REDIS_URL" "$LOCKKIT_ETCD_URL" "$LOCKKIT_ZK_URL" "$LOCKKIT_POSTGRES_URL"; do
+  out=$(cargo run -q --all-features --example fencing -- --backend "$url" 2>&1) || { echo "$out"; fail; }
+  grep -q "REJECTED A's write" <<<"$out" || { echo "$out"; echo "demo on ${url%%:*}: stale write not rejected"; fail; }
+  echo "fencing demo on ${url%%://*}: stale write rejected"
+done

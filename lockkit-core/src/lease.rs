@@ -523,6 +523,119 @@ mod tests {
         assert_eq!(t.state(), LeaseState::Lost);
     }
 
+    /// A scripted server half: each renewal succeeds, fails, or hangs, as told.
+    #[derive(Debug)]
+    struct Scripted {
+        renew: std::sync::Mutex<std::collections::VecDeque<Step>>,
+        renews: std::sync::atomic::AtomicUsize,
+        releases: std::sync::atomic::AtomicUsize,
+    }
+
+    #[derive(Debug, Clone, Copy)]
+    enum Step {
+        Ok,
+        Transient,
+        NotHeld,
+        Hang,
+    }
+
+    impl Scripted {
+        fn new(steps: &[Step]) -> Arc<Self> {
+            Arc::new(Self {
+                renew: std::sync::Mutex::new(steps.iter().copied().collect()),
+                renews: Default::default(),
+                releases: Default::default(),
+            })
+        }
+    }
+
+    #[async_trait]
+    impl LeaseOps for Scripted {
+        async fn renew(&self, _ttl: Duration) -> Result<()> {
+            self.renews
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let step = self.renew.lock().unwrap().pop_front().unwrap_or(Step::Ok);
+            match step {
+                Step::Ok => Ok(()),
+                Step::Transient => Err(Error::Unavailable {
+                    backend: "test",
+                    source: "down".into(),
+                }),
+                Step::NotHeld => Err(Error::NotHeld { name: "l".into() }),
+                Step::Hang => std::future::pending().await,
+            }
+        }
+        async fn release(&self) -> Result<()> {
+            self.releases
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Ok(())
+        }
+        fn as_any(&self) -> &dyn Any {
+            self
+        }
+    }
+
+    fn lease_with(ops: Arc<Scripted>, ttl: Duration, keepalive: bool) -> Lease {
+        let opts = AcquireOptions::new().ttl(ttl).keepalive(keepalive);
+        Lease::new(
+            "l",
+            FencingToken::new(1),
+            LeaseTracker::new(Instant::now(), ttl),
+            ops,
+            &opts,
+        )
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn keepalive_holds_through_transient_failures() {
+        let ops = Scripted::new(&[Step::Transient, Step::Transient, Step::Ok]);
+        let ttl = Duration::from_secs(3);
+        let lease = lease_with(ops.clone(), ttl, true);
+        tokio::select! {
+            _ = lease.lost() => panic!("lost despite a successful renewal in time"),
+            _ = tokio::time::sleep(ttl * 5) => {}
+        }
+        assert_ne!(lease.state(), LeaseState::Lost);
+        assert!(ops.renews.load(std::sync::atomic::Ordering::SeqCst) >= 5);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn hanging_keepalive_is_lost_on_the_deadline_not_on_a_socket_error() {
+        let ops = Scripted::new(&[Step::Hang]);
+        let ttl = Duration::from_secs(3);
+        let start = Instant::now();
+        let lease = lease_with(ops, ttl, true);
+        lease.lost().await;
+        assert_eq!(start.elapsed(), ttl - drift_margin(ttl));
+        assert_eq!(lease.state(), LeaseState::Lost);
+        assert!(matches!(lease.renew().await, Err(Error::LeaseLost { .. })));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn not_held_renewal_loses_at_once() {
+        let ops = Scripted::new(&[Step::NotHeld]);
+        let ttl = Duration::from_secs(30);
+        let start = Instant::now();
+        let lease = lease_with(ops, ttl, true);
+        lease.lost().await;
+        // The first keepalive (at TTL/3) learned the lease is gone: no waiting for the deadline.
+        assert_eq!(start.elapsed(), ttl / 3);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn drop_releases_in_background_and_leak_does_not() {
+        let ops = Scripted::new(&[]);
+        drop(lease_with(ops.clone(), Duration::from_secs(3), false));
+        tokio::task::yield_now().await;
+        assert_eq!(ops.releases.load(std::sync::atomic::Ordering::SeqCst), 1);
+
+        let ops = Scripted::new(&[]);
+        lease_with(ops.clone(), Duration::from_secs(3), true).leak();
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        assert_eq!(ops.releases.load(std::sync::atomic::Ordering::SeqCst), 0);
+        assert_eq!(ops.renews.load(std::sync::atomic::Ordering::SeqCst), 0);
+    }
+
     #[tokio::test(start_paused = true)]
     async fn deadline_counts_from_send_time() {
         let ttl = Duration::from_secs(3);

@@ -1,1 +1,83 @@
-//! The zk backend of lockkit (in progress).
+//! # lockkit-zk
+//!
+//! The ZooKeeper backend of [lockkit](https://docs.rs/lockkit): leases on
+//! [ephemeral sequential nodes](https://zookeeper.apache.org/doc/r3.8.0/zookeeperProgrammers.html#Sequence+Nodes+--+Unique+Naming),
+//! a correctness lock (consensus-backed, durable fencing tokens, FIFO waiters).
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use lockkit_core::{AcquireOptions, Lock, Wait};
+//! use lockkit_zk::ZkLock;
+//!
+//! # #[tokio::main] async fn main() -> lockkit_core::Result<()> {
+//! // zk://[user:password@]host:port[,host:port…][/chroot][?prefix=…&connect_timeout_ms=…]
+//! let locks = ZkLock::connect("zk://127.0.0.1:2181,127.0.0.1:2182/apps/billing?prefix=locks").await?;
+//! let fence = locks.fence();
+//!
+//! let opts = AcquireOptions::new()
+//!     .ttl(Duration::from_secs(10)) // = the ZooKeeper session timeout of this lease
+//!     .wait(Wait::Timeout(Duration::from_secs(30)));
+//! let lease = locks.acquire("nightly-invoices", opts).await?;
+//! tokio::select! {
+//!     _ = lease.lost() => { /* session expired or deadline passed: stop, someone else may hold it */ }
+//!     res = fence.write(&lease, "/invoice-run", b"started") => res?,
+//! }
+//! lease.release().await?;
+//! # Ok(()) }
+//! ```
+//!
+//! ## How it works
+//! - Lock `name` is the [container node](https://zookeeper.apache.org/doc/r3.8.0/zookeeperProgrammers.html#Container+Nodes)
+//!   `/{prefix}/{name}` (below the chroot; `%` and characters ZooKeeper forbids in node names are
+//!   percent-encoded). Each acquire creates `{unique id}-lock-{sequence}` in it, ephemeral and
+//!   sequential; the lowest sequence holds the lock; every waiter watches only the node just ahead
+//!   of it, so a release wakes one waiter ([recipe](https://zookeeper.apache.org/doc/r3.8.0/recipes.html#sc_recipes_Locks)).
+//!   Container nodes are removed by the server once empty (ZooKeeper ≥ 3.5), so names used once
+//!   do not pile up.
+//! - The unique id in the node name lets an acquire whose create reply was lost (connection
+//!   dropped after the request left) find its node after reconnecting, and use or delete it. A
+//!   failed, timed-out or dropped acquire deletes its node; a node that cannot be deleted goes
+//!   with its session. Nothing ever deletes a node another acquire created.
+//! - **Lease = session.** A lease's TTL is its session's timeout (one session per TTL per
+//!   [`ZkLock`]); TTLs the server will not negotiate are refused, never silently changed.
+//!   Session states drive lease states: `Disconnected` → Suspect; `Expired`/`Closed` → Lost. The
+//!   client also computes the deadline itself: every TTL/3 it sends a round trip, each answer
+//!   confirms the session's leases with the request's **send** time, and without answers a lease
+//!   is Lost at send time + TTL − margin, before the server can expire the session, without
+//!   waiting for the server to say so. A new session never revives a lease of an old one.
+//! - **Fencing token = the holder node's `czxid`**: the zxid of its creation. Zxids grow with
+//!   every transaction of the ensemble (epoch in the high 32 bits, so also across leader
+//!   changes and restarts), and unlike sequence numbers they keep growing when the lock's
+//!   container node is deleted and re-created. The czxid comes from a plain create's reply:
+//!   ZooKeeper 3.8.0 returns no stat for a create inside a multi-op
+//!   ([ZOOKEEPER-4026](https://issues.apache.org/jira/browse/ZOOKEEPER-4026)).
+//! - **Release** is a version-checked delete of the lease's own node. If it cannot be
+//!   acknowledged, it keeps going in the background and the lease stays registered with its
+//!   session until the node is gone (deleted, or with its expired session).
+//! - [`ZkFence`] writes your own ZooKeeper data only while a lease holds its lock: a multi-op
+//!   checking the lease's node.
+//!
+//! ## Limits
+//! - `keepalive(false)` is [`NotSupported`](lockkit_core::Error::NotSupported): session heartbeats
+//!   cannot be paused per lease.
+//! - A leaked lease stays held until its session ends (see [`ZkLock`]).
+//! - Expiry granularity: the server expires sessions on tick boundaries, up to one `tickTime`
+//!   (default 2 s, [`EXPIRY_SLACK`]) after the timeout.
+//! - Tokens survive restarts only if the server's transaction log is fsynced (`forceSync=yes`,
+//!   the default): with `forceSync=no` a crash can lose the last zxids, which are then reused.
+#![forbid(unsafe_code)]
+#![warn(missing_docs, missing_debug_implementations)]
+#![deny(rustdoc::broken_intra_doc_links)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+mod config;
+mod error;
+mod fence;
+mod lease;
+mod lock;
+mod session;
+
+pub use config::{CONTROL_SESSION_TTL, DEFAULT_CONNECT_TIMEOUT, DEFAULT_PREFIX, ZkConfig};
+pub use fence::ZkFence;
+pub use lease::ZkLease;
+pub use lock::{EXPIRY_SLACK, WaitStats, ZkLock};

@@ -1,0 +1,380 @@
+//! Connection settings: the `zk://` URL and the [`ZkConfig`] builder.
+
+use std::fmt;
+use std::time::Duration;
+
+use lockkit_core::{Error, Result};
+use percent_encoding::percent_decode_str;
+
+/// The key prefix used when none is given: `lockkit`.
+pub const DEFAULT_PREFIX: &str = "lockkit";
+
+/// How long [`ZkLock::connect`](crate::ZkLock::connect) and the opening of each new session may
+/// take before failing with [`Error::Unavailable`]: 5 s.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The session timeout asked for by the session that [`ZkLock::connect`](crate::ZkLock::connect)
+/// opens to check the server: 30 s ([`lockkit_core::DEFAULT_TTL`]). If the server negotiates
+/// another value, that session serves leases of the negotiated TTL instead.
+pub const CONTROL_SESSION_TTL: Duration = lockkit_core::DEFAULT_TTL;
+
+/// Where and how to connect to ZooKeeper.
+///
+/// Build it from a URL with [`ZkConfig::from_url`] or by hand:
+///
+/// ```
+/// use std::time::Duration;
+/// use lockkit_zk::ZkConfig;
+///
+/// let cfg = ZkConfig::new(["zk1:2181", "zk2:2181", "zk3:2181"])
+///     .chroot("/apps/billing")
+///     .prefix("locks")
+///     .digest("billing", "s3cret")
+///     .connect_timeout(Duration::from_secs(3));
+/// assert_eq!(cfg.connect_string(), "zk1:2181,zk2:2181,zk3:2181/apps/billing");
+/// // The password never shows.
+/// assert!(!format!("{cfg:?}").contains("s3cret"));
+/// ```
+#[derive(Clone, PartialEq, Eq)]
+pub struct ZkConfig {
+    hosts: Vec<String>,
+    chroot: Option<String>,
+    prefix: String,
+    digest: Option<(String, String)>,
+    connect_timeout: Duration,
+}
+
+impl fmt::Debug for ZkConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ZkConfig")
+            .field("hosts", &self.hosts)
+            .field("chroot", &self.chroot)
+            .field("prefix", &self.prefix)
+            .field(
+                "digest_user",
+                &self.digest.as_ref().map(|(user, _)| user.as_str()),
+            )
+            .field("password", &self.digest.as_ref().map(|_| "<hidden>"))
+            .field("connect_timeout", &self.connect_timeout)
+            .finish()
+    }
+}
+
+impl ZkConfig {
+    /// A configuration for the servers `hosts` (`host:port` each), no chroot, prefix
+    /// [`DEFAULT_PREFIX`], no authentication, [`DEFAULT_CONNECT_TIMEOUT`].
+    pub fn new<I, S>(hosts: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        Self {
+            hosts: hosts.into_iter().map(Into::into).collect(),
+            chroot: None,
+            prefix: DEFAULT_PREFIX.to_owned(),
+            digest: None,
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+        }
+    }
+
+    /// Parses `zk://[user:password@]host:port[,host:port…][/chroot][?prefix=…&connect_timeout_ms=…]`.
+    ///
+    /// - `user:password` (percent-encoded) turns on ZooKeeper `digest` authentication; lock nodes
+    ///   are then created with the `CREATOR_ALL_ACL`, so only that identity can touch them.
+    /// - `/chroot` is ZooKeeper's chroot suffix of the connect string: every path lives under it
+    ///   (it must exist).
+    /// - `prefix` (default `lockkit`) is the node under which lock nodes live.
+    /// - `connect_timeout_ms` (default 5000) bounds connecting and opening each session.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for anything malformed; the URL itself is never echoed (it may
+    /// hold a password).
+    pub fn from_url(url: &str) -> Result<Self> {
+        let rest = url
+            .strip_prefix("zk://")
+            .ok_or_else(|| Error::config("a ZooKeeper URL must start with zk://"))?;
+        let (main, query) = match rest.split_once('?') {
+            Some((m, q)) => (m, Some(q)),
+            None => (rest, None),
+        };
+        if main.contains('#') {
+            return Err(Error::config(
+                "a ZooKeeper URL must not contain a '#' fragment",
+            ));
+        }
+        let (authority, chroot) = match main.find('/') {
+            Some(i) => (&main[..i], Some(&main[i..])),
+            None => (main, None),
+        };
+        let (userinfo, hosts) = match authority.rsplit_once('@') {
+            Some((u, h)) => (Some(u), h),
+            None => (None, authority),
+        };
+        let mut cfg = ZkConfig::new(hosts.split(','));
+        if let Some(userinfo) = userinfo {
+            let (user, pass) = userinfo
+                .split_once(':')
+                .ok_or_else(|| Error::config("ZooKeeper URL credentials must be user:password"))?;
+            let decode = |s: &str, what: &str| {
+                percent_decode_str(s)
+                    .decode_utf8()
+                    .map(|c| c.into_owned())
+                    .map_err(|_| Error::config(format!("ZooKeeper URL {what} is not UTF-8")))
+            };
+            cfg = cfg.digest(decode(user, "user")?, decode(pass, "password")?);
+        }
+        if let Some(chroot) = chroot.filter(|c| *c != "/") {
+            cfg = cfg.chroot(chroot);
+        }
+        for (key, value) in url::form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
+            match &*key {
+                "prefix" => cfg = cfg.prefix(value.into_owned()),
+                "connect_timeout_ms" => {
+                    let ms: u64 = value.parse().map_err(|e| {
+                        Error::config_with("connect_timeout_ms must be a whole number", e)
+                    })?;
+                    cfg = cfg.connect_timeout(Duration::from_millis(ms));
+                }
+                other => {
+                    return Err(Error::config(format!(
+                        "unknown ZooKeeper URL parameter {:?} (known: prefix, connect_timeout_ms)",
+                        other.chars().take(32).collect::<String>()
+                    )));
+                }
+            }
+        }
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Sets the chroot (an absolute path such as `/apps/billing`; it must exist on the server).
+    pub fn chroot(mut self, chroot: impl Into<String>) -> Self {
+        self.chroot = Some(chroot.into());
+        self
+    }
+
+    /// Sets the key prefix: the node (under the chroot) below which all lock nodes live.
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// Turns on `digest` authentication as `user` with `password`.
+    pub fn digest(mut self, user: impl Into<String>, password: impl Into<String>) -> Self {
+        self.digest = Some((user.into(), password.into()));
+        self
+    }
+
+    /// Bounds connecting and opening each session (duration; default 5 s).
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// The servers, `host:port` each.
+    pub fn hosts(&self) -> &[String] {
+        &self.hosts
+    }
+
+    /// The key prefix.
+    pub fn key_prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// The connect-timeout bound (duration).
+    pub fn connect_timeout_value(&self) -> Duration {
+        self.connect_timeout
+    }
+
+    /// The connect string handed to the ZooKeeper client: `host:port,host:port[/chroot]`.
+    pub fn connect_string(&self) -> String {
+        let mut s = self.hosts.join(",");
+        if let Some(c) = &self.chroot {
+            s.push_str(c);
+        }
+        s
+    }
+
+    pub(crate) fn digest_auth(&self) -> Option<Vec<u8>> {
+        self.digest
+            .as_ref()
+            .map(|(u, p)| format!("{u}:{p}").into_bytes())
+    }
+
+    /// Checks hosts, chroot, prefix and timeout.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] naming what is wrong.
+    pub fn validate(&self) -> Result<()> {
+        if self.hosts.is_empty() || self.hosts.iter().any(|h| h.is_empty()) {
+            return Err(Error::config(
+                "ZooKeeper URL needs at least one host:port (and no empty entries)",
+            ));
+        }
+        for h in &self.hosts {
+            let (host, port) = h
+                .rsplit_once(':')
+                .ok_or_else(|| Error::config("each ZooKeeper server must be given as host:port"))?;
+            if host.is_empty() || host.contains(['/', '@', ' ']) {
+                return Err(Error::config(
+                    "a ZooKeeper server has an empty or invalid host",
+                ));
+            }
+            match port.parse::<u16>() {
+                Ok(p) if p > 0 => {}
+                _ => {
+                    return Err(Error::config(
+                        "a ZooKeeper server has an invalid port (1-65535)",
+                    ));
+                }
+            }
+        }
+        if let Some(c) = &self.chroot {
+            let bad = !c.starts_with('/')
+                || c.ends_with('/')
+                || c[1..]
+                    .split('/')
+                    .any(|part| part.is_empty() || part == "." || part == "..")
+                || c.chars().any(forbidden_in_znode);
+            if bad {
+                return Err(Error::config(
+                    "the ZooKeeper chroot must be an absolute path like /a/b (no empty, '.' or '..' \
+                     components, no trailing '/', no characters ZooKeeper forbids)",
+                ));
+            }
+        }
+        let p = &self.prefix;
+        let reason = if p.is_empty() {
+            Some("is empty")
+        } else if p.len() > 64 {
+            Some("is longer than 64 bytes")
+        } else if p.contains('/') {
+            Some("contains '/'")
+        } else if p.chars().any(char::is_control) || p.chars().any(forbidden_in_znode) {
+            Some("contains a control character or one ZooKeeper forbids in node names")
+        } else if p == "." || p == ".." || p == "zookeeper" {
+            Some("is '.', '..' or the reserved name 'zookeeper'")
+        } else {
+            None
+        };
+        if let Some(reason) = reason {
+            return Err(Error::config(format!("the key prefix {reason}")));
+        }
+        if self.connect_timeout.is_zero() {
+            return Err(Error::config("connect timeout is zero"));
+        }
+        Ok(())
+    }
+}
+
+/// Characters ZooKeeper refuses in node names (`PathUtils.validatePath`): U+0000–U+001F,
+/// U+007F–U+009F, U+D800–U+F8FF, U+FFF0–U+FFFF, and, because the server works in UTF-16, every
+/// character above U+FFFF (it becomes a surrogate pair, inside the forbidden U+D800–U+DFFF).
+pub(crate) fn forbidden_in_znode(c: char) -> bool {
+    let u = u32::from(c);
+    u <= 0x1f
+        || (0x7f..=0x9f).contains(&u)
+        || (0xd800..=0xf8ff).contains(&u)
+        || (0xfff0..=0xffff).contains(&u)
+        || u > 0xffff
+}
+
+/// The node name of lock `name`: `%` and every character ZooKeeper forbids
+/// ([`forbidden_in_znode`]) are percent-encoded (UTF-8 bytes), the rest is kept, so the mapping is
+/// one-to-one and readable. Names were checked by [`lockkit_core::validate_name`] (no `/`, not
+/// `.`/`..`, no control characters), so the result is always a valid node name.
+pub(crate) fn encode_name(name: &str) -> String {
+    let mut out = String::with_capacity(name.len());
+    for c in name.chars() {
+        if c == '%' || forbidden_in_znode(c) {
+            let mut buf = [0u8; 4];
+            for b in c.encode_utf8(&mut buf).bytes() {
+                out.push_str(&format!("%{b:02X}"));
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_full_url() {
+        let cfg = ZkConfig::from_url(
+            "zk://u%40x:p%3Ass@h1:2181,h2:2182/apps/x?prefix=locks&connect_timeout_ms=1500",
+        )
+        .unwrap();
+        assert_eq!(cfg.hosts(), ["h1:2181", "h2:2182"]);
+        assert_eq!(cfg.connect_string(), "h1:2181,h2:2182/apps/x");
+        assert_eq!(cfg.key_prefix(), "locks");
+        assert_eq!(cfg.digest_auth().unwrap(), b"u@x:p:ss".to_vec());
+        assert_eq!(cfg.connect_timeout_value(), Duration::from_millis(1500));
+        let dbg = format!("{cfg:?}");
+        assert!(!dbg.contains("p:ss") && !dbg.contains("p%3Ass"), "{dbg}");
+    }
+
+    #[test]
+    fn defaults() {
+        let cfg = ZkConfig::from_url("zk://127.0.0.1:2181").unwrap();
+        assert_eq!(cfg.key_prefix(), DEFAULT_PREFIX);
+        assert_eq!(cfg.connect_string(), "127.0.0.1:2181");
+        assert!(cfg.digest_auth().is_none());
+        assert_eq!(
+            ZkConfig::from_url("zk://h:1/").unwrap().connect_string(),
+            "h:1"
+        );
+    }
+
+    #[test]
+    fn rejects_malformed() {
+        for bad in [
+            "redis://h:1",
+            "zk://",
+            "zk://h",
+            "zk://h:0",
+            "zk://h:99999",
+            "zk://h:1,",
+            "zk://h:x",
+            "zk://h:1/a/",
+            "zk://h:1//a",
+            "zk://h:1/a/../b",
+            "zk://h:1?prefix=",
+            "zk://h:1?prefix=a/b",
+            "zk://h:1?prefix=zookeeper",
+            "zk://h:1?prefix=%01",
+            "zk://h:1?bogus=1",
+            "zk://h:1?connect_timeout_ms=soon",
+            "zk://h:1?connect_timeout_ms=0",
+            "zk://user@h:1",
+            "zk://h:1#frag",
+        ] {
+            match ZkConfig::from_url(bad) {
+                Err(Error::InvalidConfig { .. }) => {}
+                other => panic!("{bad:?}: {other:?}"),
+            }
+        }
+        let long = format!("zk://h:1?prefix={}", "x".repeat(65));
+        assert!(ZkConfig::from_url(&long).is_err());
+    }
+
+    #[test]
+    fn secret_never_in_errors() {
+        let e = ZkConfig::from_url("zk://u:hunter2@h:1?bogus=1").unwrap_err();
+        assert!(!format!("{e:?} {e}").contains("hunter2"));
+    }
+
+    #[test]
+    fn name_encoding() {
+        assert_eq!(encode_name("jobs:nightly *?[]ü"), "jobs:nightly *?[]ü");
+        assert_eq!(encode_name("100%"), "100%25");
+        assert_eq!(encode_name("a\u{e000}b"), "a%EE%80%80b");
+        assert_eq!(encode_name("🔒"), "%F0%9F%94%92");
+        assert_eq!(encode_name("zookeeper"), "zookeeper");
+        assert_ne!(encode_name("%25"), encode_name("%"));
+        assert!(!encode_name("x\u{fff0}").chars().any(forbidden_in_znode));
+    }
+}

@@ -1,0 +1,57 @@
+//! `zookeeper_client::Error` → [`lockkit_core::Error`].
+
+use lockkit_core::Error;
+use zookeeper_client as zk;
+
+pub(crate) const BACKEND: &str = "zk";
+
+/// Classifies a client error: unreachable servers, lost connections, timeouts, throttling and an
+/// expired session are [`Error::Unavailable`] (transient: a retry opens a new session); refused
+/// credentials and missing permissions are [`Error::Auth`]; everything else is
+/// [`Error::Backend`].
+pub(crate) fn from_zk(e: zk::Error) -> Error {
+    match e {
+        zk::Error::ConnectionLoss
+        | zk::Error::NoHosts
+        | zk::Error::Timeout
+        | zk::Error::Throttled
+        | zk::Error::SessionExpired
+        | zk::Error::SessionMoved
+        | zk::Error::ClientClosed => Error::Unavailable {
+            backend: BACKEND,
+            source: Box::new(e),
+        },
+        zk::Error::AuthFailed | zk::Error::NoAuth => Error::Auth {
+            backend: BACKEND,
+            source: Box::new(e),
+        },
+        other => Error::Backend {
+            backend: BACKEND,
+            source: Box::new(other),
+        },
+    }
+}
+
+/// [`Error::Unavailable`] with a message of ours.
+pub(crate) fn unavailable(msg: &'static str) -> Error {
+    Error::Unavailable {
+        backend: BACKEND,
+        source: msg.into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classification() {
+        assert!(from_zk(zk::Error::ConnectionLoss).is_retryable());
+        assert!(from_zk(zk::Error::SessionExpired).is_retryable());
+        assert!(matches!(from_zk(zk::Error::NoAuth), Error::Auth { .. }));
+        assert!(matches!(
+            from_zk(zk::Error::BadVersion),
+            Error::Backend { .. }
+        ));
+    }
+}

@@ -1,0 +1,132 @@
+//! The server half of a ZooKeeper lease: one ephemeral sequential node, owned by one session.
+
+use std::any::Any;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use lockkit_core::{Error, Instant, LeaseOps, Result, async_trait};
+use zookeeper_client as zk;
+
+use crate::error::{from_zk, unavailable};
+use crate::session::{Session, spawn_delete};
+
+/// The ZooKeeper side of a [`Lease`](lockkit_core::Lease): the lock node it owns and the session
+/// that carries it. Reach it from a lease with
+/// `lease.ops().as_any().downcast_ref::<ZkLease>()` (the fence does this for you).
+pub struct ZkLease {
+    pub(crate) session: Arc<Session>,
+    pub(crate) name: String,
+    pub(crate) path: String,
+    pub(crate) czxid: i64,
+    pub(crate) reg: u64,
+}
+
+impl fmt::Debug for ZkLease {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ZkLease")
+            .field("node", &self.path)
+            .field("czxid", &self.czxid)
+            .field("session", &format_args!("{:#x}", self.session.id))
+            .finish()
+    }
+}
+
+impl ZkLease {
+    /// The lock node's path (below the chroot, if any).
+    pub fn node_path(&self) -> &str {
+        &self.path
+    }
+
+    /// The lock node's `czxid`: the lease's fencing token.
+    pub fn czxid(&self) -> i64 {
+        self.czxid
+    }
+
+    /// The id of the ZooKeeper session that owns the node (its `ephemeralOwner`).
+    pub fn session_id(&self) -> i64 {
+        self.session.id
+    }
+
+    fn not_held(&self) -> Error {
+        Error::NotHeld {
+            name: self.name.clone(),
+        }
+    }
+}
+
+#[async_trait]
+impl LeaseOps for ZkLease {
+    /// A lease on ZooKeeper lives as long as its session; a renewal is one `exists` round trip
+    /// on the lock node proving that the node (same `czxid`, same owner session) is still there.
+    /// The session itself is kept alive by the client's heartbeats, whatever this returns.
+    async fn renew(&self, _ttl: Duration) -> Result<()> {
+        if self.session.is_dead() {
+            return Err(self.not_held());
+        }
+        let deadline = Instant::now() + self.session.ttl;
+        let res = self
+            .session
+            .retry_loss(Some(deadline), || {
+                self.session.client.check_stat(&self.path)
+            })
+            .await;
+        match res {
+            Ok(Some(stat))
+                if stat.czxid == self.czxid && stat.ephemeral_owner == self.session.id =>
+            {
+                Ok(())
+            }
+            Ok(_) | Err(zk::Error::SessionExpired) => Err(self.not_held()),
+            Err(e) => Err(from_zk(e)),
+        }
+    }
+
+    /// Deletes this lease's node, version-checked (`version 0`: lock nodes are never written).
+    /// The node's name holds this acquire's unique id, so no other holder's node can be hit.
+    ///
+    /// A lost connection is retried for up to one TTL (the client resends once it reconnects;
+    /// after that the session has expired and the server deleted the node). If the delete is
+    /// still not acknowledged, it goes on in the background until acknowledged or until the
+    /// session ends, the lease stays registered with its session until then, and this returns
+    /// [`Error::Unavailable`].
+    async fn release(&self) -> Result<()> {
+        if self.session.is_dead() {
+            self.session.deregister(self.reg);
+            return Err(self.not_held());
+        }
+        let deadline = Instant::now() + self.session.ttl;
+        let res = self
+            .session
+            .retry_loss(Some(deadline), || {
+                self.session.client.delete(&self.path, Some(0))
+            })
+            .await;
+        match res {
+            Ok(()) => {
+                self.session.deregister(self.reg);
+                Ok(())
+            }
+            Err(zk::Error::NoNode | zk::Error::BadVersion | zk::Error::SessionExpired) => {
+                self.session.deregister(self.reg);
+                Err(self.not_held())
+            }
+            Err(zk::Error::ConnectionLoss | zk::Error::Timeout) => {
+                spawn_delete(self.session.clone(), self.path.clone(), Some(self.reg));
+                Err(unavailable(
+                    "release not acknowledged; the lock node is deleted in the background, or \
+                     with its session when that expires",
+                ))
+            }
+            Err(e) => Err(from_zk(e)),
+        }
+    }
+
+    fn self_renewing(&self) -> bool {
+        true
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}

@@ -1,0 +1,555 @@
+//! [`ZkLock`]: the lock recipe on ephemeral sequential nodes.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use lockkit_core::{
+    AcquireOptions, Error, FencingToken, Guarantees, Instant, Lease, LeaseTracker, Lock, LockKind,
+    Result, Wait, async_trait, retry_transient, validate_name, wait_deadline,
+};
+use tokio::sync::watch;
+use zookeeper_client as zk;
+
+use crate::config::{CONTROL_SESSION_TTL, ZkConfig, encode_name};
+use crate::error::{BACKEND, from_zk, unavailable};
+use crate::fence::ZkFence;
+use crate::lease::ZkLease;
+use crate::session::{Session, spawn_delete, spawn_delete_own};
+
+/// The longest a server may keep a lapsed lease past its TTL with ZooKeeper's default
+/// `tickTime` of 2 s: the server checks session expiry once per tick, rounding each session's
+/// deadline up to the next tick ([`ExpiryQueue`](https://github.com/apache/zookeeper/blob/release-3.8.0/zookeeper-server/src/main/java/org/apache/zookeeper/server/ExpiryQueue.java)).
+pub const EXPIRY_SLACK: Duration = Duration::from_secs(2);
+
+/// Counters of the waiting machinery, for tests (herd checks). Not part of the API.
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WaitStats {
+    /// Acquires now blocked on their predecessor's watch.
+    pub waiting: usize,
+    /// Watch events (node events, not session events) that woke a waiter, since connect.
+    pub wakeups: u64,
+}
+
+/// Distributed locks on ZooKeeper: one ephemeral sequential node per acquire, the lowest
+/// sequence holds, each waiter watches only its predecessor (the
+/// [lock recipe](https://zookeeper.apache.org/doc/r3.8.0/recipes.html#sc_recipes_Locks), without
+/// herd effect).
+///
+/// - **Lease = session.** A lock node is ephemeral: the server deletes it when its
+///   [session](https://zookeeper.apache.org/doc/r3.8.0/zookeeperProgrammers.html#ch_zkSessions)
+///   expires. The session timeout is therefore the TTL; each distinct TTL gets a session of its
+///   own (opened on first use, shared by all leases of that TTL from this `ZkLock`). A TTL the
+///   server cannot negotiate (outside its `minSessionTimeout`..`maxSessionTimeout`, by default
+///   2..20 ticks) is refused with [`Error::InvalidConfig`]; TTLs must be whole milliseconds.
+/// - **Keepalive** is the session's heartbeat and cannot be paused per lease, so
+///   `keepalive(false)` is [`Error::NotSupported`]. For the same reason a
+///   [`leak`](lockkit_core::Lease::leak)ed lease (or one dropped with `release_on_drop(false)`)
+///   stays held until its session ends: when every clone of this `ZkLock` and every lease of that
+///   TTL are dropped, or the process exits.
+/// - **Fencing token** = the holder node's `czxid`, the zxid of the transaction that created it.
+///   Zxids are totally ordered over the whole ensemble and every later create gets a larger one,
+///   across leader elections (the epoch is the high 32 bits) and across the lock's parent node
+///   being deleted and re-created (sequence numbers restart there; zxids do not).
+///
+/// Cheap to clone (shared sessions).
+#[derive(Clone)]
+pub struct ZkLock {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    cfg: ZkConfig,
+    sessions: tokio::sync::Mutex<HashMap<Duration, Arc<Session>>>,
+    control_ttl: Duration,
+    stats: watch::Sender<WaitStats>,
+}
+
+impl fmt::Debug for ZkLock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ZkLock")
+            .field("config", &self.inner.cfg)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ZkLock {
+    /// Connects with a `zk://` URL (see [`ZkConfig::from_url`] for its form and parameters).
+    ///
+    /// # Errors
+    /// As [`ZkLock::with_config`], and [`Error::InvalidConfig`] for a malformed URL.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: a session being opened is closed when the future is dropped.
+    pub async fn connect(url: &str) -> Result<Self> {
+        Self::with_config(ZkConfig::from_url(url)?).await
+    }
+
+    /// Connects with `cfg`: opens one session (asking for a 30 s timeout) and checks that the
+    /// chroot exists and that the credentials may read the prefix node.
+    ///
+    /// # Errors
+    /// - [`Error::InvalidConfig`]: invalid `cfg`, or the chroot does not exist.
+    /// - [`Error::Unavailable`]: no server answered within the connect timeout.
+    /// - [`Error::Auth`]: the server refused the credentials, or they may not read the prefix.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: a session being opened is closed when the future is dropped.
+    pub async fn with_config(cfg: ZkConfig) -> Result<Self> {
+        cfg.validate()?;
+        let control = Session::open(&cfg, CONTROL_SESSION_TTL, false).await?;
+        let deadline = Some(Instant::now() + cfg.connect_timeout_value());
+        match control
+            .retry_loss(deadline, || control.client.check_stat("/"))
+            .await
+        {
+            Ok(Some(_)) => {}
+            Ok(None) => return Err(Error::config("the ZooKeeper chroot does not exist")),
+            Err(e) => return Err(from_zk(e)),
+        }
+        let prefix = format!("/{}", cfg.key_prefix());
+        match control
+            .retry_loss(deadline, || control.client.list_children(&prefix))
+            .await
+        {
+            Ok(_) | Err(zk::Error::NoNode) => {}
+            Err(e) => return Err(from_zk(e)),
+        }
+        let control_ttl = control.ttl;
+        let mut sessions = HashMap::new();
+        sessions.insert(control_ttl, control);
+        Ok(Self {
+            inner: Arc::new(Inner {
+                cfg,
+                sessions: tokio::sync::Mutex::new(sessions),
+                control_ttl,
+                stats: watch::Sender::new(WaitStats::default()),
+            }),
+        })
+    }
+
+    /// The configuration this lock service was built with.
+    pub fn config(&self) -> &ZkConfig {
+        &self.inner.cfg
+    }
+
+    /// A fence for data kept in ZooKeeper: writes that succeed only while a given lease still
+    /// holds its lock.
+    pub fn fence(&self) -> ZkFence {
+        ZkFence::new(self.clone())
+    }
+
+    /// The path (below the chroot) of the node under which lock `name`'s nodes are created.
+    ///
+    /// # Errors
+    /// [`Error::InvalidName`] as [`validate_name`].
+    pub fn lock_dir(&self, name: &str) -> Result<String> {
+        validate_name(name)?;
+        Ok(format!(
+            "/{}/{}",
+            self.inner.cfg.key_prefix(),
+            encode_name(name)
+        ))
+    }
+
+    /// The lock nodes now queued for `name`, in grant order: the holder's first, then the
+    /// waiters'. For inspection (operators, tests); the answer may be stale at once.
+    ///
+    /// # Errors
+    /// [`Error::InvalidName`]; errors from the server.
+    ///
+    /// # Cancel safety
+    /// Cancel safe (a read).
+    pub async fn contenders(&self, name: &str) -> Result<Vec<String>> {
+        let dir = self.lock_dir(name)?;
+        let session = self.control_session().await?;
+        let children = match session.client.list_children(&dir).await {
+            Ok(c) => c,
+            Err(zk::Error::NoNode) => return Ok(Vec::new()),
+            Err(e) => return Err(from_zk(e)),
+        };
+        let mut queue: Vec<(i64, String)> = children
+            .into_iter()
+            .filter_map(|c| sequence_of(&c).map(|s| (s, c)))
+            .collect();
+        queue.sort_unstable();
+        Ok(queue.into_iter().map(|(_, c)| c).collect())
+    }
+
+    /// Waiting counters, for tests.
+    #[doc(hidden)]
+    pub fn wait_stats(&self) -> watch::Receiver<WaitStats> {
+        self.inner.stats.subscribe()
+    }
+
+    /// A live session whose timeout is `ttl`, opened if needed. With `strict`, a server that
+    /// negotiates another timeout is an error.
+    pub(crate) async fn session(&self, ttl: Duration, strict: bool) -> Result<Arc<Session>> {
+        let mut sessions = self.inner.sessions.lock().await;
+        if let Some(s) = sessions.get(&ttl) {
+            if !s.is_dead() {
+                return Ok(s.clone());
+            }
+        }
+        let s = Session::open(&self.inner.cfg, ttl, strict).await?;
+        sessions.insert(s.ttl, s.clone());
+        Ok(s)
+    }
+
+    /// The session used for requests that carry no lease (fence writes).
+    pub(crate) async fn control_session(&self) -> Result<Arc<Session>> {
+        self.session(self.inner.control_ttl, false).await
+    }
+
+    fn fail(&self, e: zk::Error, name: &str, start: Instant, opts: &AcquireOptions) -> Error {
+        match (e, opts.wait) {
+            (zk::Error::Timeout, Wait::Timeout(_)) => Error::Timeout {
+                name: name.to_owned(),
+                waited: start.elapsed(),
+            },
+            (e, _) => from_zk(e),
+        }
+    }
+
+    /// One acquire attempt on one session: create our node, then wait for our turn.
+    async fn attempt(
+        &self,
+        name: &str,
+        dir: &str,
+        opts: &AcquireOptions,
+        start: Instant,
+        deadline: Option<Instant>,
+    ) -> Result<Lease> {
+        // A try-once acquire must not time its requests out at its (immediate) deadline.
+        let io_deadline = if opts.wait == Wait::No {
+            None
+        } else {
+            deadline
+        };
+        let session = match io_deadline {
+            Some(d) => tokio::time::timeout_at(d, self.session(opts.ttl, true))
+                .await
+                .map_err(|_| Error::Timeout {
+                    name: name.to_owned(),
+                    waited: start.elapsed(),
+                })??,
+            None => self.session(opts.ttl, true).await?,
+        };
+        let own = format!("{:032x}-lock-", rand::random::<u128>());
+        let mut pending = Pending {
+            session: session.clone(),
+            dir: dir.to_owned(),
+            own: own.clone(),
+            path: None,
+            armed: true,
+        };
+        let (node, czxid) = self
+            .create_node(&session, dir, &own, io_deadline, &mut pending)
+            .await
+            .map_err(|e| self.fail(e, name, start, opts))?;
+        let node_name = node.rsplit('/').next().unwrap_or_default().to_owned();
+        loop {
+            let sent = Instant::now();
+            let children = session
+                .retry_loss(io_deadline, || session.client.list_children(dir))
+                .await
+                .map_err(|e| self.fail(e, name, start, opts))?;
+            let mut queue: Vec<(i64, &str)> = children
+                .iter()
+                .filter_map(|c| sequence_of(c).map(|s| (s, c.as_str())))
+                .collect();
+            queue.sort_unstable();
+            let Some(pos) = queue.iter().position(|(_, c)| *c == node_name) else {
+                return Err(unavailable(
+                    "the lock node disappeared while waiting (its session expired)",
+                ));
+            };
+            if pos == 0 {
+                // Granted. The listing's reply proves the session (hence the node) alive at some
+                // point after `sent`: that is the lease's start.
+                let tracker = LeaseTracker::new(sent, session.ttl);
+                let Some(reg) = session.register(tracker.clone(), node.clone()) else {
+                    return Err(unavailable(
+                        "the ZooKeeper session ended during the acquire",
+                    ));
+                };
+                pending.armed = false;
+                let ops = Arc::new(ZkLease {
+                    session: session.clone(),
+                    name: name.to_owned(),
+                    path: node,
+                    czxid,
+                    reg,
+                });
+                let token = FencingToken::new(u64::try_from(czxid).unwrap_or(0));
+                return Ok(Lease::new(name, token, tracker, ops, opts));
+            }
+            if opts.wait == Wait::No {
+                pending.delete_now().await;
+                return Err(Error::Held {
+                    name: name.to_owned(),
+                });
+            }
+            // Watch only the node just ahead of ours: a release wakes exactly one waiter.
+            let pred = format!("{dir}/{}", queue[pos - 1].1);
+            let (stat, watcher) = session
+                .retry_loss(io_deadline, || session.client.check_and_watch_stat(&pred))
+                .await
+                .map_err(|e| self.fail(e, name, start, opts))?;
+            if stat.is_none() {
+                continue; // gone between the listing and the watch: look again
+            }
+            let _waiting = WaitingGauge::new(&self.inner.stats);
+            let timeout = async {
+                match deadline {
+                    Some(d) => tokio::time::sleep_until(d).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                event = watcher.changed() => {
+                    if event.event_type != zk::EventType::Session {
+                        self.inner.stats.send_modify(|s| s.wakeups += 1);
+                    }
+                }
+                _ = timeout => {
+                    pending.delete_now().await;
+                    return Err(Error::Timeout { name: name.to_owned(), waited: start.elapsed() });
+                }
+            }
+        }
+    }
+
+    /// Creates this acquire's ephemeral sequential node `{dir}/{own}NNNNNNNNNN`, creating the
+    /// container parents when missing. If the reply is lost (connection dropped after the
+    /// request went out), lists `dir` after reconnecting and adopts the node carrying `own`, or
+    /// creates again if there is none. Returns the path and its `czxid`.
+    async fn create_node(
+        &self,
+        session: &Session,
+        dir: &str,
+        own: &str,
+        io_deadline: Option<Instant>,
+        pending: &mut Pending,
+    ) -> Result<(String, i64), zk::Error> {
+        let prefix = format!("{dir}/{own}");
+        let mode = zk::CreateMode::EphemeralSequential.with_acls(session.acls());
+        for _ in 0..8 {
+            let res = match io_deadline {
+                Some(d) => tokio::time::timeout_at(d, session.client.create(&prefix, &[], &mode))
+                    .await
+                    .unwrap_or(Err(zk::Error::Timeout)),
+                None => session.client.create(&prefix, &[], &mode).await,
+            };
+            match res {
+                // A plain create (OpCode create2) returns the node's stat; inside a multi-op it
+                // would not on 3.8.0 (ZOOKEEPER-4026).
+                Ok((stat, seq)) => {
+                    let path = format!("{prefix}{seq}");
+                    pending.path = Some(path.clone());
+                    let czxid = if stat.czxid > 0 {
+                        stat.czxid
+                    } else {
+                        self.czxid_of(session, &path, io_deadline).await?
+                    };
+                    return Ok((path, czxid));
+                }
+                Err(zk::Error::NoNode) => self.ensure_dirs(session, dir, io_deadline).await?,
+                Err(zk::Error::ConnectionLoss) => {
+                    let children = session
+                        .retry_loss(io_deadline, || session.client.list_children(dir))
+                        .await;
+                    let mine = match children {
+                        Ok(c) => c.into_iter().find(|c| c.starts_with(own)),
+                        Err(zk::Error::NoNode) => None,
+                        Err(e) => return Err(e),
+                    };
+                    if let Some(child) = mine {
+                        let path = format!("{dir}/{child}");
+                        pending.path = Some(path.clone());
+                        let czxid = self.czxid_of(session, &path, io_deadline).await?;
+                        return Ok((path, czxid));
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Err(zk::Error::ConnectionLoss)
+    }
+
+    async fn czxid_of(
+        &self,
+        session: &Session,
+        path: &str,
+        io_deadline: Option<Instant>,
+    ) -> Result<i64, zk::Error> {
+        match session
+            .retry_loss(io_deadline, || session.client.check_stat(path))
+            .await?
+        {
+            Some(stat) => Ok(stat.czxid),
+            None => Err(zk::Error::NoNode),
+        }
+    }
+
+    /// Creates `/{prefix}` and `dir` as container nodes (the server deletes a container once its
+    /// last child is gone, so names used once do not pile up).
+    async fn ensure_dirs(
+        &self,
+        session: &Session,
+        dir: &str,
+        io_deadline: Option<Instant>,
+    ) -> Result<(), zk::Error> {
+        let mode = zk::CreateMode::Container.with_acls(session.acls());
+        let prefix = format!("/{}", self.inner.cfg.key_prefix());
+        for path in [prefix.as_str(), dir] {
+            match session
+                .retry_loss(io_deadline, || session.client.create(path, &[], &mode))
+                .await
+            {
+                Ok(_) | Err(zk::Error::NodeExists) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The sequence number of a lock node `…-lock-NNNNNNNNNN`.
+fn sequence_of(child: &str) -> Option<i64> {
+    let (_, seq) = child.rsplit_once("-lock-")?;
+    if seq.is_empty() || !seq.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    seq.parse().ok()
+}
+
+/// This acquire's node until the lease is handed out: deleted (in the background) if the acquire
+/// fails or is dropped at any await point. When the create's reply never came, the node is
+/// found by this acquire's unique id.
+struct Pending {
+    session: Arc<Session>,
+    dir: String,
+    own: String,
+    path: Option<String>,
+    armed: bool,
+}
+
+impl Pending {
+    /// Deletes the node now (bounded wait); on failure the drop retries in the background.
+    async fn delete_now(&mut self) {
+        if let Some(path) = &self.path {
+            let deadline = Instant::now() + Duration::from_secs(2);
+            match self
+                .session
+                .retry_loss(Some(deadline), || self.session.client.delete(path, Some(0)))
+                .await
+            {
+                Ok(()) | Err(zk::Error::NoNode) => self.armed = false,
+                Err(_) => {}
+            }
+        }
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if !self.armed || self.session.is_dead() {
+            return;
+        }
+        match self.path.take() {
+            Some(path) => spawn_delete(self.session.clone(), path, None),
+            None => spawn_delete_own(
+                self.session.clone(),
+                std::mem::take(&mut self.dir),
+                std::mem::take(&mut self.own),
+            ),
+        }
+    }
+}
+
+struct WaitingGauge<'a>(&'a watch::Sender<WaitStats>);
+
+impl<'a> WaitingGauge<'a> {
+    fn new(tx: &'a watch::Sender<WaitStats>) -> Self {
+        tx.send_modify(|s| s.waiting += 1);
+        Self(tx)
+    }
+}
+
+impl Drop for WaitingGauge<'_> {
+    fn drop(&mut self) {
+        self.0
+            .send_modify(|s| s.waiting = s.waiting.saturating_sub(1));
+    }
+}
+
+#[async_trait]
+impl Lock for ZkLock {
+    /// Acquires `name`: creates an ephemeral sequential node under the lock's container node and
+    /// waits, watching only its predecessor, until it is the lowest.
+    ///
+    /// # Errors
+    /// As [`Lock::acquire`], plus:
+    /// - [`Error::NotSupported`] for `keepalive(false)`: a ZooKeeper session's heartbeat cannot
+    ///   be paused, so a lease cannot be left to lapse while its holder lives.
+    /// - [`Error::InvalidConfig`] if the TTL is not a whole number of milliseconds or the server
+    ///   negotiates another session timeout for it.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: a node created by a dropped acquire is deleted in the background (found by
+    /// this acquire's unique id if the create's reply had not arrived yet); if the connection is
+    /// down the session's expiry deletes it.
+    async fn acquire(&self, name: &str, opts: AcquireOptions) -> Result<Lease> {
+        validate_name(name)?;
+        opts.validate()?;
+        if !opts.keepalive {
+            return Err(Error::NotSupported {
+                operation: "keepalive(false) (manual renewal)",
+                backend: BACKEND,
+            });
+        }
+        if opts.ttl.subsec_nanos() % 1_000_000 != 0 {
+            return Err(Error::config(format!(
+                "TTL {:?} is not a whole number of milliseconds (ZooKeeper session timeouts are)",
+                opts.ttl
+            )));
+        }
+        let start = Instant::now();
+        let deadline = wait_deadline(opts.wait, start);
+        let dir = self.lock_dir(name)?;
+        retry_transient(&opts, deadline, || {
+            self.attempt(name, &dir, &opts, start, deadline)
+        })
+        .await
+    }
+
+    fn guarantees(&self) -> Guarantees {
+        let mut g = Guarantees::new(BACKEND, LockKind::Correctness);
+        g.tokens_survive_restart = true;
+        g.safe_across_failover = true;
+        g.fifo_waiters = true;
+        g.manual_renewal = false;
+        g.expiry_slack = EXPIRY_SLACK;
+        g.notes = "ZooKeeper: consensus-backed (ZAB); lease = session, TTL = negotiated session \
+                   timeout; token = holder node czxid; FIFO by sequence number; tokens durable \
+                   when the transaction log is fsynced (forceSync=yes, the default)";
+        g
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sequences() {
+        assert_eq!(sequence_of("abc-lock-0000000012"), Some(12));
+        assert_eq!(sequence_of("a-lock-b-lock-0000000003"), Some(3));
+        assert_eq!(sequence_of("abc-lock-"), None);
+        assert_eq!(sequence_of("abc-lock-12x"), None);
+        assert_eq!(sequence_of("other"), None);
+    }
+}

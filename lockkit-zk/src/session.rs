@@ -1,0 +1,339 @@
+//! ZooKeeper sessions as lease carriers.
+//!
+//! One [`Session`] per distinct TTL per [`ZkLock`](crate::ZkLock): its negotiated session timeout
+//! *is* the TTL of every lease it carries. A monitor task per session maps session states to lease
+//! states and confirms the leases' trackers with the send time of its own periodic round trip.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::Duration;
+
+use lockkit_core::{Error, Instant, LeaseTracker, Result};
+use tokio::task::AbortHandle;
+use zookeeper_client as zk;
+
+use crate::config::ZkConfig;
+use crate::error::{from_zk, unavailable};
+
+/// A lease registered with its session: the monitor confirms, suspects or loses its tracker.
+struct Registered {
+    tracker: LeaseTracker,
+    path: String,
+}
+
+/// One ZooKeeper session (one `zookeeper_client::Client`), the lease of every lock node it owns.
+pub(crate) struct Session {
+    pub(crate) client: zk::Client,
+    /// The negotiated session timeout, equal to the TTL of every lease on this session.
+    pub(crate) ttl: Duration,
+    /// The session id, as stored in its ephemeral nodes' `ephemeralOwner`.
+    pub(crate) id: i64,
+    /// Lock nodes get `CREATOR_ALL_ACL` when the client authenticated, else `OPEN_ACL_UNSAFE`.
+    pub(crate) creator_acl: bool,
+    leases: Mutex<HashMap<u64, Registered>>,
+    next_id: AtomicU64,
+    dead: AtomicBool,
+    monitor: Mutex<Option<AbortHandle>>,
+}
+
+impl fmt::Debug for Session {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Session")
+            .field("id", &format_args!("{:#x}", self.id))
+            .field("ttl", &self.ttl)
+            .field("dead", &self.is_dead())
+            .finish()
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        if let Some(h) = self.monitor_slot().take() {
+            h.abort();
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Every critical section leaves the map consistent; a panic elsewhere must not poison it.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Session {
+    /// Opens a session asking for `ttl` as its session timeout.
+    ///
+    /// With `strict`, a server that negotiates another timeout (it clamps to its
+    /// `minSessionTimeout`/`maxSessionTimeout`) gets the session closed and an
+    /// [`Error::InvalidConfig`] naming both values: a lease never silently gets another TTL.
+    pub(crate) async fn open(cfg: &ZkConfig, ttl: Duration, strict: bool) -> Result<Arc<Self>> {
+        let mut connector = zk::Client::connector()
+            .with_session_timeout(ttl)
+            .with_fail_eagerly();
+        if let Some(auth) = cfg.digest_auth() {
+            connector = connector.with_auth("digest", &auth);
+        }
+        let cs = cfg.connect_string();
+        let client =
+            match tokio::time::timeout(cfg.connect_timeout_value(), connector.connect(&cs)).await {
+                Err(_) => return Err(unavailable("connecting to ZooKeeper timed out")),
+                Ok(Err(e @ zk::Error::BadArguments(_))) => {
+                    return Err(Error::config_with("invalid ZooKeeper connect string", e));
+                }
+                Ok(Err(e)) => return Err(from_zk(e)),
+                Ok(Ok(c)) => c,
+            };
+        let negotiated = client.session_timeout();
+        if strict && negotiated != ttl {
+            return Err(Error::config(format!(
+                "ZooKeeper negotiated a session timeout of {negotiated:?} for a requested TTL of \
+                 {ttl:?}: the server's minSessionTimeout/maxSessionTimeout do not allow this TTL \
+                 (a ZooKeeper lease's TTL is its session timeout)"
+            )));
+        }
+        let session = Arc::new(Session {
+            id: client.session_id().0,
+            ttl: negotiated,
+            creator_acl: cfg.digest_auth().is_some(),
+            client,
+            leases: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(0),
+            dead: AtomicBool::new(false),
+            monitor: Mutex::new(None),
+        });
+        let states = session.client.state_watcher();
+        let h = tokio::spawn(monitor(Arc::downgrade(&session), states, negotiated / 3));
+        *session.monitor_slot() = Some(h.abort_handle());
+        Ok(session)
+    }
+
+    fn monitor_slot(&self) -> MutexGuard<'_, Option<AbortHandle>> {
+        lock(&self.monitor)
+    }
+
+    /// ACLs for the nodes this session creates.
+    pub(crate) fn acls(&self) -> zk::Acls<'static> {
+        if self.creator_acl {
+            zk::Acls::creator_all()
+        } else {
+            zk::Acls::anyone_all()
+        }
+    }
+
+    /// The session expired, was closed, or failed authentication: its ephemeral nodes are gone
+    /// (or going) and it can carry no lease any more. Final.
+    pub(crate) fn is_dead(&self) -> bool {
+        self.dead.load(Ordering::SeqCst) || self.client.state().is_terminated()
+    }
+
+    /// Registers a granted lease so the monitor drives its tracker. Returns its id, or `None` if
+    /// the session died meanwhile (the tracker is then marked lost).
+    pub(crate) fn register(&self, tracker: LeaseTracker, path: String) -> Option<u64> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        lock(&self.leases).insert(
+            id,
+            Registered {
+                tracker: tracker.clone(),
+                path,
+            },
+        );
+        // A state change between the grant and the insert above would have been missed.
+        if self.is_dead() {
+            self.kill();
+            return None;
+        }
+        if !matches!(
+            self.client.state(),
+            zk::SessionState::SyncConnected | zk::SessionState::ConnectedReadOnly
+        ) {
+            tracker.mark_suspect();
+        }
+        Some(id)
+    }
+
+    /// Forgets a lease (after its node was deleted, or found gone).
+    pub(crate) fn deregister(&self, id: u64) {
+        lock(&self.leases).remove(&id);
+    }
+
+    fn suspect_all(&self) {
+        for r in lock(&self.leases).values() {
+            r.tracker.mark_suspect();
+        }
+    }
+
+    /// The session is over: every lease it carried is lost.
+    fn kill(&self) {
+        self.dead.store(true, Ordering::SeqCst);
+        let all: Vec<Registered> = lock(&self.leases).drain().map(|(_, r)| r).collect();
+        for r in all {
+            r.tracker.mark_lost();
+        }
+    }
+
+    /// A round trip sent at `sent` was answered: the session was alive on the server at some
+    /// point after `sent`, so it stays alive until at least `sent + ttl`. Confirms every tracker;
+    /// a tracker that is already lost (its deadline passed while the reply was late) has its
+    /// node deleted, since its holder was told it lost the lock.
+    fn confirm_all(self: &Arc<Self>, sent: Instant) {
+        let mut late = Vec::new();
+        {
+            let mut leases = lock(&self.leases);
+            leases.retain(|_, r| {
+                if r.tracker.confirm(sent) {
+                    true
+                } else {
+                    late.push(std::mem::take(&mut r.path));
+                    false
+                }
+            });
+        }
+        for path in late {
+            tracing::warn!(node = %path, "lease confirmed after its deadline; deleting its node");
+            spawn_delete(self.clone(), path, None);
+        }
+    }
+
+    /// Retries `op` while it fails with a lost connection and the session lives: the client
+    /// queues requests until it reconnects, so this waits at most until the session reconnects
+    /// or expires. Stops early at `deadline`.
+    pub(crate) async fn retry_loss<T, F, Fut>(
+        &self,
+        deadline: Option<Instant>,
+        mut op: F,
+    ) -> Result<T, zk::Error>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, zk::Error>>,
+    {
+        let mut pause = Duration::from_millis(10);
+        loop {
+            let attempt = op();
+            let res = match deadline {
+                Some(d) => match tokio::time::timeout_at(d, attempt).await {
+                    Ok(r) => r,
+                    Err(_) => return Err(zk::Error::Timeout),
+                },
+                None => attempt.await,
+            };
+            match res {
+                Err(zk::Error::ConnectionLoss) if !self.is_dead() => {
+                    if deadline.is_some_and(|d| Instant::now() + pause >= d) {
+                        return Err(zk::Error::ConnectionLoss);
+                    }
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_millis(500));
+                }
+                other => return other,
+            }
+        }
+    }
+}
+
+/// Deletes `path` (a node this client created) in the background, retrying lost connections
+/// until the delete is acknowledged, the node is found gone, or the session ends (its ephemeral
+/// nodes then go with it). Then deregisters `lease_id`.
+pub(crate) fn spawn_delete(session: Arc<Session>, path: String, lease_id: Option<u64>) {
+    let Ok(rt) = tokio::runtime::Handle::try_current() else {
+        return; // no runtime: the session's end frees the node
+    };
+    rt.spawn(async move {
+        let res = session
+            .retry_loss(None, || session.client.delete(&path, Some(0)))
+            .await;
+        if let Err(e) = &res {
+            if !matches!(e, zk::Error::NoNode | zk::Error::BadVersion) && !session.is_dead() {
+                tracing::warn!(node = %path, error = %e, "could not delete lock node; the session's end will");
+            }
+        }
+        if let Some(id) = lease_id {
+            session.deregister(id);
+        }
+    });
+}
+
+/// Deletes, in the background, every child of `dir` whose name starts with `own_prefix` (this
+/// acquire's unique id), for an acquire dropped while its create may have been in flight.
+pub(crate) fn spawn_delete_own(session: Arc<Session>, dir: String, own_prefix: String) {
+    let Ok(rt) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    rt.spawn(async move {
+        // Requests on one session are answered in order, so this listing sees a create that was
+        // sent before it.
+        let children = match session
+            .retry_loss(None, || session.client.list_children(&dir))
+            .await
+        {
+            Ok(c) => c,
+            Err(_) => return, // no parent, or the session ended: nothing of ours remains
+        };
+        for child in children.into_iter().filter(|c| c.starts_with(&own_prefix)) {
+            spawn_delete(session.clone(), format!("{dir}/{child}"), None);
+        }
+    });
+}
+
+type Heartbeat = Pin<Box<dyn Future<Output = (Instant, Result<(), zk::Error>)> + Send>>;
+
+/// Session states → lease states, and the client-side confirmation of every lease:
+/// - `Disconnected` → every lease [`Suspect`](lockkit_core::LeaseState::Suspect);
+/// - `Expired`, `Closed`, `AuthFailed` → every lease [`Lost`](lockkit_core::LeaseState::Lost);
+/// - every `interval` (TTL/3) an `exists /` round trip; its answer confirms every lease with the
+///   request's send time. Without answers the trackers reach their deadline (send time of the
+///   last answered round trip + TTL − margin) and turn Lost on their own, whether or not the
+///   server has said anything.
+async fn monitor(weak: Weak<Session>, mut states: zk::StateWatcher, interval: Duration) {
+    let mut next = Instant::now() + interval;
+    let mut inflight: Option<Heartbeat> = None;
+    loop {
+        tokio::select! {
+            state = states.changed() => {
+                let Some(s) = weak.upgrade() else { return };
+                match state {
+                    zk::SessionState::Disconnected => s.suspect_all(),
+                    zk::SessionState::SyncConnected | zk::SessionState::ConnectedReadOnly => {
+                        // Confirmed by the next round trip; send it now.
+                        next = Instant::now();
+                    }
+                    _ => {
+                        tracing::warn!(session = %format_args!("{:#x}", s.id), ?state, "ZooKeeper session ended; its leases are lost");
+                        s.kill();
+                        return;
+                    }
+                }
+            }
+            (sent, res) = async {
+                match inflight.as_mut() {
+                    Some(hb) => hb.await,
+                    None => std::future::pending().await,
+                }
+            }, if inflight.is_some() => {
+                inflight = None;
+                let Some(s) = weak.upgrade() else { return };
+                match res {
+                    Ok(()) => s.confirm_all(sent),
+                    Err(e) if e == zk::Error::SessionExpired || s.is_dead() => {
+                        s.kill();
+                        return;
+                    }
+                    Err(e) => tracing::debug!(error = %e, "session heartbeat failed"),
+                }
+            }
+            _ = tokio::time::sleep_until(next), if inflight.is_none() => {
+                let Some(s) = weak.upgrade() else { return };
+                let client = s.client.clone();
+                drop(s);
+                let sent = Instant::now();
+                inflight = Some(Box::pin(async move {
+                    let res = client.check_stat("/").await.map(|_| ());
+                    (sent, res)
+                }));
+                next = sent + interval;
+            }
+        }
+    }
+}

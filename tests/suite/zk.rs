@@ -1,1 +1,0 @@
-//! zk backend tests (in progress).

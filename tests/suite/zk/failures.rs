@@ -1,0 +1,467 @@
+//! ZooKeeper-specific behaviour against a real server: bad connects, TTL negotiation, session
+//! expiry of a frozen holder, lost create replies, the herd check, name encoding.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use lockkit::zk::{ZkConfig, ZkLock};
+use lockkit::{AcquireOptions, Error, LeaseState, Lock, LockExt, Wait};
+use tokio::time::Instant;
+
+use super::proxy::Proxy;
+use crate::common::{free_port, fresh_prefix, server_url, with_prefix};
+
+/// Session timeout used by the failure tests: 2 s (the shared server accepts 1 s–60 s).
+const TTL: Duration = Duration::from_secs(2);
+/// Scheduling slack on a loaded 2-core machine.
+const TOLERANCE: Duration = Duration::from_secs(2);
+
+fn shared_url() -> String {
+    server_url("LOCKKIT_ZK_URL")
+}
+
+fn upstream() -> String {
+    shared_url()
+        .strip_prefix("zk://")
+        .expect("LOCKKIT_ZK_URL is zk://host:port")
+        .to_owned()
+}
+
+fn unique(name: &str) -> String {
+    format!("{name}-{:08x}", rand::random::<u32>())
+}
+
+async fn direct(prefix: &str) -> ZkLock {
+    ZkLock::connect(&with_prefix(&shared_url(), prefix))
+        .await
+        .expect("connect")
+}
+
+async fn through(proxy: &Proxy, prefix: &str) -> ZkLock {
+    ZkLock::connect(&format!("zk://127.0.0.1:{}?prefix={prefix}", proxy.port))
+        .await
+        .expect("connect through proxy")
+}
+
+fn waiting(ttl: Duration, timeout: Duration) -> AcquireOptions {
+    AcquireOptions::new().ttl(ttl).wait(Wait::Timeout(timeout))
+}
+
+#[tokio::test]
+async fn malformed_urls_are_invalid_config_at_once() {
+    for url in [
+        "zk://",
+        "zk://127.0.0.1",
+        "zk://127.0.0.1:notaport",
+        "zk://127.0.0.1:2181,",
+        "zk://127.0.0.1:2181/trailing/",
+        "zk://127.0.0.1:2181?prefix=a/b",
+        "zk://127.0.0.1:2181?prefix=zookeeper",
+        "zk://127.0.0.1:2181?what=1",
+        "zk://user-without-password@127.0.0.1:2181",
+    ] {
+        let start = Instant::now();
+        match lockkit::connect(url).await {
+            Err(Error::InvalidConfig { .. }) => {}
+            other => panic!("{url:?}: expected InvalidConfig, got {other:?}"),
+        }
+        assert!(
+            start.elapsed() < Duration::from_millis(500),
+            "{url:?} did I/O"
+        );
+    }
+}
+
+#[tokio::test]
+async fn unreachable_server_is_unavailable_quickly() {
+    // Nothing listens: refused at once.
+    let url = format!("zk://127.0.0.1:{}", free_port());
+    let start = Instant::now();
+    match lockkit::connect(&url).await {
+        Err(e @ Error::Unavailable { .. }) => assert!(e.is_retryable()),
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+    assert!(
+        start.elapsed() < Duration::from_secs(6),
+        "took {:?}",
+        start.elapsed()
+    );
+
+    // Accepts TCP but never answers: bounded by connect_timeout_ms.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!(
+        "zk://127.0.0.1:{}?connect_timeout_ms=1000",
+        silent.local_addr().unwrap().port()
+    );
+    let start = Instant::now();
+    match lockkit::connect(&url).await {
+        Err(Error::Unavailable { .. }) => {}
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+    assert!(
+        start.elapsed() < Duration::from_secs(1) + TOLERANCE,
+        "took {:?}",
+        start.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn missing_chroot_is_invalid_config() {
+    let url = format!(
+        "{}/no-such-chroot-{:08x}",
+        shared_url(),
+        rand::random::<u32>()
+    );
+    match lockkit::connect(&url).await {
+        Err(Error::InvalidConfig { reason, .. }) => assert!(reason.contains("chroot"), "{reason}"),
+        other => panic!("expected InvalidConfig, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn wrong_password_is_auth_error_and_never_printed() {
+    let prefix = fresh_prefix();
+    let hostport = upstream();
+    let owner = ZkLock::connect(&format!("zk://alice:right@{hostport}?prefix={prefix}"))
+        .await
+        .expect("connect with digest auth");
+    // The lock nodes (and the prefix node) now carry alice's CREATOR_ALL ACL.
+    let lease = owner
+        .try_acquire(&unique("acl"), Duration::from_secs(10))
+        .await
+        .expect("acquire");
+    let url = format!("zk://alice:wrong-pass-123@{hostport}?prefix={prefix}");
+    match lockkit::connect(&url).await {
+        Err(e @ Error::Auth { .. }) => {
+            let shown = format!("{e} {e:?} {:?}", std::error::Error::source(&e));
+            assert!(
+                !shown.contains("wrong-pass-123"),
+                "password leaked: {shown}"
+            );
+        }
+        other => panic!("expected Auth, got {other:?}"),
+    }
+    let cfg = ZkConfig::from_url(&url).unwrap();
+    assert!(!format!("{cfg:?}").contains("wrong-pass-123"));
+    lease.release().await.expect("release");
+}
+
+#[tokio::test]
+async fn ttl_the_server_cannot_honour_is_refused_naming_both() {
+    let locks = direct(&fresh_prefix()).await;
+    let name = unique("ttl");
+    // minSessionTimeout=1000 and maxSessionTimeout=60000 on the shared server.
+    for ttl in [Duration::from_millis(500), Duration::from_secs(120)] {
+        match locks.try_acquire(&name, ttl).await {
+            Err(Error::InvalidConfig { reason, .. }) => {
+                assert!(reason.contains(&format!("{ttl:?}")), "{reason}");
+                assert!(reason.contains("negotiated"), "{reason}");
+            }
+            other => panic!("ttl {ttl:?}: expected InvalidConfig, got {other:?}"),
+        }
+    }
+    match locks
+        .try_acquire(&name, Duration::from_micros(1_500_500))
+        .await
+    {
+        Err(Error::InvalidConfig { .. }) => {}
+        other => panic!("sub-millisecond TTL: {other:?}"),
+    }
+    match locks
+        .acquire(&name, AcquireOptions::new().keepalive(false))
+        .await
+    {
+        Err(Error::NotSupported { backend: "zk", .. }) => {}
+        other => panic!("keepalive(false): {other:?}"),
+    }
+    // Each TTL gets its own session; both work side by side.
+    let a = locks.try_acquire(&unique("ttl-a"), TTL).await.expect("2 s");
+    let b = locks
+        .try_acquire(&unique("ttl-b"), Duration::from_secs(5))
+        .await
+        .expect("5 s");
+    let (za, zb) = (zk_lease(&a), zk_lease(&b));
+    assert_ne!(za.session_id(), zb.session_id());
+    a.release().await.unwrap();
+    b.release().await.unwrap();
+}
+
+fn zk_lease(lease: &lockkit::Lease) -> &lockkit::zk::ZkLease {
+    lease
+        .ops()
+        .as_any()
+        .downcast_ref::<lockkit::zk::ZkLease>()
+        .expect("a ZooKeeper lease")
+}
+
+#[tokio::test]
+async fn names_are_encoded_and_stay_distinct() {
+    let locks = direct(&fresh_prefix()).await;
+    let base = unique("enc");
+    let names = [
+        format!("{base} 100%"),
+        format!("{base} 100%25"),
+        format!("{base} 🔒"),
+        format!("{base} \u{e000}"),
+        format!("{base} \u{fff0}"),
+        "zookeeper".to_owned(),
+    ];
+    let mut leases = Vec::new();
+    for n in &names {
+        leases.push(
+            locks
+                .try_acquire(n, Duration::from_secs(10))
+                .await
+                .expect(n),
+        );
+    }
+    for l in leases {
+        l.release().await.expect("release");
+    }
+}
+
+/// The holder's connection is frozen past its session timeout: the server expires the session
+/// and deletes the node, another client gets the lock with a larger token, and the frozen holder,
+/// once thawed, reports Lost and has its fenced write rejected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frozen_holder_loses_its_session_and_is_fenced() {
+    let prefix = fresh_prefix();
+    let proxy = Proxy::start(upstream()).await;
+    let a = through(&proxy, &prefix).await;
+    let b = direct(&prefix).await;
+    let name = unique("frozen");
+    let data = format!("/{prefix}-data");
+
+    let lease_a = a.try_acquire(&name, TTL).await.expect("A acquires");
+    a.fence()
+        .write(&lease_a, &data, b"A1")
+        .await
+        .expect("A's fenced write while holding");
+
+    let frozen_at = Instant::now();
+    proxy.freeze(true);
+    let lost_a = tokio::spawn(lease_a.lost());
+    let lease_b = b
+        .acquire(&name, waiting(Duration::from_secs(10), TTL * 3 + TOLERANCE))
+        .await
+        .expect("B gets the lock once A's session expired");
+    let granted = Instant::now();
+    assert!(
+        lease_b.token() > lease_a.token(),
+        "{} !> {}",
+        lease_b.token(),
+        lease_a.token()
+    );
+    assert!(
+        granted - frozen_at >= TTL - TTL / 4,
+        "B was granted {:?} after the freeze, before A's session could expire",
+        granted - frozen_at
+    );
+    // A's client-side deadline fired no later than B's grant, while A heard nothing.
+    assert!(
+        lease_a.valid_until() <= granted,
+        "A still believed it held the lock when B got it"
+    );
+    tokio::time::timeout(TOLERANCE, lost_a)
+        .await
+        .expect("A's loss signal")
+        .unwrap();
+    assert_eq!(lease_a.state(), LeaseState::Lost);
+    b.fence()
+        .write(&lease_b, &data, b"B1")
+        .await
+        .expect("B's fenced write");
+
+    proxy.freeze(false);
+    // A wakes up and writes anyway: the server-side check on A's node rejects it.
+    match a.fence().write(&lease_a, &data, b"A2-stale").await {
+        Err(Error::StaleToken { token, current, .. }) => {
+            assert_eq!(token, lease_a.token());
+            assert_eq!(current, lease_b.token());
+        }
+        other => panic!("A's stale write: {other:?}"),
+    }
+    assert_eq!(
+        b.fence().read(&data).await.unwrap().as_deref(),
+        Some(&b"B1"[..])
+    );
+    // Reconnecting (under a new session) never revives A's lease.
+    assert_eq!(lease_a.state(), LeaseState::Lost);
+    match lease_a.release().await {
+        Err(Error::NotHeld { .. }) => {}
+        other => panic!("A's release after expiry: {other:?}"),
+    }
+    assert!(matches!(
+        b.try_acquire(&name, TTL).await,
+        Err(Error::Held { .. })
+    ));
+    lease_b.release().await.expect("B releases");
+    assert!(b.contenders(&name).await.unwrap().is_empty());
+}
+
+/// The reply to the create is lost, the client reconnects (same session) and finds its own node
+/// by its unique id: it holds the lock with exactly one node, no duplicate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_create_reply_adopts_own_node() {
+    let prefix = fresh_prefix();
+    let proxy = Proxy::start(upstream()).await;
+    let a = through(&proxy, &prefix).await;
+    let b = direct(&prefix).await;
+    let name = unique("lost-reply");
+
+    proxy.cut_next_create(false);
+    let lease = a
+        .acquire(&name, waiting(TTL, Duration::from_secs(10)))
+        .await
+        .expect("acquire survives a lost create reply");
+    assert_eq!(proxy.cuts(), 1, "the create reply was not cut");
+    let nodes = b.contenders(&name).await.unwrap();
+    assert_eq!(nodes.len(), 1, "duplicate or missing node: {nodes:?}");
+    assert!(matches!(
+        b.try_acquire(&name, TTL).await,
+        Err(Error::Held { .. })
+    ));
+    lease.release().await.expect("release");
+    assert!(b.contenders(&name).await.unwrap().is_empty());
+}
+
+/// A try-acquire of a held lock whose create reply is lost finds its node after reconnecting,
+/// sees it is not first, and deletes it: nothing is left to block others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_create_reply_on_held_lock_leaves_nothing() {
+    let prefix = fresh_prefix();
+    let proxy = Proxy::start(upstream()).await;
+    let a = through(&proxy, &prefix).await;
+    let b = direct(&prefix).await;
+    let name = unique("lost-reply-held");
+
+    let held = b.try_acquire(&name, TTL).await.expect("B holds");
+    proxy.cut_next_create(false);
+    match a.try_acquire(&name, TTL).await {
+        Err(Error::Held { .. }) => {}
+        other => panic!("expected Held, got {other:?}"),
+    }
+    assert_eq!(proxy.cuts(), 1);
+    assert_eq!(b.contenders(&name).await.unwrap().len(), 1);
+    held.release().await.unwrap();
+    assert!(b.contenders(&name).await.unwrap().is_empty());
+}
+
+/// The create is applied but its reply is lost and the client can never reconnect: it gives up,
+/// the lock is free for others once the session times out, and no orphan node remains.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_create_reply_then_partition_frees_the_lock_within_the_session_timeout() {
+    let prefix = fresh_prefix();
+    let proxy = Proxy::start(upstream()).await;
+    let a = through(&proxy, &prefix).await;
+    let b = direct(&prefix).await;
+    let name = unique("lost-reply-gone");
+
+    proxy.cut_next_create(true);
+    let start = Instant::now();
+    let res = a.acquire(&name, waiting(TTL, Duration::from_secs(1))).await;
+    assert!(
+        matches!(res, Err(Error::Timeout { .. } | Error::Unavailable { .. })),
+        "{res:?}"
+    );
+    proxy.wait_cuts(1).await;
+    // A's node exists on the server (the create was applied) until A's session expires.
+    let lease_b = b
+        .acquire(&name, waiting(TTL, TTL + TOLERANCE * 2))
+        .await
+        .expect("the lock is obtainable once A's session times out");
+    assert!(
+        start.elapsed() <= TTL + lockkit::zk::EXPIRY_SLACK + TOLERANCE * 2,
+        "took {:?}",
+        start.elapsed()
+    );
+    let nodes = b.contenders(&name).await.unwrap();
+    assert_eq!(nodes.len(), 1, "orphans left: {nodes:?}");
+    lease_b.release().await.unwrap();
+    assert!(b.contenders(&name).await.unwrap().is_empty());
+}
+
+/// 20 waiters, each watching only its predecessor: every release wakes exactly one of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_release_wakes_exactly_one_waiter() {
+    const WAITERS: usize = 20;
+    let prefix = fresh_prefix();
+    let holder = direct(&prefix).await;
+    let waiters = direct(&prefix).await;
+    let name = unique("herd");
+    let first = holder
+        .try_acquire(&name, Duration::from_secs(10))
+        .await
+        .expect("holder");
+
+    let stats = waiters.wait_stats();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let mut joins = Vec::new();
+    for _ in 0..WAITERS {
+        let (w, name, seen, stats) = (waiters.clone(), name.clone(), seen.clone(), stats.clone());
+        joins.push(tokio::spawn(async move {
+            let lease = w
+                .acquire(
+                    &name,
+                    waiting(Duration::from_secs(10), Duration::from_secs(60)),
+                )
+                .await
+                .expect("waiter acquires");
+            // Wake-ups so far, read while this waiter holds the lock.
+            seen.lock()
+                .unwrap()
+                .push((stats.borrow().wakeups, lease.token()));
+            lease.release().await.expect("release");
+        }));
+    }
+    let mut rx = waiters.wait_stats();
+    tokio::time::timeout(
+        Duration::from_secs(30),
+        rx.wait_for(|s| s.waiting == WAITERS),
+    )
+    .await
+    .expect("all waiters blocked on a watch")
+    .unwrap();
+    assert_eq!(
+        rx.borrow().wakeups,
+        0,
+        "a waiter woke while nothing changed"
+    );
+    assert_eq!(holder.contenders(&name).await.unwrap().len(), WAITERS + 1);
+
+    first.release().await.expect("release");
+    for j in joins {
+        j.await.expect("waiter task");
+    }
+    let seen = seen.lock().unwrap().clone();
+    // The k-th waiter to get the lock saw exactly k wake-ups: one per release.
+    let wakeups: Vec<u64> = seen.iter().map(|s| s.0).collect();
+    assert_eq!(wakeups, (1..=WAITERS as u64).collect::<Vec<_>>());
+    assert!(seen.windows(2).all(|w| w[0].1 < w[1].1), "tokens: {seen:?}");
+    assert_eq!(waiters.wait_stats().borrow().wakeups, WAITERS as u64);
+}
+
+/// A lost connection makes the lease Suspect, a reconnect (same session) confirms it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn short_disconnect_is_suspect_then_held() {
+    let prefix = fresh_prefix();
+    let proxy = Proxy::start(upstream()).await;
+    let a = through(&proxy, &prefix).await;
+    let ttl = Duration::from_secs(10);
+    let lease = a.try_acquire(&unique("blip"), ttl).await.expect("acquire");
+    proxy.freeze(true);
+    // The client declares the connection lost after 2/5 of the session timeout without traffic.
+    let start = Instant::now();
+    while lease.state() == LeaseState::Held {
+        assert!(start.elapsed() < ttl, "never became suspect");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(lease.state(), LeaseState::Suspect);
+    proxy.freeze(false);
+    while lease.state() != LeaseState::Held {
+        assert!(lease.state() != LeaseState::Lost, "lost after a short blip");
+        assert!(start.elapsed() < ttl, "never confirmed again");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    lease.release().await.expect("release");
+}

@@ -1,1 +1,138 @@
-//! The postgres backend of lockkit (in progress).
+//! # lockkit-postgres
+//!
+//! The PostgreSQL backend of [lockkit](https://docs.rs/lockkit): distributed locks that are
+//! **leases** (the server frees a lock one TTL after its holder stops renewing) with durable,
+//! strictly increasing **fencing tokens**, on one PostgreSQL 14+ server, through
+//! [sqlx](https://docs.rs/sqlx).
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use lockkit_core::{AcquireOptions, Error, Lock, Wait};
+//! use lockkit_postgres::{PgFence, PgLock};
+//! use sqlx::{Arguments, Connection, postgres::PgArguments};
+//!
+//! # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let url = "postgres://postgres@127.0.0.1:5432/postgres?prefix=billing";
+//! let locks = PgLock::connect(url).await?; // creates lockkit.fence if missing
+//!
+//! let opts = AcquireOptions::new()
+//!     .ttl(Duration::from_secs(10))
+//!     .wait(Wait::Timeout(Duration::from_secs(5)));
+//! let lease = locks.acquire("invoice-run", opts).await?;
+//!
+//! // The protected data lives in PostgreSQL too: every write is fenced by the lease's token,
+//! // in your own transaction. (CREATE TABLE invoices (id int PRIMARY KEY, state text,
+//! // fence_token bigint))
+//! let fence = PgFence::new("invoices", "fence_token")?;
+//! let mut db = sqlx::PgConnection::connect("postgres://postgres@127.0.0.1:5432/postgres").await?;
+//! let mut tx = db.begin().await?;
+//! let mut args = PgArguments::default();
+//! args.add("sent")?; // $1
+//! args.add(42_i32)?; // $2
+//! tokio::select! {
+//!     _ = lease.lost() => return Err("lease lost: another holder may run now".into()),
+//!     res = fence.update(&mut *tx, lease.token(), "state = $1", "id = $2", args) => match res {
+//!         Ok(_) => tx.commit().await?,
+//!         // A holder with a newer token already wrote: we were paused past our TTL.
+//!         Err(Error::StaleToken { .. }) => tx.rollback().await?,
+//!         Err(e) => return Err(e.into()),
+//!     },
+//! }
+//! lease.release().await?;
+//! # Ok(()) }
+//! ```
+//!
+//! ## How a lease works
+//! Each lease is a **session-level advisory lock**
+//! (<https://www.postgresql.org/docs/current/explicit-locking.html#ADVISORY-LOCKS>) held on a
+//! **connection of its own** for the whole life of the lease. That connection is never shared
+//! and is only reused for another acquire after `pg_advisory_unlock` returned `true`.
+//!
+//! - **Expiry.** Before the lock is requested, the session's
+//!   [`idle_session_timeout`](https://www.postgresql.org/docs/current/runtime-config-client.html#GUC-IDLE-SESSION-TIMEOUT)
+//!   (PostgreSQL 14+, milliseconds) is set to the TTL. While the holder renews, every renewal
+//!   is a statement on that session and restarts the timer. If the holder stops (paused
+//!   process, crash, network cut), the server terminates the session after one TTL of
+//!   idleness, and ending a session releases its advisory locks. No client cooperation and no
+//!   TCP timeout is needed. The client's own deadline is `send time + TTL − drift margin`, so
+//!   the holder is told it lost the lock before the server frees it.
+//! - **Dead peers.** The session also sets `tcp_keepalives_idle = 10 s`,
+//!   `tcp_keepalives_interval = 2 s`, `tcp_keepalives_count = 3` and `tcp_user_timeout = 10 s`
+//!   (<https://www.postgresql.org/docs/current/runtime-config-connection.html#RUNTIME-CONFIG-TCP-SETTINGS>),
+//!   and `client_connection_check_interval = 250 ms`
+//!   (<https://www.postgresql.org/docs/current/runtime-config-connection.html#GUC-CLIENT-CONNECTION-CHECK-INTERVAL>),
+//!   so a waiter whose client went away leaves the lock queue promptly.
+//! - **Renew** runs one statement on the session (restarting the idle timer) and checks the
+//!   backend pid is unchanged. If the session is gone (idle timeout, `pg_terminate_backend`,
+//!   server restart, broken connection), renew and release return
+//!   [`Error::NotHeld`](lockkit_core::Error::NotHeld) and the lease is lost; the lock is never
+//!   re-taken.
+//! - **Release** is `pg_advisory_unlock(key)`.
+//! - **Waiting** happens in the server's lock queue: `pg_advisory_lock(key)` with
+//!   [`lock_timeout`](https://www.postgresql.org/docs/current/runtime-config-client.html#GUC-LOCK-TIMEOUT)
+//!   set to the time left; no polling. Dropping a waiting acquire closes its connection, which
+//!   ends the session and so its place in the queue and any lock granted meanwhile.
+//!
+//! ## Fencing tokens
+//! A token is a per-name counter in lockkit's table `{schema}.fence` (created by
+//! [`PgLock::migrate`], or on connect). The statement that takes the lock bumps the counter in
+//! the same autocommit statement, only when the lock was granted:
+//!
+//! ```sql
+//! WITH l AS MATERIALIZED (SELECT pg_try_advisory_lock($1) AS ok),
+//!      b AS (INSERT INTO lockkit.fence AS f (key, name, token) SELECT $1, $2, 1 FROM l WHERE l.ok
+//!            ON CONFLICT (key) DO UPDATE SET token = f.token + 1 WHERE f.name = excluded.name
+//!            RETURNING f.token)
+//! SELECT l.ok, (SELECT token FROM b) FROM l
+//! ```
+//!
+//! The bump commits when the statement returns (with `synchronous_commit = on` forced on
+//! lockkit's sessions), so a token that reached a client is durable, and no transaction that
+//! might roll back ever holds it: tokens never repeat, across killed sessions, client restarts
+//! and server restarts (as long as the server's `fsync` is on and its WAL survives). Tokens of
+//! one name are granted in lock order, because only the lock holder bumps.
+//!
+//! ## Lock keys
+//! Names map to the advisory key space by [`lock_key`]: the first 8 bytes of SHA-256 of
+//! `"{prefix}/{name}"`. The fence row stores the full name, so a collision between two names is
+//! reported as an error instead of making them share a lock.
+//!
+//! ## Connection poolers
+//! A transaction-mode pooler (PgBouncer `pool_mode = transaction`) hands a server session to
+//! other clients between transactions, which breaks session advisory locks. lockkit sends its
+//! settings in the startup packet together with a random marker and checks that the session
+//! reports the marker back: PgBouncer refuses (or ignores) such startup options, and the
+//! connect fails with [`Error::InvalidConfig`](lockkit_core::Error::InvalidConfig) naming the
+//! pooler. Renewals also check the backend pid. Connect lockkit directly to PostgreSQL.
+//!
+//! ## Guarantees
+//! | | |
+//! |---|---|
+//! | kind | correctness lock, on one server |
+//! | lease expiry | idle_session_timeout = TTL, ms precision, slack ≤ 100 ms |
+//! | tokens | durable, strictly increasing per name, survive server restarts |
+//! | waiters | FIFO (PostgreSQL's lock queue) |
+//! | manual renewal | yes (`keepalive(false)`) |
+//! | failover | **not safe**: advisory locks are not replicated; a promoted standby has none |
+//!
+//! Requires PostgreSQL 14 or newer, a role that may create lockkit's schema and table once
+//! (or run [`PgLock::migrate`] from one that can), and one server connection per held lease
+//! plus up to 8 idle ones per [`PgLock`].
+#![forbid(unsafe_code)]
+#![warn(missing_docs, missing_debug_implementations)]
+#![deny(rustdoc::broken_intra_doc_links)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+mod config;
+mod error;
+mod fence;
+mod lease;
+mod lock;
+
+pub use config::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_PREFIX, DEFAULT_SCHEMA, PgConfig};
+pub use fence::PgFence;
+pub use lease::PgLease;
+pub use lock::{PgLock, lock_key};
+
+/// sqlx, as used by this crate (for [`PgFence`]'s arguments and [`PgConfig::new`]'s options).
+pub use sqlx;

@@ -1,0 +1,70 @@
+//! sqlx errors → [`lockkit_core::Error`].
+
+use lockkit_core::Error;
+
+pub(crate) const BACKEND: &str = "postgres";
+
+/// Classifies a sqlx error: unreachable server, broken connection and timeouts →
+/// [`Error::Unavailable`]; refused credentials → [`Error::Auth`]; bad connection options →
+/// [`Error::InvalidConfig`]; everything else → [`Error::Backend`].
+pub(crate) fn from_sqlx(e: sqlx::Error) -> Error {
+    match &e {
+        sqlx::Error::Configuration(_) => {
+            Error::config_with("invalid PostgreSQL connection options", e)
+        }
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed => unavailable(e),
+        sqlx::Error::Database(db) => {
+            let code = db.code().map(|c| c.into_owned()).unwrap_or_default();
+            match code.as_str() {
+                // invalid_password, invalid_authorization_specification
+                "28P01" | "28000" => Error::Auth {
+                    backend: BACKEND,
+                    source: Box::new(e),
+                },
+                // connection exceptions, too many connections, operator intervention
+                // (admin/crash shutdown, cannot connect now, idle session timeout)
+                c if c.starts_with("08") || c == "53300" || c.starts_with("57P") => unavailable(e),
+                _ => backend(e),
+            }
+        }
+        _ => backend(e),
+    }
+}
+
+pub(crate) fn unavailable(e: impl Into<lockkit_core::BoxError>) -> Error {
+    Error::Unavailable {
+        backend: BACKEND,
+        source: e.into(),
+    }
+}
+
+pub(crate) fn backend(e: impl Into<lockkit_core::BoxError>) -> Error {
+    Error::Backend {
+        backend: BACKEND,
+        source: e.into(),
+    }
+}
+
+/// The SQLSTATE of a database error, if `e` is one.
+pub(crate) fn sqlstate(e: &sqlx::Error) -> Option<String> {
+    match e {
+        sqlx::Error::Database(db) => db.code().map(|c| c.into_owned()),
+        _ => None,
+    }
+}
+
+/// A plain message as an error source.
+#[derive(Debug)]
+pub(crate) struct Msg(pub String);
+
+impl std::fmt::Display for Msg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Msg {}

@@ -1,1 +1,106 @@
-//! The etcd backend of lockkit (in progress).
+//! # lockkit-etcd
+//!
+//! The etcd v3 backend of [lockkit](https://docs.rs/lockkit): a **correctness** lock built on
+//! etcd's Raft-replicated key space, leases and watches, with the lock protocol of etcd's own
+//! `concurrency` package.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use lockkit_core::{AcquireOptions, Lock, Wait};
+//! use lockkit_etcd::{EtcdFence, EtcdLock};
+//!
+//! # #[tokio::main(flavor = "current_thread")] async fn main() -> lockkit_core::Result<()> {
+//! // Or lockkit::connect("etcd://127.0.0.1:2379,127.0.0.1:22379?prefix=jobs") for Arc<dyn Lock>.
+//! let locks = EtcdLock::connect("etcd://127.0.0.1:2379?prefix=jobs").await?;
+//! let opts = AcquireOptions::new()
+//!     .ttl(Duration::from_secs(10))
+//!     .wait(Wait::Timeout(Duration::from_secs(30)));
+//! let lease = locks.acquire("nightly-report", opts).await?;
+//! tokio::select! {
+//!     _ = lease.lost() => { /* stop at once: another holder may have the lock */ }
+//!     written = async {
+//!         // Applied only while this lease still holds the lock (one etcd transaction).
+//!         EtcdFence::new(&lease)?.put("reports/nightly", "rows…").await
+//!     } => written?,
+//! }
+//! lease.release().await?;
+//! # Ok(()) }
+//! ```
+//!
+//! ## URL
+//! `etcd://[user[:password]@]host[:port][,host[:port]…][?prefix=…]` — see [`EtcdConfig`]. Each
+//! `host:port` is an `http://` endpoint (TLS is not supported by this backend). A wrong password
+//! fails [`EtcdLock::connect`] with [`Error::Auth`](lockkit_core::Error::Auth); an unreachable
+//! cluster with [`Error::Unavailable`](lockkit_core::Error::Unavailable) after the connect
+//! timeout (3 s by default).
+//!
+//! ## Protocol
+//! - Each acquire puts its own key `{prefix}/{name}/{lease id hex}-{random hex}`, attached to an
+//!   etcd lease, in one transaction that also reads the lowest create revision under
+//!   `{prefix}/{name}/`. The key with the lowest create revision is the holder; the others are
+//!   waiters in FIFO order.
+//! - A waiter watches only the key immediately ahead of it (largest create revision below its
+//!   own) for its deletion; one release wakes one waiter. No polling.
+//! - When woken, the waiter re-checks in one linearizable read that its own key still exists
+//!   (so its lease is alive: etcd deletes a lease's keys when the lease ends) and that no key is
+//!   ahead. A waiter whose lease lapsed gets [`Error::LeaseLost`](lockkit_core::Error::LeaseLost),
+//!   never a lease.
+//! - Release deletes the key only if it is still this grant's (compare on its create revision).
+//! - Dropping an acquire at any point deletes its key in the background; a timed-out acquire
+//!   deletes it before returning.
+//!
+//! See <https://etcd.io/docs/v3.4/dev-guide/api_concurrency_reference_v3/> and
+//! <https://etcd.io/docs/v3.4/learning/api/>.
+//!
+//! ## Fencing tokens
+//! The token is the holder key's **create revision**: etcd's revision is one cluster-wide
+//! counter, bumped by every write, replicated and persisted through the Raft log, and never
+//! reused, so it survives client restarts, member restarts and leader failover. A later holder's
+//! key was created after the earlier holder's key existed, so its revision is larger. The one
+//! exception: restoring a cluster from an old snapshot (`etcdctl snapshot restore`) rewinds the
+//! revision, and tokens handed out after the snapshot may repeat.
+//!
+//! For data kept in etcd itself, [`EtcdFence`] makes each write a transaction that checks the
+//! holder key's create revision, so a stale holder's write is rejected atomically.
+//!
+//! ## Leases and keepalive
+//! - Locks acquired with keepalive on (the default) share **one etcd lease per client and TTL**
+//!   (the session lease), kept alive by one task at about TTL/3 that confirms every lock on it
+//!   with the send time of each acknowledged keepalive. Each lock's deadline is
+//!   `send time of the last acknowledged keepalive + TTL − drift margin`; the lock turns
+//!   suspect when keepalives go unanswered and lost at that deadline, even if the TCP connection
+//!   looks fine. A keepalive answered with `TTL <= 0` marks every lock on the lease lost at once.
+//! - When the last lock on a session lease is released, the lease lingers one TTL (configurable:
+//!   [`EtcdConfig::lease_linger`]) so back-to-back acquires reuse it, then it is revoked. When the
+//!   [`EtcdLock`] (all clones) is dropped, idle session leases are revoked at once; leases of
+//!   locks still held keep being renewed until those are released or dropped.
+//! - A lock dropped without release and without release-on-drop ([`Lease::leak`](lockkit_core::Lease::leak))
+//!   stays held while other locks of the same client and TTL keep the session lease alive; the
+//!   lease then takes no newcomers and is not revoked, so the leaked key ends with it, one TTL later.
+//! - `keepalive(false)` acquires get a lease of their own, renewed only by
+//!   [`Lease::renew`](lockkit_core::Lease::renew) (one `LeaseKeepAlive` round trip).
+//! - etcd lease TTLs are whole seconds: a TTL is rounded up, and the server raises it to its
+//!   minimum (1.5 × election timeout, rounded up; 2 s with default settings). Client-side
+//!   deadlines use the TTL you asked for, so they are conservative; the server may free the lock
+//!   up to [`Guarantees::expiry_slack`](lockkit_core::Guarantees::expiry_slack) later
+//!   (`max(1 s, minimum TTL) + 0.5 s` for the leader's expiry sweep). After a leader change
+//!   etcd extends every lease by up to its TTL (no lease checkpointing in 3.4 by default).
+#![forbid(unsafe_code)]
+#![warn(missing_docs, missing_debug_implementations)]
+#![deny(rustdoc::broken_intra_doc_links)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+mod config;
+mod error;
+mod fence;
+mod lease;
+mod lock;
+
+pub use config::{DEFAULT_PORT, DEFAULT_PREFIX, EtcdConfig, validate_prefix};
+pub use fence::EtcdFence;
+pub use lease::EtcdLease;
+pub use lock::EtcdLock;
+
+/// The etcd client crate this backend is built on, re-exported so users name the same version
+/// (for [`EtcdFence::txn`] operations and reads through [`EtcdLock::client`]).
+pub use etcd_client;

@@ -1,0 +1,376 @@
+//! Connection settings: [`EtcdConfig`], from an `etcd://` URL or built in code.
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+use lockkit_core::{Error, Result};
+use percent_encoding::percent_decode_str;
+
+/// The default key prefix: `lockkit`.
+pub const DEFAULT_PREFIX: &str = "lockkit";
+
+/// The default etcd client port, used when an endpoint names no port: 2379.
+pub const DEFAULT_PORT: u16 = 2379;
+
+/// How to reach etcd and where to keep the locks.
+///
+/// From a URL ([`EtcdConfig::from_url`], also via [`FromStr`]):
+///
+/// ```text
+/// etcd://[user[:password]@]host[:port][,host[:port]…][/][?prefix=…&connect_timeout_ms=…&request_timeout_ms=…]
+/// ```
+///
+/// Every `host:port` becomes an `http://host:port` endpoint; the client balances requests over
+/// them and fails over between them. `user`/`password` (percent-encoded) enable etcd
+/// authentication (<https://etcd.io/docs/v3.4/op-guide/authentication/>). TLS is not supported
+/// by this backend: `https://` endpoints and `etcds://` are rejected.
+///
+/// Or in code:
+///
+/// ```
+/// use std::time::Duration;
+/// use lockkit_etcd::EtcdConfig;
+///
+/// let cfg = EtcdConfig::new(["127.0.0.1:2379", "127.0.0.1:22379"])
+///     .prefix("billing")
+///     .user("app", "s3cret")
+///     .request_timeout(Duration::from_secs(2));
+/// assert!(!format!("{cfg:?}").contains("s3cret"));
+/// ```
+///
+/// `Debug` never shows the password.
+#[derive(Clone, PartialEq, Eq)]
+pub struct EtcdConfig {
+    endpoints: Vec<String>,
+    user: Option<(String, String)>,
+    prefix: String,
+    connect_timeout: Duration,
+    request_timeout: Duration,
+    lease_linger: Option<Duration>,
+}
+
+impl fmt::Debug for EtcdConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EtcdConfig")
+            .field("endpoints", &self.endpoints)
+            .field("user", &self.user.as_ref().map(|(u, _)| u))
+            .field("password", &self.user.as_ref().map(|_| "***"))
+            .field("prefix", &self.prefix)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("request_timeout", &self.request_timeout)
+            .field("lease_linger", &self.lease_linger)
+            .finish()
+    }
+}
+
+impl EtcdConfig {
+    /// Settings for these endpoints (`host:port` or `http://host:port`), with the defaults: prefix
+    /// [`DEFAULT_PREFIX`], no authentication, 3 s connect timeout, 5 s request timeout, session
+    /// leases lingering one TTL.
+    ///
+    /// Endpoints are checked when connecting ([`EtcdLock::connect_with`](crate::EtcdLock::connect_with)).
+    pub fn new<I, S>(endpoints: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<str>,
+    {
+        Self {
+            endpoints: endpoints
+                .into_iter()
+                .map(|e| e.as_ref().to_owned())
+                .collect(),
+            user: None,
+            prefix: DEFAULT_PREFIX.to_owned(),
+            connect_timeout: Duration::from_secs(3),
+            request_timeout: Duration::from_secs(5),
+            lease_linger: None,
+        }
+    }
+
+    /// Parses an `etcd://` URL (see the type's docs).
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for another scheme, an empty or malformed host list, a bad
+    /// prefix, or an unknown query parameter. The message never repeats the URL (it may hold a
+    /// password).
+    pub fn from_url(url: &str) -> Result<Self> {
+        let Some((scheme, rest)) = url.split_once("://") else {
+            return Err(Error::config("etcd URL must start with etcd://"));
+        };
+        match scheme.to_ascii_lowercase().as_str() {
+            "etcd" => {}
+            "etcds" | "https" => {
+                return Err(Error::config(
+                    "TLS is not supported by lockkit-etcd: use etcd:// (plain http) endpoints",
+                ));
+            }
+            _ => return Err(Error::config("etcd URL must start with etcd://")),
+        }
+        let (rest, query) = match rest.split_once('?') {
+            Some((r, q)) => (r, Some(q)),
+            None => (rest, None),
+        };
+        if rest.contains('#') {
+            return Err(Error::config("etcd URL must not have a fragment"));
+        }
+        let authority = rest.strip_suffix('/').unwrap_or(rest);
+        if authority.contains('/') {
+            return Err(Error::config(
+                "etcd URL must not have a path: use ?prefix=… for the key namespace",
+            ));
+        }
+        let (userinfo, hosts) = match authority.rsplit_once('@') {
+            Some((u, h)) => (Some(u), h),
+            None => (None, authority),
+        };
+        let mut cfg = Self::new(hosts.split(','));
+        for e in &cfg.endpoints {
+            normalize_endpoint(e)?;
+        }
+        if let Some(userinfo) = userinfo {
+            let (user, password) = userinfo.split_once(':').unwrap_or((userinfo, ""));
+            let decode = |s: &str, what: &str| {
+                percent_decode_str(s)
+                    .decode_utf8()
+                    .map(|c| c.into_owned())
+                    .map_err(|_| Error::config(format!("etcd URL {what} is not valid UTF-8")))
+            };
+            let user = decode(user, "user name")?;
+            if user.is_empty() {
+                return Err(Error::config("etcd URL has an empty user name"));
+            }
+            cfg.user = Some((user, decode(password, "password")?));
+        }
+        for (k, v) in url::form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
+            match &*k {
+                "prefix" => cfg.prefix = v.into_owned(),
+                "connect_timeout_ms" => cfg.connect_timeout = parse_ms(&k, &v)?,
+                "request_timeout_ms" => cfg.request_timeout = parse_ms(&k, &v)?,
+                "tls" => {
+                    return Err(Error::config(
+                        "TLS is not supported by lockkit-etcd: use plain http endpoints",
+                    ));
+                }
+                other => {
+                    return Err(Error::config(format!(
+                        "unknown etcd URL parameter {other:?} (known: prefix, connect_timeout_ms, request_timeout_ms)"
+                    )));
+                }
+            }
+        }
+        validate_prefix(&cfg.prefix)?;
+        Ok(cfg)
+    }
+
+    /// Sets the key prefix (namespace) under which every lock key lives: `{prefix}/{name}/…`.
+    /// Checked when connecting: 1 to 64 bytes, no `/`, no control characters.
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// Authenticates as `user` with `password` (etcd's user/password auth).
+    pub fn user(mut self, user: impl Into<String>, password: impl Into<String>) -> Self {
+        self.user = Some((user.into(), password.into()));
+        self
+    }
+
+    /// How long [`EtcdLock::connect_with`](crate::EtcdLock::connect_with) may take in total
+    /// (TCP connect, authentication, first request) before it fails with
+    /// [`Error::Unavailable`]. Default 3 s.
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// The longest any single request may take before it counts as [`Error::Unavailable`]
+    /// (and is retried per the acquire's retry policy). Default 5 s.
+    pub fn request_timeout(mut self, timeout: Duration) -> Self {
+        self.request_timeout = timeout;
+        self
+    }
+
+    /// How long a session lease is kept alive after the last lock on it was released, so that
+    /// the next acquire with the same TTL reuses it instead of granting a new one. Default
+    /// (`None`): one TTL of that lease. `Some(Duration::ZERO)`: revoke at once.
+    pub fn lease_linger(mut self, linger: Option<Duration>) -> Self {
+        self.lease_linger = linger;
+        self
+    }
+
+    /// The endpoints as given.
+    pub fn endpoints(&self) -> &[String] {
+        &self.endpoints
+    }
+
+    /// The key prefix.
+    pub fn key_prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// The user name, if authentication is configured.
+    pub fn user_name(&self) -> Option<&str> {
+        self.user.as_ref().map(|(u, _)| u.as_str())
+    }
+
+    pub(crate) fn credentials(&self) -> Option<&(String, String)> {
+        self.user.as_ref()
+    }
+
+    pub(crate) fn connect_timeout_value(&self) -> Duration {
+        self.connect_timeout
+    }
+
+    pub(crate) fn request_timeout_value(&self) -> Duration {
+        self.request_timeout
+    }
+
+    pub(crate) fn lease_linger_value(&self) -> Option<Duration> {
+        self.lease_linger
+    }
+
+    /// Checks everything and returns the `http://host:port` endpoints.
+    pub(crate) fn validate(&self) -> Result<Vec<String>> {
+        validate_prefix(&self.prefix)?;
+        if self.connect_timeout.is_zero() || self.request_timeout.is_zero() {
+            return Err(Error::config("etcd timeouts must be positive"));
+        }
+        if self.endpoints.is_empty() {
+            return Err(Error::config("no etcd endpoints given"));
+        }
+        self.endpoints
+            .iter()
+            .map(|e| normalize_endpoint(e))
+            .collect()
+    }
+}
+
+impl FromStr for EtcdConfig {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        Self::from_url(s)
+    }
+}
+
+fn parse_ms(key: &str, v: &str) -> Result<Duration> {
+    match v.parse::<u64>() {
+        Ok(ms) if ms > 0 => Ok(Duration::from_millis(ms)),
+        _ => Err(Error::config(format!(
+            "etcd URL parameter {key} must be a positive number of milliseconds"
+        ))),
+    }
+}
+
+/// Checks a key prefix: 1 to 64 bytes, no `/`, no control characters.
+///
+/// # Errors
+/// [`Error::InvalidConfig`] naming the rule that was broken.
+pub fn validate_prefix(prefix: &str) -> Result<()> {
+    let reason = if prefix.is_empty() {
+        Some("prefix is empty")
+    } else if prefix.len() > 64 {
+        Some("prefix is longer than 64 bytes")
+    } else if prefix.contains('/') {
+        Some("prefix contains '/'")
+    } else if prefix.chars().any(char::is_control) {
+        Some("prefix contains a control character")
+    } else {
+        None
+    };
+    match reason {
+        Some(r) => Err(Error::config(format!("invalid etcd key prefix: {r}"))),
+        None => Ok(()),
+    }
+}
+
+/// `host[:port]` or `http://host[:port]` → `http://host:port`.
+fn normalize_endpoint(e: &str) -> Result<String> {
+    let e = e.trim();
+    let bare = match e.split_once("://") {
+        Some((s, rest)) if s.eq_ignore_ascii_case("http") => rest,
+        Some((s, _)) if s.eq_ignore_ascii_case("https") => {
+            return Err(Error::config(
+                "TLS is not supported by lockkit-etcd: use http:// endpoints",
+            ));
+        }
+        Some(_) => {
+            return Err(Error::config(
+                "etcd endpoints must be host:port or http://host:port",
+            ));
+        }
+        None => e,
+    };
+    let bare = bare.strip_suffix('/').unwrap_or(bare);
+    if bare.is_empty() {
+        return Err(Error::config("empty etcd endpoint in the host list"));
+    }
+    if bare.contains(['/', '@', '?', '#']) || bare.chars().any(|c| c.is_whitespace()) {
+        return Err(Error::config("malformed etcd endpoint: expected host:port"));
+    }
+    let parsed = url::Url::parse(&format!("http://{bare}"))
+        .map_err(|e| Error::config_with("malformed etcd endpoint: expected host:port", e))?;
+    let host = parsed
+        .host_str()
+        .filter(|h| !h.is_empty())
+        .ok_or_else(|| Error::config("etcd endpoint has no host"))?;
+    let port = parsed.port().unwrap_or(DEFAULT_PORT);
+    Ok(format!("http://{host}:{port}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_hosts_user_and_params() {
+        let c = EtcdConfig::from_url(
+            "etcd://app:p%40ss@127.0.0.1:2379,localhost:22379,[::1]:1/?prefix=jobs&request_timeout_ms=250",
+        )
+        .unwrap();
+        assert_eq!(
+            c.validate().unwrap(),
+            vec![
+                "http://127.0.0.1:2379",
+                "http://localhost:22379",
+                "http://[::1]:1"
+            ]
+        );
+        assert_eq!(c.credentials().unwrap(), &("app".into(), "p@ss".into()));
+        assert_eq!(c.key_prefix(), "jobs");
+        assert_eq!(c.request_timeout_value(), Duration::from_millis(250));
+        let dbg = format!("{c:?}");
+        assert!(!dbg.contains("p@ss") && !dbg.contains("p%40ss"), "{dbg}");
+        let plain = EtcdConfig::from_url("etcd://h").unwrap();
+        assert_eq!(plain.validate().unwrap(), vec!["http://h:2379"]);
+        assert_eq!(plain.key_prefix(), DEFAULT_PREFIX);
+    }
+
+    #[test]
+    fn rejects_bad_urls_without_echoing_them() {
+        for bad in [
+            "",
+            "etcd://",
+            "etcd://,",
+            "etcd://h:notaport",
+            "etcd://h:70000",
+            "etcd://h/path",
+            "etcd://h?prefix=",
+            "etcd://h?prefix=a/b",
+            "etcd://h?bogus=1",
+            "etcd://h?tls=true",
+            "etcds://h",
+            "redis://h",
+            "etcd://:secretpw@h",
+            "etcd://u:secretpw@h:99999",
+        ] {
+            match EtcdConfig::from_url(bad).and_then(|c| c.validate().map(|_| c)) {
+                Err(Error::InvalidConfig { reason, .. }) => {
+                    assert!(!reason.contains("secretpw"), "{reason}");
+                }
+                other => panic!("{bad:?}: {other:?}"),
+            }
+        }
+    }
+}

@@ -1,0 +1,143 @@
+//! Conversion of `etcd-client` errors into [`lockkit_core::Error`].
+//!
+//! Unreachable servers, timeouts and "no leader" answers become [`Error::Unavailable`]
+//! (retryable), refused credentials become [`Error::Auth`], everything else
+//! [`Error::Backend`]. The client's error is kept as `source()`; it never contains the password.
+
+use std::fmt;
+
+use etcd_client::Error as EtcdError;
+use lockkit_core::Error;
+
+pub(crate) const BACKEND: &str = "etcd";
+
+/// The gRPC status codes we classify by
+/// (<https://grpc.github.io/grpc/core/md_doc_statuscodes.html>), read from the status etcd-client
+/// hands us without depending on `tonic` directly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Code {
+    Cancelled,
+    Unknown,
+    InvalidArgument,
+    DeadlineExceeded,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    Unavailable,
+    Unauthenticated,
+    Other,
+}
+
+/// A request that did not answer within the configured time.
+#[derive(Debug)]
+pub(crate) struct Elapsed {
+    pub(crate) what: &'static str,
+}
+
+impl fmt::Display for Elapsed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "etcd did not answer {} in time", self.what)
+    }
+}
+
+impl std::error::Error for Elapsed {}
+
+pub(crate) fn timeout(what: &'static str) -> Error {
+    Error::Unavailable {
+        backend: BACKEND,
+        source: Box::new(Elapsed { what }),
+    }
+}
+
+fn code_of(e: &EtcdError) -> Option<(Code, String)> {
+    let EtcdError::GRpcStatus(s) = e else {
+        return None;
+    };
+    let code = match s.code() as i32 {
+        1 => Code::Cancelled,
+        2 => Code::Unknown,
+        3 => Code::InvalidArgument,
+        4 => Code::DeadlineExceeded,
+        5 => Code::NotFound,
+        7 => Code::PermissionDenied,
+        8 => Code::ResourceExhausted,
+        14 => Code::Unavailable,
+        16 => Code::Unauthenticated,
+        _ => Code::Other,
+    };
+    Some((code, s.message().to_owned()))
+}
+
+/// `true` for etcd's "requested lease not found" (the lease expired or was revoked).
+pub(crate) fn is_lease_not_found(e: &EtcdError) -> bool {
+    match code_of(e) {
+        Some((Code::NotFound, msg)) => msg.contains("lease not found"),
+        _ => matches!(e, EtcdError::LeaseKeepAliveError(_)),
+    }
+}
+
+/// Converts an `etcd-client` error.
+pub(crate) fn from_client(e: EtcdError) -> Error {
+    let auth_msg = |m: &str| {
+        m.contains("authentication failed")
+            || m.contains("invalid auth token")
+            || m.contains("user name is empty")
+            || m.contains("user name not found")
+            || m.contains("permission denied")
+            || m.contains("auth: revision in header is old")
+    };
+    let kind = match (&e, code_of(&e)) {
+        (_, Some((Code::Unauthenticated | Code::PermissionDenied, _))) => Kind::Auth,
+        (_, Some((_, m))) if auth_msg(&m) => Kind::Auth,
+        (
+            _,
+            Some((
+                Code::Unavailable
+                | Code::DeadlineExceeded
+                | Code::Cancelled
+                | Code::ResourceExhausted,
+                _,
+            )),
+        ) => Kind::Unavailable,
+        // etcd's "leader changed", "no leader", "request timed out" travel as Unavailable, but
+        // some proxies and older servers send them as Unknown.
+        (_, Some((Code::Unknown, m)))
+            if m.contains("leader") || m.contains("timed out") || m.contains("transport") =>
+        {
+            Kind::Unavailable
+        }
+        (EtcdError::TransportError(_) | EtcdError::IoError(_), _) => Kind::Unavailable,
+        (EtcdError::InvalidUri(_) | EtcdError::InvalidArgs(_), _) => Kind::Config,
+        _ => Kind::Backend,
+    };
+    match kind {
+        Kind::Auth => Error::Auth {
+            backend: BACKEND,
+            source: Box::new(e),
+        },
+        Kind::Unavailable => Error::Unavailable {
+            backend: BACKEND,
+            source: Box::new(e),
+        },
+        Kind::Config => Error::config_with("etcd client rejected the configuration", e),
+        Kind::Backend => Error::Backend {
+            backend: BACKEND,
+            source: Box::new(e),
+        },
+    }
+}
+
+enum Kind {
+    Auth,
+    Unavailable,
+    Config,
+    Backend,
+}
+
+/// A backend error without a client error behind it (an answer we did not expect).
+pub(crate) fn protocol(msg: impl Into<String>) -> Error {
+    Error::Backend {
+        backend: BACKEND,
+        source: msg.into().into(),
+    }
+}

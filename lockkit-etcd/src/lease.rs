@@ -1,0 +1,518 @@
+//! etcd leases behind lockkit leases: the session lease shared by the locks of one client and
+//! TTL, its keepalive task, and [`EtcdLease`], the [`LeaseOps`] of one granted lock.
+//!
+//! etcd facts relied on (<https://etcd.io/docs/v3.4/learning/api/#lease-api>):
+//! - a lease is granted with a TTL in whole seconds; the server may raise it to its minimum TTL
+//!   (1.5 × election timeout, rounded up to whole seconds) and says so in the grant response;
+//! - every key attached to a lease is deleted, in the same revision, when the lease expires or
+//!   is revoked; so "my key exists" implies "my lease is alive";
+//! - `LeaseKeepAlive` answers `TTL <= 0` for a lease that no longer exists, and resets the lease
+//!   to its full TTL otherwise, counted from when the leader handles the request (so from no
+//!   earlier than when we sent it);
+//! - the leader checks for expired leases every 500 ms (`lessor.runLoop`), so a lapsed lease is
+//!   freed up to 0.5 s after its TTL.
+
+use std::any::Any;
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::Duration;
+
+use etcd_client::{Client, Compare, CompareOp, DeleteOptions, Txn, TxnOp};
+use lockkit_core::{Error, Instant, LeaseOps, LeaseState, LeaseTracker, Result, async_trait};
+use tokio::sync::{Notify, watch};
+
+use crate::error::{self, from_client};
+
+/// Runs `fut` with a timeout; on timeout returns [`Error::Unavailable`].
+pub(crate) async fn timed<T>(
+    limit: Duration,
+    what: &'static str,
+    fut: impl Future<Output = std::result::Result<T, etcd_client::Error>>,
+) -> Result<T> {
+    match tokio::time::timeout(limit, fut).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(from_client(e)),
+        Err(_) => Err(error::timeout(what)),
+    }
+}
+
+/// Whole seconds for etcd: the TTL rounded up, at least 1.
+pub(crate) fn ttl_secs(ttl: Duration) -> i64 {
+    let secs = ttl.as_secs() + u64::from(ttl.subsec_nanos() > 0);
+    i64::try_from(secs.max(1)).unwrap_or(i64::MAX)
+}
+
+/// The answer to one keepalive.
+pub(crate) enum KeepAlive {
+    /// The server extended the lease.
+    Alive,
+    /// The lease does not exist any more (expired or revoked).
+    Gone,
+}
+
+/// Sends one `LeaseKeepAlive` for `id` and waits for its answer (one round trip on a fresh
+/// stream, so the answer belongs to this request).
+pub(crate) async fn keep_alive_once(
+    client: &Client,
+    id: i64,
+    limit: Duration,
+) -> Result<KeepAlive> {
+    let mut lc = client.lease_client();
+    match tokio::time::timeout(limit, lc.keep_alive(id)).await {
+        Err(_) => Err(error::timeout("a lease keepalive")),
+        Ok(Ok((_keeper, _stream))) => Ok(KeepAlive::Alive),
+        Ok(Err(e)) if error::is_lease_not_found(&e) => Ok(KeepAlive::Gone),
+        Ok(Err(e)) => Err(from_client(e)),
+    }
+}
+
+/// Settings the keepalive task needs from its session.
+#[derive(Clone)]
+pub(crate) struct TaskCtx {
+    pub(crate) client: Client,
+    pub(crate) request_timeout: Duration,
+    pub(crate) linger: Option<Duration>,
+    /// Test hook: while set, keepalives are not sent (as if the network dropped them).
+    pub(crate) paused: Arc<AtomicBool>,
+    /// Closed (sender dropped) when the client session is dropped.
+    pub(crate) closed: watch::Receiver<()>,
+    /// The session's table of shared leases, to drop a retired entry.
+    pub(crate) table: Weak<Mutex<HashMap<Duration, Arc<SharedLease>>>>,
+}
+
+#[derive(Default)]
+struct SharedState {
+    /// Acquires in progress and granted locks that use the lease.
+    users: usize,
+    /// When `users` last dropped to zero.
+    idle_since: Option<Instant>,
+    /// Trackers of the locks held on this lease, confirmed with every keepalive.
+    trackers: HashMap<u64, LeaseTracker>,
+    next_tracker: u64,
+    /// No new acquire may join (a lock was leaked, or a cleanup failed).
+    no_reuse: bool,
+    /// Do not revoke when retiring (a leaked lock must stay until its TTL runs out).
+    no_revoke: bool,
+    /// The keepalive task has stopped; the lease is no longer renewed.
+    retired: bool,
+}
+
+/// One etcd lease, shared by every lock that one client holds with one TTL (or private to one
+/// `keepalive(false)` acquire while it waits).
+pub(crate) struct SharedLease {
+    pub(crate) id: i64,
+    /// The TTL asked for (the client-side deadlines use it).
+    pub(crate) ttl: Duration,
+    /// The TTL the server granted, in seconds (≥ the asked TTL).
+    pub(crate) granted_secs: i64,
+    /// The etcd lease's own clock: send time of the last acknowledged grant/keepalive.
+    pub(crate) master: LeaseTracker,
+    state: Mutex<SharedState>,
+    wake: Notify,
+}
+
+impl fmt::Debug for SharedLease {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SharedLease")
+            .field("id", &format_args!("{:x}", self.id))
+            .field("ttl", &self.ttl)
+            .field("granted_secs", &self.granted_secs)
+            .field("state", &self.master.state())
+            .finish()
+    }
+}
+
+impl SharedLease {
+    pub(crate) fn new(id: i64, ttl: Duration, granted_secs: i64, sent: Instant) -> Arc<Self> {
+        Arc::new(Self {
+            id,
+            ttl,
+            granted_secs,
+            master: LeaseTracker::new(sent, ttl),
+            state: Mutex::new(SharedState::default()),
+            wake: Notify::new(),
+        })
+    }
+
+    fn st(&self) -> MutexGuard<'_, SharedState> {
+        // Every critical section leaves the state consistent; recover from a poisoned lock.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Joins the lease for one acquire, unless it is retired, lost or closed to newcomers.
+    pub(crate) fn try_reserve(self: &Arc<Self>) -> Option<Reservation> {
+        let mut st = self.st();
+        if st.retired || st.no_reuse || self.master.state() == LeaseState::Lost {
+            return None;
+        }
+        st.users += 1;
+        st.idle_since = None;
+        Some(Reservation {
+            shared: self.clone(),
+        })
+    }
+
+    /// A reservation on a lease nobody else can join (the private lease of one acquire).
+    pub(crate) fn reserve_private(self: &Arc<Self>) -> Reservation {
+        let mut st = self.st();
+        st.users += 1;
+        st.no_reuse = true;
+        Reservation {
+            shared: self.clone(),
+        }
+    }
+
+    /// A tracker for a lock granted on this lease, confirmed by the keepalive from now on.
+    /// `None` if the lease is already lost on the client side.
+    ///
+    /// The tracker starts at the send time of the last acknowledged keepalive of the etcd lease
+    /// (not at the time of the acquire's request): that is when the server's countdown for the
+    /// key started.
+    pub(crate) fn register(&self) -> Option<(u64, LeaseTracker)> {
+        let mut st = self.st();
+        if self.master.state() == LeaseState::Lost || st.retired {
+            return None;
+        }
+        let tracker = LeaseTracker::new(self.master.confirmed_at(), self.ttl);
+        st.next_tracker += 1;
+        let id = st.next_tracker;
+        st.trackers.insert(id, tracker.clone());
+        Some((id, tracker))
+    }
+
+    fn unregister(&self, id: u64, leaked: bool) {
+        let mut st = self.st();
+        st.trackers.remove(&id);
+        if leaked {
+            st.no_reuse = true;
+            st.no_revoke = true;
+        }
+    }
+
+    /// Stops newcomers from joining (a phantom key may be left on the lease).
+    pub(crate) fn close_to_newcomers(&self) {
+        self.st().no_reuse = true;
+    }
+
+    /// Records an acknowledged keepalive sent at `sent`. Returns `false` if the lease was
+    /// already lost (then every lock on it is marked lost).
+    pub(crate) fn confirm(&self, sent: Instant) -> bool {
+        let st = self.st();
+        if !self.master.confirm(sent) {
+            drop(st);
+            self.mark_lost();
+            return false;
+        }
+        for t in st.trackers.values() {
+            t.confirm(sent);
+        }
+        true
+    }
+
+    fn mark_suspect(&self) {
+        let st = self.st();
+        self.master.mark_suspect();
+        for t in st.trackers.values() {
+            t.mark_suspect();
+        }
+    }
+
+    /// The server said the lease is gone, or its deadline passed: every lock on it is lost.
+    pub(crate) fn mark_lost(&self) {
+        let st = self.st();
+        self.master.mark_lost();
+        for t in st.trackers.values() {
+            t.mark_lost();
+        }
+    }
+}
+
+/// One user (an acquire in progress or a granted lock) of a [`SharedLease`]. Dropping it lets
+/// the keepalive task retire an idle lease.
+pub(crate) struct Reservation {
+    pub(crate) shared: Arc<SharedLease>,
+}
+
+impl fmt::Debug for Reservation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.shared.fmt(f)
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        let mut st = self.shared.st();
+        st.users = st.users.saturating_sub(1);
+        if st.users == 0 {
+            st.idle_since = Some(Instant::now());
+            drop(st);
+            self.shared.wake.notify_one();
+        }
+    }
+}
+
+/// Keeps `shared` alive at about TTL/3 and confirms every lock tracker on it with the send time
+/// of each acknowledged keepalive. Retires the lease (and revokes it, unless a lock on it was
+/// leaked) when nobody has used it for the linger time, when the session is gone and nobody uses
+/// it, or when it is lost.
+pub(crate) async fn keepalive_task(shared: Arc<SharedLease>, mut ctx: TaskCtx) {
+    let ttl = shared.ttl;
+    let interval = ttl / 3;
+    let retry = (ttl / 12).max(Duration::from_millis(5));
+    let linger = ctx.linger.unwrap_or(ttl);
+    let mut next = shared.master.confirmed_at() + interval;
+    let mut session_closed = false;
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep_until(next) => {}
+            _ = shared.wake.notified() => {}
+            changed = ctx.closed.changed(), if !session_closed => {
+                if changed.is_err() {
+                    session_closed = true;
+                }
+            }
+        }
+        let now = Instant::now();
+        let lost = shared.master.state() == LeaseState::Lost;
+        let retire = {
+            let mut st = shared.st();
+            if st.retired {
+                return;
+            }
+            let idle = st.users == 0
+                && (session_closed
+                    || st.no_reuse
+                    || st.idle_since.is_some_and(|t| now >= t + linger));
+            if idle || lost {
+                st.retired = true;
+                Some(!st.no_revoke && !ctx.paused.load(Ordering::SeqCst))
+            } else {
+                None
+            }
+        };
+        if let Some(revoke) = retire {
+            if lost {
+                tracing::warn!(lease = %format_args!("{:x}", shared.id), "etcd lease lost: keepalive not acknowledged before the deadline");
+                shared.mark_lost();
+            }
+            if let Some(table) = ctx.table.upgrade() {
+                let mut t = table.lock().unwrap_or_else(|p| p.into_inner());
+                if t.get(&ttl).is_some_and(|l| Arc::ptr_eq(l, &shared)) {
+                    t.remove(&ttl);
+                }
+            }
+            if revoke {
+                let mut lc = ctx.client.lease_client();
+                if let Err(e) =
+                    timed(ctx.request_timeout, "a lease revoke", lc.revoke(shared.id)).await
+                {
+                    tracing::debug!(error = %e, "revoking an idle etcd lease failed; its TTL will end it");
+                }
+            }
+            shared.master.mark_lost();
+            return;
+        }
+        if now < next {
+            continue;
+        }
+        if ctx.paused.load(Ordering::SeqCst) {
+            next = now + interval.min(retry * 4);
+            continue;
+        }
+        let sent = now;
+        let limit = shared
+            .master
+            .valid_until()
+            .saturating_duration_since(now)
+            .min(ctx.request_timeout)
+            .max(Duration::from_millis(1));
+        match keep_alive_once(&ctx.client, shared.id, limit).await {
+            Ok(KeepAlive::Alive) => {
+                if !shared.confirm(sent) {
+                    next = Instant::now();
+                    continue;
+                }
+                next = sent + interval;
+            }
+            Ok(KeepAlive::Gone) => {
+                tracing::warn!(lease = %format_args!("{:x}", shared.id), "etcd says the lease is gone");
+                shared.mark_lost();
+                next = Instant::now();
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "etcd keepalive failed; retrying");
+                shared.mark_suspect();
+                next = (Instant::now() + retry).min(shared.master.valid_until());
+            }
+        }
+    }
+}
+
+/// How a granted lock's key is attached.
+pub(crate) enum Binding {
+    /// On the session lease, kept alive by its task; `tracker_id` is this lock's registration.
+    Shared {
+        reservation: Reservation,
+        tracker_id: u64,
+    },
+    /// On a lease of its own, renewed only by explicit [`LeaseOps::renew`].
+    Dedicated,
+}
+
+/// The etcd side of one granted lock: its key, the key's create revision (the fencing token)
+/// and its lease.
+pub struct EtcdLease {
+    pub(crate) client: Client,
+    pub(crate) name: String,
+    /// `{prefix}/{name}/` — every contender's key for this lock starts with it.
+    pub(crate) name_prefix: Vec<u8>,
+    pub(crate) key: Vec<u8>,
+    pub(crate) create_revision: i64,
+    pub(crate) lease_id: i64,
+    pub(crate) binding: Binding,
+    pub(crate) request_timeout: Duration,
+    pub(crate) released: AtomicBool,
+}
+
+impl fmt::Debug for EtcdLease {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EtcdLease")
+            .field("key", &String::from_utf8_lossy(&self.key))
+            .field("create_revision", &self.create_revision)
+            .field("lease_id", &format_args!("{:x}", self.lease_id))
+            .field(
+                "keepalive",
+                &match self.binding {
+                    Binding::Shared { .. } => "session",
+                    Binding::Dedicated => "manual",
+                },
+            )
+            .finish()
+    }
+}
+
+impl EtcdLease {
+    /// The lock key (`{prefix}/{name}/{lease id hex}-{random hex}`).
+    pub fn key(&self) -> &[u8] {
+        &self.key
+    }
+
+    /// The key's create revision: the fencing token.
+    pub fn create_revision(&self) -> i64 {
+        self.create_revision
+    }
+
+    /// The etcd lease the key is attached to.
+    pub fn lease_id(&self) -> i64 {
+        self.lease_id
+    }
+
+    /// The key prefix shared by every contender for this lock.
+    pub fn name_prefix(&self) -> &[u8] {
+        &self.name_prefix
+    }
+
+    pub(crate) fn not_held(&self) -> Error {
+        Error::NotHeld {
+            name: self.name.clone(),
+        }
+    }
+
+    /// One linearizable read: does our key still exist with our create revision?
+    async fn key_exists(&self) -> Result<bool> {
+        let txn = Txn::new().when([Compare::create_revision(
+            self.key.clone(),
+            CompareOp::Equal,
+            self.create_revision,
+        )]);
+        let mut kv = self.client.kv_client();
+        let resp = timed(self.request_timeout, "a lock check", kv.txn(txn)).await?;
+        Ok(resp.succeeded())
+    }
+}
+
+#[async_trait]
+impl LeaseOps for EtcdLease {
+    /// Dedicated lease: one `LeaseKeepAlive` round trip; the key lives exactly as long as its
+    /// lease (release revokes it). Session lease: one keepalive of the shared lease (which also
+    /// confirms the other locks on it) and one linearizable read that our key still exists.
+    async fn renew(&self, _ttl: Duration) -> Result<()> {
+        if self.released.load(Ordering::SeqCst) {
+            return Err(self.not_held());
+        }
+        let sent = Instant::now();
+        match keep_alive_once(&self.client, self.lease_id, self.request_timeout).await? {
+            KeepAlive::Gone => {
+                if let Binding::Shared { reservation, .. } = &self.binding {
+                    reservation.shared.mark_lost();
+                }
+                Err(self.not_held())
+            }
+            KeepAlive::Alive => match &self.binding {
+                Binding::Dedicated => Ok(()),
+                Binding::Shared { reservation, .. } => {
+                    reservation.shared.confirm(sent);
+                    if self.key_exists().await? {
+                        Ok(())
+                    } else {
+                        Err(self.not_held())
+                    }
+                }
+            },
+        }
+    }
+
+    /// Deletes the key if it is still ours (compare on its create revision), in one
+    /// transaction. A dedicated lease is then revoked in the background.
+    async fn release(&self) -> Result<()> {
+        let txn = Txn::new()
+            .when([Compare::create_revision(
+                self.key.clone(),
+                CompareOp::Equal,
+                self.create_revision,
+            )])
+            .and_then([TxnOp::delete(self.key.clone(), None::<DeleteOptions>)]);
+        let mut kv = self.client.kv_client();
+        let resp = timed(self.request_timeout, "a lock release", kv.txn(txn)).await?;
+        self.released.store(true, Ordering::SeqCst);
+        if let Binding::Dedicated = self.binding {
+            let client = self.client.clone();
+            let (id, limit) = (self.lease_id, self.request_timeout);
+            tokio::spawn(async move {
+                let mut lc = client.lease_client();
+                let _ = timed(limit, "a lease revoke", lc.revoke(id)).await;
+            });
+        }
+        if resp.succeeded() {
+            Ok(())
+        } else {
+            Err(self.not_held())
+        }
+    }
+
+    fn self_renewing(&self) -> bool {
+        true
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+impl Drop for EtcdLease {
+    fn drop(&mut self) {
+        if let Binding::Shared {
+            reservation,
+            tracker_id,
+        } = &self.binding
+        {
+            // Dropped without a completed release (leak(), release_on_drop(false), or a failed
+            // release): the key must stay only until the TTL, so the lease must not be kept
+            // alive for newcomers nor revoked (which would free the lock at once).
+            let leaked = !self.released.load(Ordering::SeqCst);
+            reservation.shared.unregister(*tracker_id, leaked);
+        }
+    }
+}

@@ -1,0 +1,679 @@
+//! [`EtcdLock`]: the lock protocol of etcd's `concurrency` package on etcd-client.
+//!
+//! Protocol (the v3 lock recipe, <https://etcd.io/docs/v3.4/dev-guide/api_concurrency_reference_v3/>
+//! and `clientv3/concurrency/mutex.go`):
+//! 1. Each acquire creates its own key `{prefix}/{name}/{lease id hex}-{random hex}`, attached to
+//!    a lease, in one transaction that also reads the key with the lowest create revision under
+//!    `{prefix}/{name}/`. The holder is the key with the lowest create revision.
+//! 2. A waiter reads the key immediately ahead of it (the largest create revision below its own:
+//!    `max_create_revision`, sorted by create revision, limit 1) and watches only that key for
+//!    its `DELETE` from the read's revision + 1. One release wakes one waiter; nobody polls.
+//! 3. On every wake the waiter re-reads, in one linearizable transaction that also checks its
+//!    own key still exists with its create revision (so its lease is alive: etcd deletes a
+//!    lease's keys when the lease ends). A waiter whose key is gone gets [`Error::LeaseLost`].
+//! 4. The fencing token is the holder key's create revision.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use etcd_client::{
+    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, KvClient, PutOptions,
+    SortOrder, SortTarget, Txn, TxnOp, TxnOpResponse, WatchFilterType, WatchOptions,
+};
+use lockkit_core::{
+    AcquireOptions, Error, FencingToken, Guarantees, Instant, Lease, LeaseState, Lock, LockKind,
+    Result, Wait, async_trait, retry_transient, validate_name, wait_deadline,
+};
+use tokio::sync::watch;
+
+use crate::config::EtcdConfig;
+use crate::error::{self, BACKEND, from_client, is_lease_not_found};
+use crate::lease::{
+    Binding, EtcdLease, Reservation, SharedLease, TaskCtx, keepalive_task, timed, ttl_secs,
+};
+
+type LeaseTable = Arc<Mutex<HashMap<Duration, Arc<SharedLease>>>>;
+
+struct Session {
+    client: Client,
+    config: EtcdConfig,
+    /// Session leases by asked TTL.
+    leases: LeaseTable,
+    /// Serializes grants of session leases, so concurrent acquires share one.
+    grant_lock: tokio::sync::Mutex<()>,
+    paused: Arc<AtomicBool>,
+    /// Dropped with the session: tells keepalive tasks to retire idle leases.
+    _closed: watch::Sender<()>,
+    closed_rx: watch::Receiver<()>,
+    /// The TTL etcd granted for a 1 s request at connect: `max(1 s, server minimum TTL)`.
+    min_granted: Duration,
+}
+
+/// Locks on etcd v3: leases with whole-second TTLs, tokens from create revisions, FIFO waiters
+/// that watch only their predecessor. A correctness lock (etcd is a Raft consensus store).
+///
+/// Cheap to clone: clones share one etcd client and one set of session leases. See the
+/// [crate docs](crate) for the protocol, the guarantees and their fine print.
+#[derive(Clone)]
+pub struct EtcdLock {
+    inner: Arc<Session>,
+}
+
+impl fmt::Debug for EtcdLock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EtcdLock")
+            .field("config", &self.inner.config)
+            .field("min_granted_ttl", &self.inner.min_granted)
+            .finish_non_exhaustive()
+    }
+}
+
+fn lock_table(t: &LeaseTable) -> std::sync::MutexGuard<'_, HashMap<Duration, Arc<SharedLease>>> {
+    t.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl EtcdLock {
+    /// Connects with an `etcd://host:port[,host:port…]` URL (see [`EtcdConfig`] for the form and
+    /// its parameters, such as `prefix`).
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for a malformed URL; otherwise as [`connect_with`](Self::connect_with).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropping the future leaves nothing behind but, at most, the probe lease
+    /// (1 s TTL, no keys), which etcd expires by itself.
+    pub async fn connect(url: &str) -> Result<Self> {
+        Self::connect_with(EtcdConfig::from_url(url)?).await
+    }
+
+    /// Connects with `config`. Authenticates if a user is configured, then grants (and revokes
+    /// in the background) a 1 s probe lease, which proves the cluster answers writes and tells
+    /// the server's minimum lease TTL (see [`Guarantees::expiry_slack`]).
+    ///
+    /// # Errors
+    /// - [`Error::InvalidConfig`] for bad settings.
+    /// - [`Error::Unavailable`] if no endpoint answers within the connect timeout (3 s by
+    ///   default) or the cluster has no leader.
+    /// - [`Error::Auth`] if etcd refuses the user name or password.
+    ///
+    /// # Cancel safety
+    /// As [`connect`](Self::connect).
+    pub async fn connect_with(config: EtcdConfig) -> Result<Self> {
+        let endpoints = config.validate()?;
+        let limit = config.connect_timeout_value();
+        let mut opts = ConnectOptions::new()
+            .with_connect_timeout(limit)
+            .with_timeout(config.request_timeout_value())
+            .with_require_leader(true)
+            .with_keep_alive(Duration::from_secs(10), Duration::from_secs(5));
+        if let Some((user, password)) = config.credentials() {
+            opts = opts
+                .with_user(user.clone(), password.clone())
+                .with_auto_token_refresh(true);
+        }
+        let started = Instant::now();
+        let client =
+            match tokio::time::timeout(limit, Client::connect(&endpoints, Some(opts))).await {
+                Ok(Ok(c)) => c,
+                Ok(Err(e)) => return Err(from_client(e)),
+                Err(_) => return Err(error::timeout("the connect")),
+            };
+        let left = limit
+            .saturating_sub(started.elapsed())
+            .max(Duration::from_millis(1));
+        let mut lc = client.lease_client();
+        let probe = timed(left, "the connect probe", lc.grant(1, None)).await?;
+        if probe.ttl() <= 0 {
+            return Err(error::protocol(format!(
+                "etcd refused the probe lease: {}",
+                probe.error()
+            )));
+        }
+        let probe_id = probe.id();
+        let revoke_limit = config.request_timeout_value();
+        tokio::spawn(async move {
+            let _ = timed(revoke_limit, "a lease revoke", lc.revoke(probe_id)).await;
+        });
+        let (tx, rx) = watch::channel(());
+        Ok(Self {
+            inner: Arc::new(Session {
+                client,
+                config,
+                leases: Arc::new(Mutex::new(HashMap::new())),
+                grant_lock: tokio::sync::Mutex::new(()),
+                paused: Arc::new(AtomicBool::new(false)),
+                _closed: tx,
+                closed_rx: rx,
+                min_granted: Duration::from_secs(probe.ttl().unsigned_abs()),
+            }),
+        })
+    }
+
+    /// The etcd client, for reading data the locks protect (writes should go through
+    /// [`EtcdFence`](crate::EtcdFence)).
+    pub fn client(&self) -> &Client {
+        &self.inner.client
+    }
+
+    /// The configuration this client was built with.
+    pub fn config(&self) -> &EtcdConfig {
+        &self.inner.config
+    }
+
+    /// `{prefix}/{name}/`, the key prefix of every contender for lock `name`.
+    ///
+    /// Names contain no `/` ([`validate_name`]), and the prefix ends with `/`, so no name's
+    /// prefix is a prefix of another name's keys (`a/` does not cover `ab/…`). No further
+    /// escaping is needed: etcd keys are arbitrary bytes.
+    pub fn name_prefix(&self, name: &str) -> Vec<u8> {
+        format!("{}/{}/", self.inner.config.key_prefix(), name).into_bytes()
+    }
+
+    /// Test hook: stops (or resumes) every keepalive this client sends for its session leases,
+    /// as if the network dropped them. Held leases then turn suspect and lost on their deadline.
+    #[doc(hidden)]
+    pub fn pause_keepalive_for_tests(&self, paused: bool) {
+        self.inner.paused.store(paused, Ordering::SeqCst);
+    }
+
+    fn task_ctx(&self) -> TaskCtx {
+        TaskCtx {
+            client: self.inner.client.clone(),
+            request_timeout: self.inner.config.request_timeout_value(),
+            linger: self.inner.config.lease_linger_value(),
+            paused: self.inner.paused.clone(),
+            closed: self.inner.closed_rx.clone(),
+            table: Arc::downgrade(&self.inner.leases),
+        }
+    }
+
+    fn try_reserve(&self, ttl: Duration) -> Option<Reservation> {
+        let mut table = lock_table(&self.inner.leases);
+        let shared = table.get(&ttl)?.clone();
+        match shared.try_reserve() {
+            Some(r) => Some(r),
+            None => {
+                table.remove(&ttl);
+                None
+            }
+        }
+    }
+
+    async fn grant(&self, ttl: Duration) -> Result<Arc<SharedLease>> {
+        let mut lc = self.inner.client.lease_client();
+        let sent = Instant::now();
+        let resp = timed(
+            self.inner.config.request_timeout_value(),
+            "a lease grant",
+            lc.grant(ttl_secs(ttl), None),
+        )
+        .await?;
+        if resp.ttl() <= 0 {
+            return Err(error::protocol(format!(
+                "etcd refused a lease: {}",
+                resp.error()
+            )));
+        }
+        Ok(SharedLease::new(resp.id(), ttl, resp.ttl(), sent))
+    }
+
+    /// A reservation on the session lease for `ttl`, granting it if needed.
+    async fn session_lease(&self, ttl: Duration) -> Result<Reservation> {
+        if let Some(r) = self.try_reserve(ttl) {
+            return Ok(r);
+        }
+        let _grant = self.inner.grant_lock.lock().await;
+        if let Some(r) = self.try_reserve(ttl) {
+            return Ok(r);
+        }
+        let shared = self.grant(ttl).await?;
+        let reservation = shared.reserve_shared();
+        lock_table(&self.inner.leases).insert(ttl, shared.clone());
+        tokio::spawn(keepalive_task(shared, self.task_ctx()));
+        Ok(reservation)
+    }
+
+    /// A private lease for a `keepalive(false)` acquire: kept alive only while the acquire
+    /// waits, renewed by hand afterwards.
+    async fn private_lease(&self, ttl: Duration) -> Result<Reservation> {
+        Ok(self.grant(ttl).await?.reserve_private())
+    }
+
+    fn request_timeout(&self) -> Duration {
+        self.inner.config.request_timeout_value()
+    }
+
+    /// Creates (or, on a retry, finds) our key and reads the current holder, in one
+    /// transaction. With `only_if_free` the key is created only if no key exists under the
+    /// name, so a try-acquire of a held lock leaves nothing behind.
+    async fn enqueue(
+        &self,
+        name_prefix: &[u8],
+        key: &[u8],
+        lease_id: i64,
+        only_if_free: bool,
+    ) -> std::result::Result<Enqueued, Error> {
+        let owner = TxnOp::get(
+            name_prefix.to_vec(),
+            Some(
+                GetOptions::new()
+                    .with_prefix()
+                    .with_sort(SortTarget::Create, SortOrder::Ascend)
+                    .with_limit(1)
+                    .with_keys_only(),
+            ),
+        );
+        let put = TxnOp::put(
+            key.to_vec(),
+            Vec::new(),
+            Some(PutOptions::new().with_lease(lease_id)),
+        );
+        let cond = if only_if_free {
+            Compare::create_revision(name_prefix.to_vec(), CompareOp::Equal, 0).with_prefix()
+        } else {
+            Compare::create_revision(key.to_vec(), CompareOp::Equal, 0)
+        };
+        let then = if only_if_free {
+            vec![put]
+        } else {
+            vec![put, owner.clone()]
+        };
+        let txn = Txn::new()
+            .when([cond])
+            .and_then(then)
+            .or_else([TxnOp::get(key.to_vec(), None), owner]);
+        let mut kv = self.inner.client.kv_client();
+        let resp = match tokio::time::timeout(self.request_timeout(), kv.txn(txn)).await {
+            Err(_) => return Err(error::timeout("a lock request")),
+            Ok(Err(e)) if is_lease_not_found(&e) => return Ok(Enqueued::LeaseGone),
+            Ok(Err(e)) => return Err(from_client(e)),
+            Ok(Ok(r)) => r,
+        };
+        let revision = resp.header().map(|h| h.revision()).unwrap_or(0);
+        let ops = resp.op_responses();
+        if resp.succeeded() {
+            let owner = match ops.get(1) {
+                Some(TxnOpResponse::Get(g)) => g.kvs().first().map(|kv| kv.create_revision()),
+                _ => None,
+            };
+            return Ok(Enqueued::Queued {
+                my_rev: revision,
+                owner_rev: owner.unwrap_or(revision),
+            });
+        }
+        let mine = match ops.first() {
+            Some(TxnOpResponse::Get(g)) => g.kvs().first().map(|kv| kv.create_revision()),
+            _ => None,
+        };
+        let owner = match ops.get(1) {
+            Some(TxnOpResponse::Get(g)) => g.kvs().first().map(|kv| kv.create_revision()),
+            _ => None,
+        };
+        match (mine, owner) {
+            (Some(my_rev), Some(owner_rev)) => Ok(Enqueued::Queued { my_rev, owner_rev }),
+            (Some(my_rev), None) => Ok(Enqueued::Queued {
+                my_rev,
+                owner_rev: my_rev,
+            }),
+            (None, _) if only_if_free => Ok(Enqueued::Held),
+            (None, _) => Err(error::protocol(
+                "lock transaction found neither a free key nor our key",
+            )),
+        }
+    }
+
+    /// Waits until our key (create revision `my_rev`) has no key ahead of it. Every round is one
+    /// linearizable read (our key still ours + the key just ahead) and, if a key is ahead, one
+    /// watch of that key for its deletion.
+    async fn wait_turn(
+        &self,
+        name: &str,
+        name_prefix: &[u8],
+        key: &[u8],
+        my_rev: i64,
+        opts: &AcquireOptions,
+    ) -> Result<()> {
+        let mut failures = 0usize;
+        let mut delay = opts.retry.map(|r| r.min_delay).unwrap_or_default();
+        loop {
+            match self.check_and_watch(name, name_prefix, key, my_rev).await {
+                Ok(Turn::Mine) => return Ok(()),
+                Ok(Turn::Again) => failures = 0,
+                Err(e) if e.is_retryable() => {
+                    failures += 1;
+                    let Some(policy) = opts.retry.filter(|p| failures <= p.max_retries) else {
+                        return Err(e);
+                    };
+                    tracing::debug!(error = %e, ?delay, "etcd unavailable while waiting; retrying");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(policy.max_delay);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    async fn check_and_watch(
+        &self,
+        name: &str,
+        name_prefix: &[u8],
+        key: &[u8],
+        my_rev: i64,
+    ) -> Result<Turn> {
+        let ahead = TxnOp::get(
+            name_prefix.to_vec(),
+            Some(
+                GetOptions::new()
+                    .with_prefix()
+                    .with_max_create_revision(my_rev - 1)
+                    .with_sort(SortTarget::Create, SortOrder::Descend)
+                    .with_limit(1)
+                    .with_keys_only(),
+            ),
+        );
+        let txn = Txn::new()
+            .when([Compare::create_revision(
+                key.to_vec(),
+                CompareOp::Equal,
+                my_rev,
+            )])
+            .and_then([ahead]);
+        let mut kv = self.inner.client.kv_client();
+        let resp = timed(self.request_timeout(), "a lock check", kv.txn(txn)).await?;
+        if !resp.succeeded() {
+            // Our key is gone: our lease lapsed (or someone deleted the key). Never a lease.
+            return Err(Error::LeaseLost {
+                name: name.to_owned(),
+            });
+        }
+        let revision = resp.header().map(|h| h.revision()).unwrap_or(0);
+        let ahead_key = match resp.op_responses().first() {
+            Some(TxnOpResponse::Get(g)) => g.kvs().first().map(|kv| kv.key().to_vec()),
+            _ => None,
+        };
+        let Some(ahead_key) = ahead_key else {
+            return Ok(Turn::Mine);
+        };
+        let mut wc = self.inner.client.watch_client();
+        let wopts = WatchOptions::new()
+            .with_start_revision(revision + 1)
+            .with_filters([WatchFilterType::NoPut]);
+        let mut stream = timed(
+            self.request_timeout(),
+            "a watch",
+            wc.watch(ahead_key, Some(wopts)),
+        )
+        .await?;
+        loop {
+            let msg = stream.message().await.map_err(from_client)?;
+            let Some(msg) = msg else {
+                return Ok(Turn::Again);
+            };
+            if msg.canceled() {
+                // Compacted or cancelled by the server (e.g. no leader): read again.
+                return Ok(Turn::Again);
+            }
+            if msg
+                .events()
+                .iter()
+                .any(|e| e.event_type() == EventType::Delete)
+            {
+                return Ok(Turn::Again);
+            }
+        }
+    }
+
+    async fn acquire_once(
+        &self,
+        name: &str,
+        opts: &AcquireOptions,
+        start: Instant,
+        deadline: Option<Instant>,
+    ) -> Result<Option<Lease>> {
+        let reservation = if opts.keepalive {
+            retry_transient(opts, deadline, || self.session_lease(opts.ttl)).await?
+        } else {
+            retry_transient(opts, deadline, || self.private_lease(opts.ttl)).await?
+        };
+        let shared = reservation.shared.clone();
+        let name_prefix = self.name_prefix(name);
+        let mut key = name_prefix.clone();
+        key.extend_from_slice(
+            format!("{:016x}-{:016x}", shared.id, rand::random::<u64>()).as_bytes(),
+        );
+        // Armed before the first request that may create the key: from here on, dropping the
+        // acquire (or failing) deletes the key.
+        let mut guard = KeyGuard {
+            kv: self.inner.client.kv_client(),
+            key: Some(key.clone()),
+            reservation: Some(reservation),
+            limit: self.request_timeout(),
+        };
+        // A private lease is kept alive by a task while its acquire waits, and no longer.
+        let _private_keepalive = (!opts.keepalive).then(|| {
+            AbortOnDrop(
+                tokio::spawn(keepalive_task(shared.clone(), self.task_ctx())).abort_handle(),
+            )
+        });
+        let only_if_free = opts.wait == Wait::No;
+        let enq = retry_transient(opts, deadline, || {
+            self.enqueue(&name_prefix, &key, shared.id, only_if_free)
+        })
+        .await?;
+        let (my_rev, owner_rev) = match enq {
+            Enqueued::LeaseGone => {
+                shared.mark_lost();
+                guard.key = None;
+                return Ok(None);
+            }
+            Enqueued::Held => {
+                guard.key = None;
+                return Err(Error::Held {
+                    name: name.to_owned(),
+                });
+            }
+            Enqueued::Queued { my_rev, owner_rev } => (my_rev, owner_rev),
+        };
+        if owner_rev != my_rev {
+            if opts.wait == Wait::No {
+                guard.delete_now().await;
+                return Err(Error::Held {
+                    name: name.to_owned(),
+                });
+            }
+            let lost = shared.master.lost();
+            let timeout = async {
+                match deadline {
+                    Some(d) => tokio::time::sleep_until(d).await,
+                    None => std::future::pending().await,
+                }
+            };
+            let outcome = tokio::select! {
+                r = self.wait_turn(name, &name_prefix, &key, my_rev, opts) => r,
+                _ = lost => Err(Error::LeaseLost { name: name.to_owned() }),
+                _ = timeout => Err(Error::Timeout { name: name.to_owned(), waited: start.elapsed() }),
+            };
+            if let Err(e) = outcome {
+                guard.delete_now().await;
+                return Err(e);
+            }
+        }
+        // Granted. The tracker starts at the last acknowledged renewal of the etcd lease.
+        let binding_tracker = if opts.keepalive {
+            shared.register()
+        } else if shared.master.state() != LeaseState::Lost {
+            Some((
+                0,
+                lockkit_core::LeaseTracker::new(shared.master.confirmed_at(), opts.ttl),
+            ))
+        } else {
+            None
+        };
+        let Some((tracker_id, tracker)) = binding_tracker else {
+            guard.delete_now().await;
+            return Err(Error::LeaseLost {
+                name: name.to_owned(),
+            });
+        };
+        let reservation = guard.disarm();
+        let binding = match reservation {
+            Some(reservation) if opts.keepalive => Binding::Shared {
+                reservation,
+                tracker_id,
+            },
+            _ => Binding::Dedicated,
+        };
+        let ops = Arc::new(EtcdLease {
+            client: self.inner.client.clone(),
+            name: name.to_owned(),
+            name_prefix,
+            key,
+            create_revision: my_rev,
+            lease_id: shared.id,
+            binding,
+            request_timeout: self.request_timeout(),
+            released: AtomicBool::new(false),
+        });
+        let token = FencingToken::new(u64::try_from(my_rev).unwrap_or(0));
+        Ok(Some(Lease::new(name, token, tracker, ops, opts)))
+    }
+}
+
+enum Enqueued {
+    /// Our key exists with `my_rev`; the holder's key has `owner_rev`.
+    Queued { my_rev: i64, owner_rev: i64 },
+    /// Try-acquire of a held lock: nothing was created.
+    Held,
+    /// The lease we attached to no longer exists on the server.
+    LeaseGone,
+}
+
+enum Turn {
+    Mine,
+    Again,
+}
+
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Deletes an acquire's key unless disarmed: at once with [`delete_now`](Self::delete_now), or
+/// in a background task when dropped (the acquire was cancelled or failed).
+struct KeyGuard {
+    kv: KvClient,
+    key: Option<Vec<u8>>,
+    reservation: Option<Reservation>,
+    limit: Duration,
+}
+
+impl KeyGuard {
+    fn disarm(&mut self) -> Option<Reservation> {
+        self.key = None;
+        self.reservation.take()
+    }
+
+    /// Deletes the key now; if that fails the drop retries in the background.
+    async fn delete_now(&mut self) {
+        if let Some(key) = &self.key {
+            let res = timed(
+                self.limit,
+                "a key delete",
+                self.kv.delete(key.clone(), None),
+            )
+            .await;
+            if res.is_ok() {
+                self.key = None;
+            }
+        }
+    }
+}
+
+impl Drop for KeyGuard {
+    fn drop(&mut self) {
+        let Some(key) = self.key.take() else {
+            return;
+        };
+        let reservation = self.reservation.take();
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            if let Some(r) = &reservation {
+                r.shared.close_to_newcomers();
+            }
+            return;
+        };
+        let mut kv = self.kv.clone();
+        let limit = self.limit;
+        rt.spawn(async move {
+            let mut delay = Duration::from_millis(50);
+            for _ in 0..6 {
+                if timed(limit, "a key delete", kv.delete(key.clone(), None)).await.is_ok() {
+                    drop(reservation);
+                    return;
+                }
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(2));
+            }
+            tracing::warn!(key = %String::from_utf8_lossy(&key), "could not delete an abandoned lock key; it ends with its lease");
+            if let Some(r) = &reservation {
+                r.shared.close_to_newcomers();
+            }
+        });
+    }
+}
+
+#[async_trait]
+impl Lock for EtcdLock {
+    async fn acquire(&self, name: &str, opts: AcquireOptions) -> Result<Lease> {
+        validate_name(name)?;
+        opts.validate()?;
+        let start = Instant::now();
+        let deadline = wait_deadline(opts.wait, start);
+        // A lease that expired just before we attached a key to it: take a fresh one, twice
+        // at most.
+        for _ in 0..3 {
+            if let Some(lease) = self.acquire_once(name, &opts, start, deadline).await? {
+                return Ok(lease);
+            }
+        }
+        Err(Error::Unavailable {
+            backend: BACKEND,
+            source: "etcd expired every lease granted for this acquire".into(),
+        })
+    }
+
+    /// Correctness lock: consensus-backed, durable tokens, FIFO waiters, manual renewal.
+    /// `expiry_slack` is `max(1 s, minimum lease TTL of the server) + 0.5 s`: TTLs are rounded up
+    /// to whole seconds and raised to the server's minimum (1.5 × election timeout, measured at
+    /// connect), and the leader sweeps expired leases every 500 ms.
+    fn guarantees(&self) -> Guarantees {
+        let mut g = Guarantees::new("etcd", LockKind::Correctness);
+        g.tokens_survive_restart = true;
+        g.safe_across_failover = true;
+        g.fifo_waiters = true;
+        g.manual_renewal = true;
+        g.expiry_slack =
+            self.inner.min_granted.max(Duration::from_secs(1)) + Duration::from_millis(500);
+        g.notes = "etcd TTLs are whole seconds (rounded up, at least the server's minimum); \
+                   tokens are create revisions and go back only if the cluster is restored \
+                   from an old snapshot";
+        g
+    }
+}
+
+impl SharedLease {
+    /// The first reservation on a freshly granted session lease.
+    pub(crate) fn reserve_shared(self: &Arc<Self>) -> Reservation {
+        match self.try_reserve() {
+            Some(r) => r,
+            // Lost already (the grant took longer than the TTL): hand out a reservation anyway;
+            // the acquire will find the lease lost and retry with a new one.
+            None => self.reserve_private(),
+        }
+    }
+}

@@ -1,0 +1,98 @@
+//! etcd backend: the contract suite on the shared single-member etcd (`LOCKKIT_ETCD_URL`), bad
+//! connects, and failure tests on private etcd processes (`cluster`, `failures`).
+
+mod cluster;
+mod failures;
+mod support;
+
+use std::time::Duration;
+
+use lockkit::Error;
+
+use crate::common::{UrlHarness, server_url};
+
+/// The contract harness: `short_ttl` must exceed 3 × `expiry_slack` (the suite's renewal test
+/// renews 4 × TTL/3 and needs to outlive the first TTL plus the slack), and etcd's slack is
+/// `max(1 s, minimum TTL) + 0.5 s` — so 5 s on the project's etcd (minimum TTL 1 s).
+pub async fn harness() -> UrlHarness {
+    use lockkit::contract::Harness;
+    let mut h = UrlHarness::from_env("LOCKKIT_ETCD_URL");
+    let slack = h.client().await.guarantees().expiry_slack;
+    h.short_ttl = Duration::from_secs_f64((3.0 * slack.as_secs_f64() + 0.5).ceil());
+    h.tolerance = Duration::from_secs(2);
+    h
+}
+
+mod contract {
+    lockkit::contract_suite!(super::harness().await);
+}
+
+#[tokio::test]
+async fn connect_plain_url_and_guarantees() {
+    let url = server_url("LOCKKIT_ETCD_URL");
+    let locks = lockkit::connect(&url)
+        .await
+        .expect("connect etcd://host:port");
+    let g = locks.guarantees();
+    assert_eq!(g.backend, "etcd");
+    assert_eq!(g.kind, lockkit::LockKind::Correctness);
+    assert!(g.tokens_survive_restart && g.safe_across_failover && g.fifo_waiters);
+    assert!(g.manual_renewal);
+    assert!(g.expiry_slack >= Duration::from_millis(1500));
+}
+
+#[tokio::test]
+async fn malformed_urls_are_invalid_config() {
+    for url in [
+        "etcd://",
+        "etcd://127.0.0.1:notaport",
+        "etcd://127.0.0.1:2379/some/path",
+        "etcd://127.0.0.1:2379?prefix=",
+        "etcd://127.0.0.1:2379?prefix=a/b",
+        "etcd://127.0.0.1:2379?nosuch=1",
+        "etcd://127.0.0.1:2379?tls=true",
+        "etcd://user:hunter2@127.0.0.1:99999",
+    ] {
+        let start = std::time::Instant::now();
+        match lockkit::connect(url).await {
+            Err(Error::InvalidConfig { reason, .. }) => {
+                assert!(!reason.contains("hunter2"), "password echoed: {reason}")
+            }
+            other => panic!("{url}: expected InvalidConfig, got {other:?}"),
+        }
+        assert!(start.elapsed() < Duration::from_secs(1));
+    }
+}
+
+#[tokio::test]
+async fn unreachable_is_unavailable_quickly() {
+    // A port nobody listens on.
+    let port = crate::common::free_port();
+    let start = std::time::Instant::now();
+    match lockkit::connect(&format!("etcd://127.0.0.1:{port}")).await {
+        Err(e @ Error::Unavailable { .. }) => assert!(e.is_retryable()),
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+    assert!(
+        start.elapsed() < Duration::from_secs(6),
+        "took {:?}",
+        start.elapsed()
+    );
+    // A server that accepts connections and never answers: the connect timeout ends it.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let silent = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((sock, _)) = listener.accept().await {
+            held.push(sock);
+        }
+    });
+    let url = format!("etcd://127.0.0.1:{port}?connect_timeout_ms=500");
+    let start = std::time::Instant::now();
+    match lockkit::connect(&url).await {
+        Err(Error::Unavailable { .. }) => {}
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+    assert!(start.elapsed() < Duration::from_secs(3));
+    silent.abort();
+}

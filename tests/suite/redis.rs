@@ -1,1 +1,481 @@
-//! redis backend tests (in progress).
+//! The Redis backend: the contract suite against the shared server (`LOCKKIT_REDIS_URL`), bad
+//! connects, and Redis-specific failure tests on private `redis-server` processes.
+
+use std::process::Command;
+use std::time::Duration;
+
+use lockkit::redis::RedisLock;
+use lockkit::redis::redis;
+use lockkit::{AcquireOptions, Error, Lock, LockExt, Wait};
+use tokio::time::Instant;
+
+use crate::common::{ServerProcess, free_port, fresh_prefix, server_url, wait_until, with_prefix};
+
+mod contract {
+    use crate::common::UrlHarness;
+    lockkit::contract_suite!(UrlHarness::from_env("LOCKKIT_REDIS_URL"));
+}
+
+/// A private `redis-server` without persistence, killed on drop.
+struct PrivateRedis {
+    proc: ServerProcess,
+    port: u16,
+    password: Option<&'static str>,
+}
+
+impl PrivateRedis {
+    async fn start(password: Option<&'static str>) -> Self {
+        let port = free_port();
+        let dir = tempfile::tempdir().expect("temp dir");
+        let proc = Self::spawn(dir, port, password);
+        let me = Self {
+            proc,
+            port,
+            password,
+        };
+        me.wait_ready().await;
+        me
+    }
+
+    fn spawn(dir: tempfile::TempDir, port: u16, password: Option<&str>) -> ServerProcess {
+        let mut cmd = Command::new("redis-server");
+        cmd.args(["--bind", "127.0.0.1", "--port", &port.to_string()])
+            .arg("--dir")
+            .arg(dir.path())
+            .args(["--save", "", "--appendonly", "no", "--daemonize", "no"]);
+        if let Some(pw) = password {
+            cmd.args(["--requirepass", pw]);
+        }
+        ServerProcess::spawn("redis", dir, cmd)
+    }
+
+    /// SIGKILL, then a new server on the same port (with an empty data dir: nothing survives).
+    async fn restart(&mut self) {
+        self.proc.kill();
+        let dir = tempfile::tempdir().expect("temp dir");
+        self.proc = Self::spawn(dir, self.port, self.password);
+        self.wait_ready().await;
+    }
+
+    async fn wait_ready(&self) {
+        let port = self.port.to_string();
+        let pw = self.password;
+        wait_until("private redis-server", Duration::from_secs(10), || {
+            let mut c = Command::new("redis-cli");
+            c.args(["-p", &port]);
+            if let Some(pw) = pw {
+                c.args(["--no-auth-warning", "-a", pw]);
+            }
+            c.arg("ping")
+                .output()
+                .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "PONG")
+        })
+        .await;
+    }
+
+    fn url(&self) -> String {
+        match self.password {
+            Some(pw) => format!("redis://:{pw}@127.0.0.1:{}", self.port),
+            None => format!("redis://127.0.0.1:{}", self.port),
+        }
+    }
+
+    /// A plain connection for looking at keys directly.
+    async fn raw(&self) -> redis::aio::MultiplexedConnection {
+        raw(&self.url()).await
+    }
+}
+
+async fn raw(url: &str) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(url)
+        .expect("client")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("raw connection")
+}
+
+async fn exists(conn: &mut redis::aio::MultiplexedConnection, key: &str) -> bool {
+    redis::cmd("EXISTS")
+        .arg(key)
+        .query_async::<i64>(conn)
+        .await
+        .expect("EXISTS")
+        == 1
+}
+
+/// Waits (bounded) until `key` exists or not, as `want`; returns how long it took.
+async fn await_exists(
+    conn: &mut redis::aio::MultiplexedConnection,
+    key: &str,
+    want: bool,
+    limit: Duration,
+) -> Duration {
+    let start = Instant::now();
+    while exists(conn, key).await != want {
+        assert!(
+            start.elapsed() < limit,
+            "key {key:?} still {} after {limit:?}",
+            if want { "absent" } else { "present" }
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    start.elapsed()
+}
+
+fn fast(start: Instant, what: &str) {
+    let took = start.elapsed();
+    assert!(took < Duration::from_secs(3), "{what} took {took:?}");
+}
+
+// ---- bad connects ----
+
+#[tokio::test]
+async fn malformed_urls_are_invalid_config() {
+    let good = server_url("LOCKKIT_REDIS_URL");
+    for url in [
+        "redis://".to_owned(),
+        "redis://127.0.0.1:notaport".to_owned(),
+        "redis://127.0.0.1:6379/notadb".to_owned(),
+        with_prefix(&good, ""),
+        with_prefix(&good, "has:colon"),
+        format!("{good}?connect_timeout_ms=0"),
+    ] {
+        let start = Instant::now();
+        match lockkit::connect(&url).await {
+            Err(Error::InvalidConfig { .. }) => {}
+            other => panic!("{url:?}: expected InvalidConfig, got {other:?}"),
+        }
+        fast(start, &url);
+    }
+}
+
+#[tokio::test]
+async fn unreachable_server_is_unavailable_quickly() {
+    let port = free_port(); // nothing listens there
+    let start = Instant::now();
+    match lockkit::connect(&format!("redis://127.0.0.1:{port}")).await {
+        Err(e @ Error::Unavailable { .. }) => assert!(e.is_retryable()),
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+    fast(start, "connect to a closed port");
+}
+
+#[tokio::test]
+async fn silent_server_times_out_as_unavailable() {
+    // Accepts TCP connections and never answers: the connect timeout must end the wait.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    let start = Instant::now();
+    let url = format!("redis://127.0.0.1:{port}?connect_timeout_ms=300&response_timeout_ms=300");
+    match lockkit::connect(&url).await {
+        Err(Error::Unavailable { .. }) => {}
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+    fast(start, "connect to a silent server");
+    drop(listener);
+}
+
+#[tokio::test]
+async fn wrong_or_missing_password_is_auth_and_right_one_works() {
+    let server = PrivateRedis::start(Some("correct-horse")).await;
+    for url in [
+        format!("redis://:wrong-password@127.0.0.1:{}", server.port),
+        format!("redis://127.0.0.1:{}", server.port),
+        format!("redis://nobody:correct-horse@127.0.0.1:{}", server.port),
+    ] {
+        let start = Instant::now();
+        match lockkit::connect(&url).await {
+            Err(e @ Error::Auth { .. }) => {
+                let shown = format!("{e} {e:?}");
+                assert!(
+                    !shown.contains("wrong-password"),
+                    "password leaked: {shown}"
+                );
+            }
+            other => panic!("{url}: expected Auth, got {other:?}"),
+        }
+        fast(start, "connect with bad credentials");
+    }
+    let locks = lockkit::connect(&with_prefix(&server.url(), &fresh_prefix()))
+        .await
+        .expect("connect with the right password");
+    let shown = format!("{locks:?}");
+    assert!(
+        !shown.contains("correct-horse"),
+        "password in Debug: {shown}"
+    );
+    let lease = locks
+        .try_acquire("authed", Duration::from_secs(5))
+        .await
+        .expect("acquire");
+    lease.release().await.expect("release");
+}
+
+#[tokio::test]
+async fn rediss_to_a_plain_server_fails_cleanly() {
+    // The `tls` feature is on: a TLS handshake with a plain-text server must fail fast with a
+    // typed error, not hang or panic.
+    let url = server_url("LOCKKIT_REDIS_URL").replacen("redis://", "rediss://", 1);
+    let url = format!("{url}?connect_timeout_ms=1000&response_timeout_ms=1000");
+    let start = Instant::now();
+    match lockkit::connect(&url).await {
+        Err(Error::Unavailable { .. } | Error::Backend { .. }) => {}
+        other => panic!("expected Unavailable or Backend, got {other:?}"),
+    }
+    fast(start, "rediss to a plain server");
+}
+
+// ---- Redis-specific behaviour ----
+
+/// Tokens keep increasing after the server restarts with no persistence: the fence counter is
+/// gone, and the `TIME` floor carries the order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_increase_across_a_restart_without_persistence() {
+    let mut server = PrivateRedis::start(None).await;
+    let prefix = fresh_prefix();
+    let url = with_prefix(&server.url(), &prefix);
+    let locks = RedisLock::connect(&url).await.expect("connect");
+    assert!(locks.guarantees().tokens_survive_restart);
+    let name = "restart";
+    let mut t = None;
+    for _ in 0..3 {
+        let lease = locks
+            .try_acquire(name, Duration::from_secs(10))
+            .await
+            .expect("acquire");
+        assert!(t.is_none_or(|t| lease.token() > t));
+        t = Some(lease.token());
+        lease.release().await.expect("release");
+    }
+    let t = t.expect("a token");
+
+    server.restart().await;
+    let mut conn = server.raw().await;
+    assert!(
+        !exists(&mut conn, &locks.fence_key(name)).await,
+        "the fence counter survived the restart: the test proves nothing"
+    );
+    // The same client (its connection reconnects) and a brand-new one.
+    let again = locks
+        .acquire(
+            name,
+            AcquireOptions::new()
+                .ttl(Duration::from_secs(10))
+                .wait(Wait::Timeout(Duration::from_secs(10))),
+        )
+        .await
+        .expect("acquire after restart");
+    assert!(
+        again.token() > t,
+        "token {} after restart is not above {t}",
+        again.token()
+    );
+    let t2 = again.token();
+    again.release().await.expect("release");
+    let fresh = RedisLock::connect(&url).await.expect("connect");
+    let third = fresh
+        .try_acquire(name, Duration::from_secs(10))
+        .await
+        .expect("acquire");
+    assert!(third.token() > t2);
+    third.release().await.expect("release");
+}
+
+/// An acquire dropped after its script was sent but before the reply leaves no lock behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_in_flight_acquire_leaves_no_lock() {
+    let server = PrivateRedis::start(None).await;
+    let prefix = fresh_prefix();
+    let locks = RedisLock::connect(&with_prefix(&server.url(), &prefix))
+        .await
+        .expect("connect");
+    let name = "in-flight";
+    let ttl = Duration::from_secs(60);
+    // Load the scripts first, so the stalled acquire is a single EVALSHA.
+    locks
+        .try_acquire("warm-up", ttl)
+        .await
+        .expect("warm-up")
+        .release()
+        .await
+        .expect("release");
+
+    server.proc.signal("STOP");
+    let pending = locks.try_acquire(name, ttl);
+    // The server is stopped: the request goes out, no reply can come.
+    let r = tokio::time::timeout(Duration::from_millis(300), pending).await;
+    assert!(r.is_err(), "acquire returned while the server was stopped");
+    // (the future is dropped here, with its script sent)
+    server.proc.signal("CONT");
+
+    let mut conn = server.raw().await;
+    // The acquire script did run (it bumped the fence counter)…
+    await_exists(
+        &mut conn,
+        &locks.fence_key(name),
+        true,
+        Duration::from_secs(5),
+    )
+    .await;
+    // …and the drop guard's compare-and-delete removed the lock long before its 60 s TTL.
+    await_exists(
+        &mut conn,
+        &locks.lock_key(name),
+        false,
+        Duration::from_secs(5),
+    )
+    .await;
+    let left: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{prefix}:lock:*"))
+        .query_async(&mut conn)
+        .await
+        .expect("KEYS");
+    assert!(left.is_empty(), "lock keys left behind: {left:?}");
+    let lease = locks
+        .try_acquire(name, ttl)
+        .await
+        .expect("the lock is free again");
+    lease.release().await.expect("release");
+}
+
+fn evalsha_calls(info: &str) -> u64 {
+    info.lines()
+        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
+/// A waiter is woken by the release's PUBLISH, long before the holder's TTL and before its own
+/// fallback poll (~1 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiter_is_woken_by_the_release_message() {
+    // A private server, so the command counters below count only this test's commands.
+    let server = PrivateRedis::start(None).await;
+    let url = with_prefix(&server.url(), &fresh_prefix());
+    let holder = RedisLock::connect(&url).await.expect("connect");
+    let waiter = RedisLock::connect(&url).await.expect("connect");
+    let name = "wake";
+    let lease = holder
+        .acquire(
+            name,
+            AcquireOptions::new()
+                .ttl(Duration::from_secs(30))
+                .keepalive(false)
+                .wait(Wait::No),
+        )
+        .await
+        .expect("acquire");
+    let conn = server.raw().await;
+    let info = || {
+        let mut c = conn.clone();
+        async move {
+            redis::cmd("INFO")
+                .arg("commandstats")
+                .query_async::<String>(&mut c)
+                .await
+                .expect("INFO")
+        }
+    };
+    let before = evalsha_calls(&info().await);
+    let waiting = tokio::spawn(async move {
+        let l = waiter
+            .acquire(
+                name,
+                AcquireOptions::new()
+                    .ttl(Duration::from_secs(30))
+                    .wait(Wait::Timeout(Duration::from_secs(20))),
+            )
+            .await;
+        (Instant::now(), l)
+    });
+    // The waiter has subscribed and then tried again (two acquire scripts): it is asleep now.
+    let channel = format!("{}:released:{name}", holder.prefix());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let subs: (String, i64) = redis::cmd("PUBSUB")
+            .arg("NUMSUB")
+            .arg(&channel)
+            .query_async(&mut conn.clone())
+            .await
+            .expect("NUMSUB");
+        if subs.1 >= 1 && evalsha_calls(&info().await) >= before + 2 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the waiter never subscribed");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let released = Instant::now();
+    lease.release().await.expect("release");
+    let (granted, l) = waiting.await.expect("waiter task");
+    let l = l.expect("the waiter got the lock");
+    let took = granted - released;
+    assert!(
+        took < Duration::from_millis(600),
+        "the waiter needed {took:?} after the release: not woken by the release message"
+    );
+    l.release().await.expect("release");
+}
+
+/// Renewing a lease whose key expired fails with NotHeld and does not re-create the key.
+#[tokio::test]
+async fn renew_after_expiry_is_not_held_and_does_not_retake() {
+    let url = with_prefix(&server_url("LOCKKIT_REDIS_URL"), &fresh_prefix());
+    let locks = RedisLock::connect(&url).await.expect("connect");
+    let ttl = Duration::from_millis(200);
+    let lease = locks
+        .acquire(
+            "expire",
+            AcquireOptions::new()
+                .ttl(ttl)
+                .keepalive(false)
+                .wait(Wait::No),
+        )
+        .await
+        .expect("acquire");
+    let mut conn = raw(&url).await;
+    let key = locks.lock_key("expire");
+    assert!(exists(&mut conn, &key).await);
+    tokio::time::sleep(ttl + Duration::from_millis(100)).await; // let the TTL pass
+    match lease.ops().renew(Duration::from_secs(30)).await {
+        Err(Error::NotHeld { name }) => assert_eq!(name, "expire"),
+        other => panic!("renew of an expired lease: {other:?}"),
+    }
+    assert!(!exists(&mut conn, &key).await, "renew re-took the lock");
+    match lease.renew().await {
+        Err(Error::LeaseLost { .. } | Error::NotHeld { .. }) => {}
+        other => panic!("{other:?}"),
+    }
+    assert!(!exists(&mut conn, &key).await, "renew re-took the lock");
+}
+
+/// Unusual names map to their own keys under the prefix, verbatim.
+#[tokio::test]
+async fn names_map_verbatim_under_the_prefix() {
+    let prefix = fresh_prefix();
+    let url = with_prefix(&server_url("LOCKKIT_REDIS_URL"), &prefix);
+    let locks = RedisLock::connect(&url).await.expect("connect");
+    let mut conn = raw(&url).await;
+    let names = ["a", "a:lock:b", "*", "[x]?", "ünï cödé", "fence:a"];
+    let mut leases = Vec::new();
+    for n in names {
+        leases.push(
+            locks
+                .try_acquire(n, Duration::from_secs(10))
+                .await
+                .unwrap_or_else(|e| panic!("{n:?}: {e}")),
+        );
+        let key = format!("{prefix}:lock:{n}");
+        assert_eq!(locks.lock_key(n), key);
+        assert!(exists(&mut conn, &key).await, "{key:?} missing");
+    }
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{prefix}:lock:*"))
+        .query_async(&mut conn)
+        .await
+        .expect("KEYS");
+    assert_eq!(keys.len(), names.len(), "{keys:?}");
+    for l in leases {
+        l.release().await.expect("release");
+    }
+}

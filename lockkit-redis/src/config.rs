@@ -1,0 +1,328 @@
+//! Connection settings: from a `redis://` / `rediss://` URL or built by hand.
+
+use std::fmt;
+use std::time::Duration;
+
+use lockkit_core::{Error, Result};
+use redis::{ConnectionAddr, ConnectionInfo, IntoConnectionInfo, RedisConnectionInfo};
+
+use crate::error::from_redis;
+
+/// The key prefix used when none is given: `lockkit`.
+pub const DEFAULT_PREFIX: &str = "lockkit";
+
+/// The longest key prefix, in bytes: 64.
+pub const MAX_PREFIX_BYTES: usize = 64;
+
+/// How long [`RedisLock::connect`](crate::RedisLock::connect) waits for the server by default: 5 s.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long a command waits for its reply by default: 2 s.
+pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Where and how to reach Redis, and under which key prefix to keep the locks.
+///
+/// Build it from a URL with [`from_url`](Self::from_url) or by hand with [`new`](Self::new) and
+/// the chained setters, then pass it to [`RedisLock::with_config`](crate::RedisLock::with_config).
+///
+/// ```
+/// use std::time::Duration;
+/// use lockkit_redis::RedisConfig;
+///
+/// let by_hand = RedisConfig::new("127.0.0.1", 6379)
+///     .password("s3cret")
+///     .prefix("billing")
+///     .connect_timeout(Duration::from_secs(2));
+/// let from_url = RedisConfig::from_url("redis://:s3cret@127.0.0.1:6379/0?prefix=billing&connect_timeout_ms=2000")?;
+/// assert_eq!(by_hand.prefix_str(), from_url.prefix_str());
+/// // Debug never shows the password.
+/// assert!(!format!("{by_hand:?}{from_url:?}").contains("s3cret"));
+/// # Ok::<(), lockkit_core::Error>(())
+/// ```
+#[derive(Clone)]
+pub struct RedisConfig {
+    addr: ConnectionAddr,
+    redis: RedisConnectionInfo,
+    pub(crate) prefix: String,
+    pub(crate) connect_timeout: Duration,
+    pub(crate) response_timeout: Duration,
+}
+
+impl fmt::Debug for RedisConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let r = &self.redis;
+        let (host, port, tls) = match &self.addr {
+            ConnectionAddr::Tcp(h, p) => (h.as_str(), *p, false),
+            ConnectionAddr::TcpTls { host, port, .. } => (host.as_str(), *port, true),
+            _ => ("(unix socket)", 0, false),
+        };
+        f.debug_struct("RedisConfig")
+            .field("host", &host)
+            .field("port", &port)
+            .field("tls", &tls)
+            .field("db", &r.db())
+            .field("username", &r.username())
+            .field("password", &r.password().map(|_| "<hidden>"))
+            .field("prefix", &self.prefix)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("response_timeout", &self.response_timeout)
+            .finish()
+    }
+}
+
+impl RedisConfig {
+    /// Plain TCP to `host:port`, no password, database 0, prefix [`DEFAULT_PREFIX`].
+    pub fn new(host: impl Into<String>, port: u16) -> Self {
+        Self {
+            addr: ConnectionAddr::Tcp(host.into(), port),
+            redis: RedisConnectionInfo::default(),
+            prefix: DEFAULT_PREFIX.to_owned(),
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            response_timeout: DEFAULT_RESPONSE_TIMEOUT,
+        }
+    }
+
+    /// Parses a Redis URL:
+    /// `redis[s]://[[user]:password@]host[:port][/db][?prefix=P&connect_timeout_ms=N&response_timeout_ms=N][#insecure]`.
+    ///
+    /// `prefix`, `connect_timeout_ms` and `response_timeout_ms` are lockkit's own query parameters
+    /// and are removed before the rest goes to the redis crate (which also understands
+    /// `protocol=resp3` and, for `rediss`, the `#insecure` fragment that skips certificate checks).
+    /// The user name and password are percent-decoded.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for a URL that does not parse, a scheme other than `redis` or
+    /// `rediss`, a missing host, a bad database number, a bad `prefix` (see
+    /// [`prefix`](Self::prefix)) or timeout, or `rediss` when the crate was built without its
+    /// `tls` feature. The URL is never echoed in the error (it may carry a password).
+    pub fn from_url(url: &str) -> Result<Self> {
+        let mut parsed =
+            url::Url::parse(url).map_err(|e| Error::config_with("malformed redis URL", e))?;
+        match parsed.scheme() {
+            "redis" => {}
+            "rediss" => {
+                if !cfg!(feature = "tls") {
+                    return Err(Error::config(
+                        "rediss:// needs lockkit-redis's Cargo feature \"tls\" (on by default)",
+                    ));
+                }
+            }
+            other => {
+                return Err(Error::config(format!(
+                    "unsupported scheme {other:?} for the redis backend: expected redis or rediss"
+                )));
+            }
+        }
+        if parsed.host_str().is_none_or(str::is_empty) {
+            return Err(Error::config("redis URL has no host"));
+        }
+        let mut prefix = DEFAULT_PREFIX.to_owned();
+        let mut connect_timeout = DEFAULT_CONNECT_TIMEOUT;
+        let mut response_timeout = DEFAULT_RESPONSE_TIMEOUT;
+        let mut rest = Vec::new();
+        for (k, v) in parsed.query_pairs() {
+            match k.as_ref() {
+                "prefix" => prefix = v.into_owned(),
+                "connect_timeout_ms" => connect_timeout = parse_ms(&k, &v)?,
+                "response_timeout_ms" => response_timeout = parse_ms(&k, &v)?,
+                _ => rest.push((k.into_owned(), v.into_owned())),
+            }
+        }
+        if rest.is_empty() {
+            parsed.set_query(None);
+        } else {
+            parsed.query_pairs_mut().clear().extend_pairs(rest);
+        }
+        let info = parsed.into_connection_info().map_err(from_redis)?;
+        let cfg = Self {
+            addr: info.addr().clone(),
+            redis: info.redis_settings().clone(),
+            prefix,
+            connect_timeout,
+            response_timeout,
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Uses TLS (`rediss`), verifying the server's certificate against the system's roots.
+    /// Requires the crate feature `tls` (on by default); without it, connecting fails with
+    /// [`Error::InvalidConfig`].
+    pub fn tls(mut self, on: bool) -> Self {
+        let (host, port) = match &self.addr {
+            ConnectionAddr::Tcp(h, p) => (h.clone(), *p),
+            ConnectionAddr::TcpTls { host, port, .. } => (host.clone(), *port),
+            _ => return self,
+        };
+        let addr = if on {
+            ConnectionAddr::TcpTls {
+                host,
+                port,
+                insecure: false,
+                tls_params: None,
+            }
+        } else {
+            ConnectionAddr::Tcp(host, port)
+        };
+        self.addr = addr;
+        self
+    }
+
+    /// Sets the user name for `AUTH` (Redis 6 ACL users).
+    pub fn username(mut self, user: impl AsRef<str>) -> Self {
+        self.redis = self.redis.set_username(user);
+        self
+    }
+
+    /// Sets the password for `AUTH`.
+    pub fn password(mut self, password: impl AsRef<str>) -> Self {
+        self.redis = self.redis.set_password(password);
+        self
+    }
+
+    /// Selects the logical database (default 0). Note that pub/sub channels, which wake waiters,
+    /// are shared by all databases of a server; the prefix keeps them apart.
+    pub fn db(mut self, db: i64) -> Self {
+        self.redis = self.redis.set_db(db);
+        self
+    }
+
+    /// Sets the key prefix (default [`DEFAULT_PREFIX`]). It must be 1 to [`MAX_PREFIX_BYTES`]
+    /// bytes with no `:`, no `/` and no control characters; this is checked when connecting.
+    ///
+    /// Without `:` in the prefix, the first `:` of every key ends the prefix, so two prefixes
+    /// never share a key (see the crate docs, "Keys").
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// The key prefix.
+    pub fn prefix_str(&self) -> &str {
+        &self.prefix
+    }
+
+    /// How long connecting may take before it fails with [`Error::Unavailable`]
+    /// (default [`DEFAULT_CONNECT_TIMEOUT`], 5 s).
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// How long a command may wait for its reply before it fails with [`Error::Unavailable`]
+    /// (default [`DEFAULT_RESPONSE_TIMEOUT`], 2 s).
+    pub fn response_timeout(mut self, timeout: Duration) -> Self {
+        self.response_timeout = timeout;
+        self
+    }
+
+    /// The redis crate's connection settings.
+    pub(crate) fn connection_info(&self) -> Result<ConnectionInfo> {
+        Ok(self
+            .addr
+            .clone()
+            .into_connection_info()
+            .map_err(from_redis)?
+            .set_redis_settings(self.redis.clone()))
+    }
+
+    /// Checks the prefix and the timeouts.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] naming what is wrong.
+    pub fn validate(&self) -> Result<()> {
+        validate_prefix(&self.prefix)?;
+        for (what, d) in [
+            ("connect timeout", self.connect_timeout),
+            ("response timeout", self.response_timeout),
+        ] {
+            if d.is_zero() {
+                return Err(Error::config(format!("{what} is zero")));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn parse_ms(key: &str, v: &str) -> Result<Duration> {
+    match v.parse::<u64>() {
+        Ok(ms) if ms > 0 => Ok(Duration::from_millis(ms)),
+        _ => Err(Error::config(format!(
+            "{key} must be a positive number of milliseconds"
+        ))),
+    }
+}
+
+/// Checks a key prefix: 1 to [`MAX_PREFIX_BYTES`] bytes, no `:`, no `/`, no control characters.
+///
+/// # Errors
+/// [`Error::InvalidConfig`] with the reason.
+pub fn validate_prefix(prefix: &str) -> Result<()> {
+    let reason = if prefix.is_empty() {
+        Some("is empty")
+    } else if prefix.len() > MAX_PREFIX_BYTES {
+        Some("is longer than 64 bytes")
+    } else if prefix.contains(':') {
+        Some("contains ':' (it separates the prefix from the rest of the key)")
+    } else if prefix.contains('/') {
+        Some("contains '/'")
+    } else if prefix.chars().any(char::is_control) {
+        Some("contains a control character")
+    } else {
+        None
+    };
+    match reason {
+        None => Ok(()),
+        Some(r) => Err(Error::config(format!("key prefix {r}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn url_parsing_strips_our_params_and_hides_the_password() {
+        let c = RedisConfig::from_url(
+            "redis://user:p%40ss@localhost:7000/3?prefix=app&connect_timeout_ms=250",
+        )
+        .unwrap();
+        assert_eq!(c.prefix, "app");
+        assert_eq!(c.connect_timeout, Duration::from_millis(250));
+        assert_eq!(c.redis.password(), Some("p@ss"));
+        assert_eq!(c.redis.username(), Some("user"));
+        assert_eq!(c.redis.db(), 3);
+        let dbg = format!("{c:?}");
+        assert!(!dbg.contains("p@ss") && !dbg.contains("p%40ss"), "{dbg}");
+        assert!(dbg.contains("<hidden>"));
+    }
+
+    #[test]
+    fn bad_urls_and_prefixes() {
+        for bad in [
+            "",
+            "not a url",
+            "http://localhost",
+            "redis://",
+            "redis://localhost/notadb",
+            "redis://localhost?prefix=",
+            "redis://localhost?prefix=a:b",
+            "redis://localhost?prefix=a/b",
+            "redis://localhost?prefix=a%00b",
+            "redis://localhost?connect_timeout_ms=0",
+            "redis://localhost?connect_timeout_ms=x",
+        ] {
+            match RedisConfig::from_url(bad) {
+                Err(Error::InvalidConfig { reason, .. }) => {
+                    assert!(!reason.contains("localhost"), "URL echoed: {reason}")
+                }
+                other => panic!("{bad:?}: {other:?}"),
+            }
+        }
+        let long = format!("redis://localhost?prefix={}", "p".repeat(65));
+        assert!(RedisConfig::from_url(&long).is_err());
+        let secret = "redis://:hunter2@localhost/x";
+        let e = RedisConfig::from_url(secret).unwrap_err();
+        assert!(!format!("{e:?} {e}").contains("hunter2"));
+    }
+}

@@ -1,0 +1,103 @@
+//! Conversion of redis client errors into [`lockkit_core::Error`].
+//!
+//! - Unreachable server, refused or dropped connection, I/O error, timeout, and the transient
+//!   server states `LOADING`, `TRYAGAIN`, `MASTERDOWN`, `READONLY` (a failover in progress)
+//!   → [`Error::Unavailable`] (retryable).
+//! - Refused credentials (`AuthenticationFailed`, `WRONGPASS`, `NOAUTH`, `NOPERM`) → [`Error::Auth`].
+//! - A client configuration the redis crate rejects → [`Error::InvalidConfig`].
+//! - Anything else → [`Error::Backend`].
+//!
+//! The redis crate's errors never contain the password (its connection info redacts it), and
+//! this module never adds the URL to a message.
+
+use redis::{ErrorKind, RedisError, ServerErrorKind};
+
+use lockkit_core::Error;
+
+/// The backend name used in errors and [`Guarantees`](lockkit_core::Guarantees).
+pub(crate) const BACKEND: &str = "redis";
+
+/// Converts a redis client error (see the module docs for the mapping).
+pub(crate) fn from_redis(e: RedisError) -> Error {
+    if is_auth(&e) {
+        return Error::Auth {
+            backend: BACKEND,
+            source: e.into(),
+        };
+    }
+    if is_transient(&e) {
+        return Error::Unavailable {
+            backend: BACKEND,
+            source: e.into(),
+        };
+    }
+    if e.kind() == ErrorKind::InvalidClientConfig {
+        return Error::config_with("the redis client rejected the configuration", e);
+    }
+    Error::Backend {
+        backend: BACKEND,
+        source: e.into(),
+    }
+}
+
+fn is_auth(e: &RedisError) -> bool {
+    e.kind() == ErrorKind::AuthenticationFailed
+        || e.kind() == ErrorKind::Server(ServerErrorKind::NoPerm)
+        || matches!(e.code(), Some("WRONGPASS" | "NOAUTH" | "NOPERM"))
+}
+
+fn is_transient(e: &RedisError) -> bool {
+    e.is_io_error()
+        || e.is_timeout()
+        || e.is_connection_refusal()
+        || e.is_connection_dropped()
+        || matches!(
+            e.kind(),
+            ErrorKind::Server(
+                ServerErrorKind::BusyLoading
+                    | ServerErrorKind::TryAgain
+                    | ServerErrorKind::MasterDown
+                    | ServerErrorKind::ReadOnly
+            )
+        )
+}
+
+/// The error for an operation that did not finish within `limit` (connect, subscribe).
+pub(crate) fn timed_out(what: &'static str, limit: std::time::Duration) -> Error {
+    Error::Unavailable {
+        backend: BACKEND,
+        source: format!("{what} did not finish within {limit:?}").into(),
+    }
+}
+
+/// The error for a script reply of an unexpected shape (a script from another lockkit version
+/// or a key written by someone else).
+pub(crate) fn bad_reply(what: &'static str) -> Error {
+    Error::Backend {
+        backend: BACKEND,
+        source: format!("unexpected reply from the {what} script").into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mapping() {
+        let auth = RedisError::from((
+            ErrorKind::AuthenticationFailed,
+            "Password authentication failed",
+        ));
+        assert!(matches!(from_redis(auth), Error::Auth { .. }));
+        let io = RedisError::from(std::io::Error::new(
+            std::io::ErrorKind::ConnectionRefused,
+            "refused",
+        ));
+        assert!(matches!(from_redis(io), Error::Unavailable { .. }));
+        let cfg = RedisError::from((ErrorKind::InvalidClientConfig, "Missing hostname"));
+        assert!(matches!(from_redis(cfg), Error::InvalidConfig { .. }));
+        let other = RedisError::from((ErrorKind::Parse, "bad"));
+        assert!(matches!(from_redis(other), Error::Backend { .. }));
+    }
+}

@@ -67,7 +67,8 @@ async fn run(args: Args) -> Result<(), Error> {
     let name = format!("{}-{:06x}", args.name, rand::random::<u32>() & 0xff_ffff);
 
     // A reaches the server through a relay we can freeze; B connects directly.
-    let (a, b, freeze): (Arc<dyn Lock>, Arc<dyn Lock>, Option<watch::Sender<bool>>) = if memory {
+    type Clients = (Arc<dyn Lock>, Arc<dyn Lock>, Option<watch::Sender<bool>>);
+    let (a, b, freeze): Clients = if memory {
         let shared = lockkit::connect(&args.backend).await?;
         (shared.clone(), shared, None)
     } else {

@@ -1,1 +1,389 @@
-//! placeholder
+//! Failure tests: holder loss behind a blackholed proxy, expired and revoked waiters, leftovers
+//! of failed acquires, session-lease sharing, authentication, tokens across a server restart.
+
+use std::time::Duration;
+
+use lockkit::etcd::etcd_client::{Client, EventType, GetOptions};
+use lockkit::etcd::{EtcdFence, EtcdLease, EtcdLock};
+use lockkit::{AcquireOptions, Error, Lease, LeaseState, Lock, LockExt, Wait};
+use tokio::time::Instant;
+
+use super::support::{self, PrefixWatch, Proxy};
+use crate::common::{free_port, fresh_prefix, server_url, with_prefix};
+
+const TOLERANCE: Duration = Duration::from_secs(2);
+
+fn shared_url() -> String {
+    server_url("LOCKKIT_ETCD_URL")
+}
+
+fn etcd_of(lease: &Lease) -> &EtcdLease {
+    lease
+        .ops()
+        .as_any()
+        .downcast_ref::<EtcdLease>()
+        .expect("an etcd lease")
+}
+
+async fn count_under(client: &Client, prefix: &[u8]) -> i64 {
+    let mut kv = client.kv_client();
+    kv.get(
+        prefix.to_vec(),
+        Some(GetOptions::new().with_prefix().with_count_only()),
+    )
+    .await
+    .expect("count")
+    .count()
+}
+
+/// A holder whose keepalives stop reaching etcd turns suspect, then lost by its deadline (while
+/// the TCP connection stays open); another client gets the lock after the TTL with a larger
+/// token; the old holder's fenced write is rejected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn holder_loss_behind_blackholed_proxy() {
+    let url = shared_url();
+    let prefix = fresh_prefix();
+    let proxy = Proxy::start(url.trim_start_matches("etcd://").to_owned()).await;
+    let a = EtcdLock::connect(&format!("etcd://{}?prefix={prefix}", proxy.endpoint()))
+        .await
+        .expect("connect through proxy");
+    let b = EtcdLock::connect(&with_prefix(&url, &prefix))
+        .await
+        .expect("connect");
+    let slack = b.guarantees().expiry_slack;
+    let ttl = Duration::from_secs(2);
+    let lease_a = a.try_acquire("job", ttl).await.expect("acquire");
+    let lost_at = {
+        let lost = lease_a.lost();
+        tokio::spawn(async move {
+            lost.await;
+            Instant::now()
+        })
+    };
+    proxy.blackhole(true);
+    let cut = Instant::now();
+    assert!(lease_a.valid_until() <= cut + ttl);
+    // Half a TTL after the last acknowledged keepalive the lease is suspect, not yet lost.
+    tokio::time::sleep_until(
+        lease_a.tracker().confirmed_at() + ttl / 2 + Duration::from_millis(100),
+    )
+    .await;
+    assert_eq!(lease_a.state(), LeaseState::Suspect);
+
+    let lease_b = b
+        .acquire(
+            "job",
+            AcquireOptions::new()
+                .ttl(ttl)
+                .wait(Wait::Timeout(ttl + slack + TOLERANCE * 2)),
+        )
+        .await
+        .expect("the lock did not lapse after the TTL");
+    let granted = Instant::now();
+    assert!(
+        lost_at.is_finished(),
+        "B was granted before A was told it lost the lock"
+    );
+    let lost_at = lost_at.await.unwrap();
+    assert!(lost_at <= granted);
+    assert!(
+        lost_at <= cut + ttl + TOLERANCE,
+        "loss signal late: {:?} after the cut",
+        lost_at - cut
+    );
+    assert!(granted >= cut + ttl - lockkit::drift_margin(ttl) - Duration::from_millis(400));
+    assert_eq!(lease_a.state(), LeaseState::Lost);
+    assert!(lease_b.token() > lease_a.token());
+
+    // The network heals; the stale holder tries to write.
+    proxy.blackhole(false);
+    let data = format!("{prefix}-data/report");
+    match EtcdFence::new(&lease_a)
+        .unwrap()
+        .put(data.clone(), "from A")
+        .await
+    {
+        Err(Error::StaleToken { token, current, .. }) => {
+            assert_eq!(token, lease_a.token());
+            assert_eq!(current, lease_b.token());
+        }
+        other => panic!("stale holder's fenced write: {other:?}"),
+    }
+    EtcdFence::new(&lease_b)
+        .unwrap()
+        .put(data.clone(), "from B")
+        .await
+        .expect("holder's fenced write");
+    let mut kv = b.client().kv_client();
+    let got = kv.get(data.clone(), None).await.unwrap();
+    assert_eq!(got.kvs()[0].value(), b"from B");
+    match lease_a.release().await {
+        Err(Error::NotHeld { .. }) => {}
+        other => panic!("release of the lost lease: {other:?}"),
+    }
+    lease_b.release().await.expect("release");
+    kv.delete(data, None).await.unwrap();
+}
+
+/// Queues a waiter on a held lock; returns its join handle once its key exists.
+async fn queue_waiter(
+    w: &EtcdLock,
+    name: &str,
+    ttl: Duration,
+    watch: &mut PrefixWatch,
+) -> (tokio::task::JoinHandle<lockkit::Result<Lease>>, Vec<u8>) {
+    let (w, n) = (w.clone(), name.to_owned());
+    let join = tokio::spawn(async move { w.acquire(&n, AcquireOptions::new().ttl(ttl)).await });
+    let key = watch.next(EventType::Put, TOLERANCE * 2).await;
+    (join, key)
+}
+
+/// A waiter whose keepalives stop while it is queued loses its lease (its key is deleted by
+/// etcd); it gets `LeaseLost`, never the lock; the next client gets a larger token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiter_whose_lease_lapses_gets_no_lease() {
+    let url = with_prefix(&shared_url(), &fresh_prefix());
+    let (h, w, c) = (
+        EtcdLock::connect(&url).await.unwrap(),
+        EtcdLock::connect(&url).await.unwrap(),
+        EtcdLock::connect(&url).await.unwrap(),
+    );
+    let slack = h.guarantees().expiry_slack;
+    let held = h
+        .try_acquire("q", Duration::from_secs(30))
+        .await
+        .expect("acquire");
+    let mut watch = PrefixWatch::new(h.client(), &h.name_prefix("q")).await;
+    let ttl = Duration::from_secs(2);
+    let (waiter, _key) = queue_waiter(&w, "q", ttl, &mut watch).await;
+    w.pause_keepalive_for_tests(true);
+    let held_token = held.token();
+    // etcd deletes the waiter's key when its lease expires.
+    watch.next(EventType::Delete, ttl + slack + TOLERANCE).await;
+    held.release().await.expect("release");
+    let res = tokio::time::timeout(TOLERANCE, waiter)
+        .await
+        .expect("the waiter hung")
+        .unwrap();
+    match res {
+        Err(Error::LeaseLost { .. }) => {}
+        other => panic!("a waiter with a lapsed lease got {other:?}"),
+    }
+    let next = c
+        .acquire_timeout("q", ttl, TOLERANCE)
+        .await
+        .expect("third client");
+    assert!(next.token() > held_token);
+    next.release().await.unwrap();
+}
+
+/// The wake path: a queued waiter whose lease was revoked on the server (its client still
+/// thinks it is fine) is woken by the holder's release, finds its key gone in its linearizable
+/// re-check, and gets `LeaseLost`; a third client acquires with a larger token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn revoked_waiter_is_refused_on_wake() {
+    let url = with_prefix(&shared_url(), &fresh_prefix());
+    let (h, w, c) = (
+        EtcdLock::connect(&url).await.unwrap(),
+        EtcdLock::connect(&url).await.unwrap(),
+        EtcdLock::connect(&url).await.unwrap(),
+    );
+    let held = h
+        .try_acquire("q", Duration::from_secs(30))
+        .await
+        .expect("acquire");
+    let first = held.token();
+    let mut watch = PrefixWatch::new(h.client(), &h.name_prefix("q")).await;
+    let (waiter, key) = queue_waiter(&w, "q", Duration::from_secs(30), &mut watch).await;
+    // Keep its client from noticing through a keepalive answer: only the wake path may see it.
+    w.pause_keepalive_for_tests(true);
+    let mut kv = h.client().kv_client();
+    let lease_id = kv.get(key.clone(), None).await.unwrap().kvs()[0].lease();
+    h.client().lease_client().revoke(lease_id).await.unwrap();
+    assert_eq!(watch.next(EventType::Delete, TOLERANCE).await, key);
+    assert!(!waiter.is_finished());
+    let waiter_key_rev = first; // the holder's token bounds every earlier grant
+    held.release().await.expect("release");
+    match tokio::time::timeout(TOLERANCE, waiter)
+        .await
+        .expect("the woken waiter hung")
+        .unwrap()
+    {
+        Err(Error::LeaseLost { .. }) => {}
+        other => panic!("a waiter with a revoked lease got {other:?}"),
+    }
+    let next = c
+        .acquire_timeout("q", Duration::from_secs(5), TOLERANCE)
+        .await
+        .expect("third client");
+    assert!(next.token() > waiter_key_rev);
+    next.release().await.unwrap();
+}
+
+/// Try-acquire of a held lock and a timed-out acquire leave no key behind (checked at once);
+/// a dropped waiting acquire's key is deleted in the background.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_acquires_leave_no_keys() {
+    let url = with_prefix(&shared_url(), &fresh_prefix());
+    let (a, b) = (
+        EtcdLock::connect(&url).await.unwrap(),
+        EtcdLock::connect(&url).await.unwrap(),
+    );
+    let ttl = Duration::from_secs(10);
+    let held = a.try_acquire("k", ttl).await.unwrap();
+    let prefix = a.name_prefix("k");
+    assert_eq!(count_under(a.client(), &prefix).await, 1);
+    assert!(matches!(
+        b.try_acquire("k", ttl).await,
+        Err(Error::Held { .. })
+    ));
+    assert_eq!(
+        count_under(a.client(), &prefix).await,
+        1,
+        "try-acquire left a key"
+    );
+    assert!(matches!(
+        b.acquire_timeout("k", ttl, Duration::from_millis(200))
+            .await,
+        Err(Error::Timeout { .. })
+    ));
+    assert_eq!(
+        count_under(a.client(), &prefix).await,
+        1,
+        "timeout left a key"
+    );
+    let mut watch = PrefixWatch::new(a.client(), &prefix).await;
+    let waiting = b.acquire("k", AcquireOptions::new().ttl(ttl));
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), waiting)
+            .await
+            .is_err()
+    );
+    let put = watch.next(EventType::Put, TOLERANCE).await;
+    assert_eq!(watch.next(EventType::Delete, TOLERANCE).await, put);
+    assert_eq!(count_under(a.client(), &prefix).await, 1);
+    held.release().await.unwrap();
+    assert_eq!(count_under(a.client(), &prefix).await, 0);
+}
+
+/// Locks of one client and TTL share one etcd lease; another TTL or `keepalive(false)` gets its
+/// own; names are prefix-free (`a` does not cover `ab`); dropping the client revokes its idle
+/// session leases.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_leases_are_shared_and_revoked() {
+    let url = with_prefix(&shared_url(), &fresh_prefix());
+    let a = EtcdLock::connect(&url).await.unwrap();
+    let ttl = Duration::from_secs(5);
+    let l1 = a.try_acquire("a", ttl).await.unwrap();
+    let l2 = a
+        .try_acquire("ab", ttl)
+        .await
+        .expect("ab is another lock than a");
+    let l3 = a.try_acquire("c", Duration::from_secs(7)).await.unwrap();
+    let l4 = a
+        .acquire(
+            "d",
+            AcquireOptions::new()
+                .ttl(ttl)
+                .keepalive(false)
+                .wait(Wait::No),
+        )
+        .await
+        .unwrap();
+    let ids: Vec<i64> = [&l1, &l2, &l3, &l4]
+        .iter()
+        .map(|l| etcd_of(l).lease_id())
+        .collect();
+    assert_eq!(ids[0], ids[1], "same TTL, same session lease");
+    assert_ne!(ids[0], ids[2], "another TTL, another lease");
+    assert_ne!(ids[0], ids[3], "keepalive(false) gets its own lease");
+    assert_eq!(count_under(a.client(), &a.name_prefix("a")).await, 1);
+    let raw = a.client().clone();
+    for l in [l1, l2, l3, l4] {
+        l.release().await.unwrap();
+    }
+    drop(a);
+    // The session's keepalive tasks revoke idle leases once the client is gone; the dedicated
+    // lease was revoked by its release.
+    let deadline = Instant::now() + TOLERANCE * 2;
+    for id in [ids[0], ids[2], ids[3]] {
+        loop {
+            let ttl = raw
+                .lease_client()
+                .time_to_live(id, None)
+                .await
+                .unwrap()
+                .ttl();
+            if ttl == -1 {
+                break;
+            }
+            assert!(Instant::now() < deadline, "lease {id:x} still alive");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+/// A wrong password is `Error::Auth` at connect; the right one works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_password_is_auth_error() {
+    let data = support::fresh_data_dir();
+    let m = support::start_single(data.path(), free_port(), free_port()).await;
+    let ep = m.endpoint();
+    support::etcdctl(&ep, &["user", "add", "root", "--new-user-password=r00t-pw"]);
+    support::etcdctl(&ep, &["auth", "enable"]);
+    let start = Instant::now();
+    match lockkit::connect(&format!("etcd://root:wrong-pw@{ep}")).await {
+        Err(e @ Error::Auth { .. }) => {
+            assert!(!format!("{e:?}").contains("wrong-pw"));
+            assert!(!e.is_retryable());
+        }
+        other => panic!("wrong password: {other:?}"),
+    }
+    assert!(start.elapsed() < TOLERANCE);
+    let locks = lockkit::connect(&format!("etcd://root:r00t-pw@{ep}?prefix=authd"))
+        .await
+        .expect("right password");
+    let lease = locks
+        .try_acquire("x", Duration::from_secs(5))
+        .await
+        .expect("acquire with auth");
+    lease.release().await.unwrap();
+    assert!(!format!("{locks:?}").contains("r00t-pw"));
+}
+
+/// Tokens keep increasing across a SIGKILL and restart of the (single) etcd member, for a new
+/// client and for one that was connected before the crash.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_survive_server_restart() {
+    let data = support::fresh_data_dir();
+    let (cp, pp) = (free_port(), free_port());
+    let mut m = support::start_single(data.path(), cp, pp).await;
+    let url = format!("etcd://{}", m.endpoint());
+    let old = EtcdLock::connect(&url).await.unwrap();
+    let lease = old.try_acquire("r", Duration::from_secs(5)).await.unwrap();
+    let before = lease.token();
+    lease.release().await.unwrap();
+    m.proc.kill();
+    let _m = support::start_single(data.path(), cp, pp).await;
+    let fresh = EtcdLock::connect(&url)
+        .await
+        .expect("connect after restart");
+    let l1 = fresh
+        .try_acquire("r", Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert!(l1.token() > before, "{} not above {}", l1.token(), before);
+    let t1 = l1.token();
+    l1.release().await.unwrap();
+    let l2 = old
+        .acquire(
+            "r",
+            AcquireOptions::new()
+                .ttl(Duration::from_secs(5))
+                .wait(Wait::Timeout(TOLERANCE * 2)),
+        )
+        .await
+        .expect("the old client reconnects");
+    assert!(l2.token() > t1);
+    l2.release().await.unwrap();
+}

@@ -81,3 +81,8 @@ pub use config::{CONTROL_SESSION_TTL, DEFAULT_CONNECT_TIMEOUT, DEFAULT_PREFIX, Z
 pub use fence::ZkFence;
 pub use lease::ZkLease;
 pub use lock::{EXPIRY_SLACK, WaitStats, ZkLock};
+
+/// The ZooKeeper client crate this backend is built on, re-exported so that code working with
+/// ZooKeeper next to lockkit (its own nodes, ACLs, the benchmark's hand-written floor) names the
+/// same version.
+pub use zookeeper_client;

@@ -80,8 +80,8 @@ impl Proxy {
         self.frozen.send_replace(on);
     }
 
-    /// Drops the server's reply to the next lock-node create and cuts that connection (the
-    /// create itself reaches the server and is applied). With `then_refuse`, every later
+    /// Drops the server's reply to the next successful lock-node create and cuts that
+    /// connection (the create itself reached the server and was applied). With `then_refuse`, every later
     /// connection is refused.
     pub fn cut_next_create(&self, then_refuse: bool) {
         self.ctl
@@ -180,12 +180,20 @@ async fn pump(
                 let op = i32::from_be_bytes([body[4], body[5], body[6], body[7]]);
                 let is_lock_create = (op == OP_CREATE || op == OP_CREATE2)
                     && body.windows(6).any(|w| w == b"-lock-");
-                if is_lock_create && ctl.cut_next_create.swap(false, Ordering::SeqCst) {
+                if is_lock_create && ctl.cut_next_create.load(Ordering::SeqCst) {
                     *drop_xid.lock().unwrap() = xid;
                 }
             }
             Dir::Down if xid.is_some() && *drop_xid.lock().unwrap() == xid => {
-                return true; // the create was applied; its reply never arrives
+                // Reply header: xid i32, zxid i64, err i32. Cut only a create that succeeded (a
+                // create failing with NoNode before the parent exists does not count).
+                let err = body
+                    .get(12..16)
+                    .map(|b| i32::from_be_bytes([b[0], b[1], b[2], b[3]]));
+                if err == Some(0) && ctl.cut_next_create.swap(false, Ordering::SeqCst) {
+                    return true; // the create was applied; its reply never arrives
+                }
+                *drop_xid.lock().unwrap() = None;
             }
             _ => {}
         }

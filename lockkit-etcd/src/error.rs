@@ -53,7 +53,7 @@ fn code_of(e: &EtcdError) -> Option<(Code, String)> {
     let EtcdError::GRpcStatus(s) = e else {
         return None;
     };
-    let code = match s.code() as i32 {
+    let code = match i32::from(s.code()) {
         1 => Code::Cancelled,
         2 => Code::Unknown,
         3 => Code::InvalidArgument,
@@ -99,10 +99,21 @@ pub(crate) fn from_client(e: EtcdError) -> Error {
                 _,
             )),
         ) => Kind::Unavailable,
-        // etcd's "leader changed", "no leader", "request timed out" travel as Unavailable, but
-        // some proxies and older servers send them as Unknown.
-        (_, Some((Code::Unknown, m)))
-            if m.contains("leader") || m.contains("timed out") || m.contains("transport") =>
+        // A status that tonic made from a broken connection (it keeps the I/O error as its
+        // source: "h2 protocol error", "broken pipe", connection reset), and etcd's "leader
+        // changed" / "request timed out" when a proxy or an older server sends them as Unknown.
+        (EtcdError::GRpcStatus(s), Some((Code::Unknown, m)))
+            if std::error::Error::source(s).is_some()
+                || [
+                    "leader",
+                    "timed out",
+                    "transport",
+                    "connection",
+                    "h2 protocol",
+                    "broken pipe",
+                ]
+                .iter()
+                .any(|w| m.contains(w)) =>
         {
             Kind::Unavailable
         }

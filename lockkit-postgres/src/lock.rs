@@ -267,9 +267,12 @@ impl Inner {
                     return Err(e);
                 }
                 Err(e) if reused && may_retry && e.is_retryable() => {
+                    // Most likely the server restarted or killed idle sessions: the other
+                    // cached connections are dead too.
                     tracing::debug!(error = %e, "cached connection failed; opening a new one");
                     may_retry = false;
                     drop(c);
+                    self.idle().clear();
                 }
                 Err(e) => return Err(e),
             }

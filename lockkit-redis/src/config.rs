@@ -46,6 +46,7 @@ pub struct RedisConfig {
     pub(crate) prefix: String,
     pub(crate) connect_timeout: Duration,
     pub(crate) response_timeout: Duration,
+    pub(crate) tls_root_cert: Option<Vec<u8>>,
 }
 
 impl fmt::Debug for RedisConfig {
@@ -63,6 +64,10 @@ impl fmt::Debug for RedisConfig {
             .field("db", &r.db())
             .field("username", &r.username())
             .field("password", &r.password().map(|_| "<hidden>"))
+            .field(
+                "tls_root_cert",
+                &self.tls_root_cert.as_ref().map(|_| "<set>"),
+            )
             .field("prefix", &self.prefix)
             .field("connect_timeout", &self.connect_timeout)
             .field("response_timeout", &self.response_timeout)
@@ -79,22 +84,24 @@ impl RedisConfig {
             prefix: DEFAULT_PREFIX.to_owned(),
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             response_timeout: DEFAULT_RESPONSE_TIMEOUT,
+            tls_root_cert: None,
         }
     }
 
     /// Parses a Redis URL:
-    /// `redis[s]://[[user]:password@]host[:port][/db][?prefix=P&connect_timeout_ms=N&response_timeout_ms=N][#insecure]`.
+    /// `redis[s]://[[user]:password@]host[:port][/db][?prefix=P&connect_timeout_ms=N&response_timeout_ms=N&tls_ca_file=PATH][#insecure]`.
     ///
-    /// `prefix`, `connect_timeout_ms` and `response_timeout_ms` are lockkit's own query parameters
-    /// and are removed before the rest goes to the redis crate (which also understands
-    /// `protocol=resp3` and, for `rediss`, the `#insecure` fragment that skips certificate checks).
-    /// The user name and password are percent-decoded.
+    /// `prefix`, `connect_timeout_ms`, `response_timeout_ms` and `tls_ca_file` (a PEM file with the
+    /// root certificate to trust instead of the system's, read here) are lockkit's own query
+    /// parameters and are removed before the rest goes to the redis crate (which also understands
+    /// `protocol=resp3` and, for `rediss`, the `#insecure` fragment that skips certificate
+    /// verification altogether). The user name and password are percent-decoded.
     ///
     /// # Errors
     /// [`Error::InvalidConfig`] for a URL that does not parse, a scheme other than `redis` or
     /// `rediss`, a missing host, a bad database number, a bad `prefix` (see
-    /// [`prefix`](Self::prefix)) or timeout, or `rediss` when the crate was built without its
-    /// `tls` feature. The URL is never echoed in the error (it may carry a password).
+    /// [`prefix`](Self::prefix)) or timeout, an unreadable `tls_ca_file`, or `rediss` when the
+    /// crate was built without its `tls` feature. The URL is never echoed in the error (it may carry a password).
     pub fn from_url(url: &str) -> Result<Self> {
         let mut parsed =
             url::Url::parse(url).map_err(|e| Error::config_with("malformed redis URL", e))?;
@@ -119,12 +126,18 @@ impl RedisConfig {
         let mut prefix = DEFAULT_PREFIX.to_owned();
         let mut connect_timeout = DEFAULT_CONNECT_TIMEOUT;
         let mut response_timeout = DEFAULT_RESPONSE_TIMEOUT;
+        let mut tls_root_cert = None;
         let mut rest = Vec::new();
         for (k, v) in parsed.query_pairs() {
             match k.as_ref() {
                 "prefix" => prefix = v.into_owned(),
                 "connect_timeout_ms" => connect_timeout = parse_ms(&k, &v)?,
                 "response_timeout_ms" => response_timeout = parse_ms(&k, &v)?,
+                "tls_ca_file" => {
+                    let pem = std::fs::read(v.as_ref())
+                        .map_err(|e| Error::config_with("cannot read tls_ca_file", e))?;
+                    tls_root_cert = Some(pem);
+                }
                 _ => rest.push((k.into_owned(), v.into_owned())),
             }
         }
@@ -140,6 +153,7 @@ impl RedisConfig {
             prefix,
             connect_timeout,
             response_timeout,
+            tls_root_cert,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -166,6 +180,13 @@ impl RedisConfig {
         };
         self.addr = addr;
         self
+    }
+
+    /// Uses TLS and trusts the root certificate(s) in `pem` (PEM format) instead of the system's:
+    /// for servers with a private CA or a self-signed certificate.
+    pub fn tls_root_cert_pem(mut self, pem: impl Into<Vec<u8>>) -> Self {
+        self.tls_root_cert = Some(pem.into());
+        self.tls(true)
     }
 
     /// Sets the user name for `AUTH` (Redis 6 ACL users).
@@ -232,6 +253,11 @@ impl RedisConfig {
     /// [`Error::InvalidConfig`] naming what is wrong.
     pub fn validate(&self) -> Result<()> {
         validate_prefix(&self.prefix)?;
+        if self.tls_root_cert.is_some() && !matches!(self.addr, ConnectionAddr::TcpTls { .. }) {
+            return Err(Error::config(
+                "a TLS root certificate is set but TLS is off (use rediss://)",
+            ));
+        }
         for (what, d) in [
             ("connect timeout", self.connect_timeout),
             ("response timeout", self.response_timeout),
@@ -311,6 +337,7 @@ mod tests {
             "redis://localhost?prefix=a%00b",
             "redis://localhost?connect_timeout_ms=0",
             "redis://localhost?connect_timeout_ms=x",
+            "rediss://localhost?tls_ca_file=/nonexistent/ca.pem",
         ] {
             match RedisConfig::from_url(bad) {
                 Err(Error::InvalidConfig { reason, .. }) => {
@@ -319,6 +346,13 @@ mod tests {
                 other => panic!("{bad:?}: {other:?}"),
             }
         }
+        let tls_off = RedisConfig::new("localhost", 6379)
+            .tls_root_cert_pem("pem")
+            .tls(false);
+        assert!(matches!(
+            tls_off.validate(),
+            Err(Error::InvalidConfig { .. })
+        ));
         let long = format!("redis://localhost?prefix={}", "p".repeat(65));
         assert!(RedisConfig::from_url(&long).is_err());
         let secret = "redis://:hunter2@localhost/x";

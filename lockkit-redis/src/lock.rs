@@ -158,7 +158,24 @@ impl RedisLock {
             // ring unless the application installed one already (then this is a no-op).
             let _ = rustls::crypto::ring::default_provider().install_default();
         }
-        let client = redis::Client::open(config.connection_info()?).map_err(from_redis)?;
+        let client = match &config.tls_root_cert {
+            None => redis::Client::open(config.connection_info()?),
+            #[cfg(feature = "tls")]
+            Some(pem) => redis::Client::build_with_tls(
+                config.connection_info()?,
+                redis::TlsCertificates {
+                    client_tls: None,
+                    root_cert: Some(pem.clone()),
+                },
+            ),
+            #[cfg(not(feature = "tls"))]
+            Some(_) => {
+                return Err(Error::config(
+                    "TLS needs lockkit-redis's Cargo feature \"tls\" (on by default)",
+                ));
+            }
+        }
+        .map_err(from_redis)?;
         let ct = config.connect_timeout;
         let rt = config.response_timeout;
         let probe = AsyncConnectionConfig::new()

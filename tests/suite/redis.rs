@@ -225,6 +225,112 @@ async fn rediss_to_a_plain_server_fails_cleanly() {
     fast(start, "rediss to a plain server");
 }
 
+/// `rediss://` with a password against a real TLS listener of a private redis-server, with a
+/// certificate from a test CA made with the openssl CLI: verified through `tls_ca_file`, accepted
+/// unverified with the redis crate's `#insecure`, rejected against the system's roots.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rediss_with_password_over_tls() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let openssl = |args: &str| {
+        let out = Command::new("openssl")
+            .args(args.split_whitespace())
+            .current_dir(dir.path())
+            .output()
+            .expect("the openssl CLI is needed for this test (Debian package openssl)");
+        assert!(
+            out.status.success(),
+            "openssl {args}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    // A test CA, and a server certificate for 127.0.0.1 signed by it.
+    openssl(
+        "req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=lockkit-test-ca -keyout ca.key -out ca.pem",
+    );
+    openssl(
+        "req -x509 -CA ca.pem -CAkey ca.key -newkey rsa:2048 -nodes -days 1 -subj /CN=127.0.0.1 \
+         -addext subjectAltName=IP:127.0.0.1 -addext basicConstraints=critical,CA:FALSE \
+         -keyout key.pem -out cert.pem",
+    );
+    let (ca, cert, key) = (
+        dir.path().join("ca.pem"),
+        dir.path().join("cert.pem"),
+        dir.path().join("key.pem"),
+    );
+    let port = free_port();
+    let mut cmd = Command::new("redis-server");
+    cmd.args([
+        "--bind",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--tls-port",
+        &port.to_string(),
+    ])
+    .arg("--tls-cert-file")
+    .arg(&cert)
+    .arg("--tls-key-file")
+    .arg(&key)
+    .args(["--tls-auth-clients", "no", "--requirepass", "tls-secret"])
+    .arg("--dir")
+    .arg(dir.path())
+    .args(["--save", "", "--appendonly", "no", "--daemonize", "no"]);
+    let _server = ServerProcess::spawn("redis-tls", dir, cmd);
+    let p = port.to_string();
+    wait_until("redis-server with TLS", Duration::from_secs(10), || {
+        Command::new("redis-cli")
+            .args([
+                "--tls",
+                "--insecure",
+                "-p",
+                &p,
+                "--no-auth-warning",
+                "-a",
+                "tls-secret",
+                "ping",
+            ])
+            .output()
+            .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "PONG")
+    })
+    .await;
+
+    let prefix = fresh_prefix();
+    let url = format!("rediss://:tls-secret@127.0.0.1:{port}/?prefix={prefix}#insecure");
+    let locks = lockkit::connect(&url).await.expect("connect over TLS");
+    let lease = locks
+        .try_acquire("tls", Duration::from_secs(5))
+        .await
+        .expect("acquire over TLS");
+    lease.release().await.expect("release over TLS");
+
+    let wrong = format!("rediss://:nope@127.0.0.1:{port}/#insecure");
+    match lockkit::connect(&wrong).await {
+        Err(Error::Auth { .. }) => {}
+        other => panic!("wrong password over TLS: expected Auth, got {other:?}"),
+    }
+    // Verified against the test CA (the server certificate's SAN is 127.0.0.1).
+    let verified = format!(
+        "rediss://:tls-secret@127.0.0.1:{port}/?prefix={prefix}&tls_ca_file={}",
+        ca.display()
+    );
+    let locks = lockkit::connect(&verified)
+        .await
+        .expect("connect over verified TLS");
+    let lease = locks
+        .try_acquire("tls-verified", Duration::from_secs(5))
+        .await
+        .expect("acquire over verified TLS");
+    lease.release().await.expect("release");
+    // Against the system's roots the self-signed certificate is rejected: a typed error, no hang.
+    let strict = format!("rediss://:tls-secret@127.0.0.1:{port}/?connect_timeout_ms=2000");
+    let start = Instant::now();
+    match lockkit::connect(&strict).await {
+        Err(Error::Unavailable { .. } | Error::Backend { .. }) => {}
+        other => panic!("untrusted certificate: expected an error, got {other:?}"),
+    }
+    fast(start, "rediss with an untrusted certificate");
+}
+
 // ---- Redis-specific behaviour ----
 
 /// Tokens keep increasing after the server restarts with no persistence: the fence counter is

@@ -19,4 +19,6 @@ mod contract {
 }
 
 mod failures;
+mod private;
 mod proxy;
+mod server;

@@ -523,6 +523,84 @@ async fn waiter_is_woken_by_the_release_message() {
     l.release().await.expect("release");
 }
 
+/// When the waiters' pub/sub connection is killed, a waiter subscribes again on a new one and is
+/// still woken by the next release message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiter_resubscribes_after_its_pubsub_connection_dies() {
+    let server = PrivateRedis::start(None).await;
+    let url = with_prefix(&server.url(), &fresh_prefix());
+    let holder = RedisLock::connect(&url).await.expect("connect");
+    let waiter = RedisLock::connect(&url).await.expect("connect");
+    let name = "resubscribe";
+    let lease = holder
+        .acquire(
+            name,
+            AcquireOptions::new()
+                .ttl(Duration::from_secs(30))
+                .keepalive(false)
+                .wait(Wait::No),
+        )
+        .await
+        .expect("acquire");
+    let waiting = tokio::spawn(async move {
+        let l = waiter
+            .acquire(
+                name,
+                AcquireOptions::new()
+                    .ttl(Duration::from_secs(30))
+                    .wait(Wait::Timeout(Duration::from_secs(20))),
+            )
+            .await;
+        (Instant::now(), l)
+    });
+    let conn = server.raw().await;
+    let channel = format!("{}:released:{name}", holder.prefix());
+    let numsub = |mut c: redis::aio::MultiplexedConnection, ch: String| async move {
+        let r: (String, i64) = redis::cmd("PUBSUB")
+            .arg("NUMSUB")
+            .arg(ch)
+            .query_async(&mut c)
+            .await
+            .expect("NUMSUB");
+        r.1
+    };
+    let until_subscribed = |what: &'static str| {
+        let (conn, channel) = (conn.clone(), channel.clone());
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while numsub(conn.clone(), channel.clone()).await < 1 {
+                assert!(Instant::now() < deadline, "{what}");
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+    };
+    until_subscribed("the waiter never subscribed").await;
+    let killed: i64 = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("TYPE")
+        .arg("pubsub")
+        .query_async(&mut conn.clone())
+        .await
+        .expect("CLIENT KILL");
+    assert_eq!(
+        killed, 1,
+        "expected to kill the waiter's pub/sub connection"
+    );
+    until_subscribed("the waiter did not subscribe again").await;
+    // It subscribed again and then looks at the lock once more before sleeping; whether the
+    // release lands before or after that look, the waiter must get the lock promptly.
+    let released = Instant::now();
+    lease.release().await.expect("release");
+    let (granted, l) = waiting.await.expect("waiter task");
+    let l = l.expect("the waiter got the lock");
+    let took = granted - released;
+    assert!(
+        took < Duration::from_millis(600),
+        "the waiter needed {took:?} after the release"
+    );
+    l.release().await.expect("release");
+}
+
 /// Renewing a lease whose key expired fails with NotHeld and does not re-create the key.
 #[tokio::test]
 async fn renew_after_expiry_is_not_held_and_does_not_retake() {

@@ -381,6 +381,44 @@ async fn lost_create_reply_then_partition_frees_the_lock_within_the_session_time
     assert!(b.contenders(&name).await.unwrap().is_empty());
 }
 
+/// An acquire dropped after its create was applied but before the reply arrived: the client does
+/// not know its node's path, finds it by the acquire's unique id and deletes it, long before the
+/// session (30 s) could expire.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acquire_dropped_before_create_reply_leaves_nothing() {
+    let prefix = fresh_prefix();
+    let proxy = Proxy::start(upstream()).await;
+    let a = through(&proxy, &prefix).await;
+    let b = direct(&prefix).await;
+    let name = unique("dropped-mid-create");
+    let ttl = Duration::from_secs(30);
+
+    proxy.hold_next_create();
+    {
+        let acquire = a.acquire(&name, waiting(ttl, Duration::from_secs(20)));
+        tokio::select! {
+            res = acquire => panic!("acquire returned while its create reply was held: {res:?}"),
+            _ = proxy.wait_held() => {}
+        }
+        // The acquire future is dropped here, mid-create.
+    }
+    assert_eq!(
+        b.contenders(&name).await.unwrap().len(),
+        1,
+        "the create was applied"
+    );
+    let released = Instant::now();
+    proxy.release_held();
+    let lease = b
+        .acquire(&name, waiting(ttl, Duration::from_secs(5)))
+        .await
+        .expect("the dropped acquire's node was deleted");
+    assert!(released.elapsed() < ttl / 2);
+    assert_eq!(b.contenders(&name).await.unwrap().len(), 1);
+    lease.release().await.unwrap();
+    assert!(b.contenders(&name).await.unwrap().is_empty());
+}
+
 /// 20 waiters, each watching only its predecessor: every release wakes exactly one of them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_release_wakes_exactly_one_waiter() {

@@ -17,12 +17,30 @@ use tokio::sync::watch;
 const OP_CREATE: i32 = 1;
 const OP_CREATE2: i32 = 15;
 
-#[derive(Default)]
 struct Ctl {
     refuse: AtomicBool,
     cut_next_create: AtomicBool,
     refuse_after_cut: AtomicBool,
     cuts: AtomicUsize,
+    hold_next_create: AtomicBool,
+    /// Closed (true) while a held create reply waits.
+    gate: watch::Sender<bool>,
+    /// Create replies held so far.
+    held: watch::Sender<usize>,
+}
+
+impl Default for Ctl {
+    fn default() -> Self {
+        Ctl {
+            refuse: AtomicBool::new(false),
+            cut_next_create: AtomicBool::new(false),
+            refuse_after_cut: AtomicBool::new(false),
+            cuts: AtomicUsize::new(0),
+            hold_next_create: AtomicBool::new(false),
+            gate: watch::Sender::new(false),
+            held: watch::Sender::new(0),
+        }
+    }
 }
 
 pub struct Proxy {
@@ -88,6 +106,24 @@ impl Proxy {
             .refuse_after_cut
             .store(then_refuse, Ordering::SeqCst);
         self.ctl.cut_next_create.store(true, Ordering::SeqCst);
+    }
+
+    /// Holds the server's reply to the next successful lock-node create (and everything after
+    /// it on that connection) until [`Proxy::release_held`].
+    pub fn hold_next_create(&self) {
+        self.ctl.gate.send_replace(true);
+        self.ctl.hold_next_create.store(true, Ordering::SeqCst);
+    }
+
+    /// Resolves once a create reply is being held.
+    pub async fn wait_held(&self) {
+        let mut rx = self.ctl.held.subscribe();
+        let _ = rx.wait_for(|n| *n >= 1).await;
+    }
+
+    /// Lets held replies through.
+    pub fn release_held(&self) {
+        self.ctl.gate.send_replace(false);
     }
 
     /// Cuts done so far.
@@ -180,7 +216,9 @@ async fn pump(
                 let op = i32::from_be_bytes([body[4], body[5], body[6], body[7]]);
                 let is_lock_create = (op == OP_CREATE || op == OP_CREATE2)
                     && body.windows(6).any(|w| w == b"-lock-");
-                if is_lock_create && ctl.cut_next_create.load(Ordering::SeqCst) {
+                let armed = ctl.cut_next_create.load(Ordering::SeqCst)
+                    || ctl.hold_next_create.load(Ordering::SeqCst);
+                if is_lock_create && armed {
                     *drop_xid.lock().unwrap() = xid;
                 }
             }
@@ -192,6 +230,13 @@ async fn pump(
                     .map(|b| i32::from_be_bytes([b[0], b[1], b[2], b[3]]));
                 if err == Some(0) && ctl.cut_next_create.swap(false, Ordering::SeqCst) {
                     return true; // the create was applied; its reply never arrives
+                }
+                if err == Some(0) && ctl.hold_next_create.swap(false, Ordering::SeqCst) {
+                    // The create was applied; its reply (and everything after it on this
+                    // connection) waits until the gate opens.
+                    let mut gate = ctl.gate.subscribe();
+                    ctl.held.send_modify(|n| *n += 1);
+                    let _ = gate.wait_for(|closed| !*closed).await;
                 }
                 *drop_xid.lock().unwrap() = None;
             }

@@ -225,38 +225,19 @@ async fn rediss_to_a_plain_server_fails_cleanly() {
     fast(start, "rediss to a plain server");
 }
 
-/// `rediss://` with a password against a real TLS listener of a private redis-server, with a
-/// certificate from a test CA made with the openssl CLI: verified through `tls_ca_file`, accepted
-/// unverified with the redis crate's `#insecure`, rejected against the system's roots.
+/// `rediss://` with a password against a real TLS listener of a private redis-server, with the
+/// test certificates in `tls/` (a test CA and a server certificate for 127.0.0.1 signed by it,
+/// valid 2000–2099; see `tls/README.md`): verified through `tls_ca_file`, accepted unverified
+/// with the redis crate's `#insecure`, rejected against the system's roots.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rediss_with_password_over_tls() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let openssl = |args: &str| {
-        let out = Command::new("openssl")
-            .args(args.split_whitespace())
-            .current_dir(dir.path())
-            .output()
-            .expect("the openssl CLI is needed for this test (Debian package openssl)");
-        assert!(
-            out.status.success(),
-            "openssl {args}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    };
-    // A test CA, and a server certificate for 127.0.0.1 signed by it.
-    openssl(
-        "req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=lockkit-test-ca -keyout ca.key -out ca.pem",
-    );
-    openssl(
-        "req -x509 -CA ca.pem -CAkey ca.key -newkey rsa:2048 -nodes -days 1 -subj /CN=127.0.0.1 \
-         -addext subjectAltName=IP:127.0.0.1 -addext basicConstraints=critical,CA:FALSE \
-         -keyout key.pem -out cert.pem",
-    );
+    let tls = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/suite/redis/tls");
     let (ca, cert, key) = (
-        dir.path().join("ca.pem"),
-        dir.path().join("cert.pem"),
-        dir.path().join("key.pem"),
+        tls.join("ca.pem"),
+        tls.join("cert.pem"),
+        tls.join("key.pem"),
     );
+    let dir = tempfile::tempdir().expect("temp dir");
     let port = free_port();
     let mut cmd = Command::new("redis-server");
     cmd.args([

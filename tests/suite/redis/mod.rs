@@ -342,6 +342,11 @@ async fn tokens_increase_across_a_restart_without_persistence() {
         !exists(&mut conn, &locks.fence_key(name)).await,
         "the fence counter survived the restart: the test proves nothing"
     );
+    let (secs, micros): (u64, u64) = redis::cmd("TIME")
+        .query_async(&mut conn)
+        .await
+        .expect("TIME");
+    let now_us = secs * 1_000_000 + micros;
     // The same client (its connection reconnects) and a brand-new one.
     let again = locks
         .acquire(
@@ -355,6 +360,11 @@ async fn tokens_increase_across_a_restart_without_persistence() {
     assert!(
         again.token() > t,
         "token {} after restart is not above {t}",
+        again.token()
+    );
+    assert!(
+        again.token().get() >= now_us,
+        "token {} is below the server's TIME {now_us} µs: not floored",
         again.token()
     );
     let t2 = again.token();
@@ -612,6 +622,30 @@ async fn renew_after_expiry_is_not_held_and_does_not_retake() {
         other => panic!("{other:?}"),
     }
     assert!(!exists(&mut conn, &key).await, "renew re-took the lock");
+}
+
+/// A fence counter that is not a number fails the acquire with a Backend error, and the lock is
+/// not taken (the script checks the counter before it writes anything).
+#[tokio::test]
+async fn corrupt_fence_counter_is_a_backend_error_and_takes_nothing() {
+    let url = with_prefix(&server_url("LOCKKIT_REDIS_URL"), &fresh_prefix());
+    let locks = RedisLock::connect(&url).await.expect("connect");
+    let mut conn = raw(&url).await;
+    let name = "corrupt";
+    redis::cmd("SET")
+        .arg(locks.fence_key(name))
+        .arg("not a number")
+        .query_async::<()>(&mut conn)
+        .await
+        .expect("SET");
+    match locks.try_acquire(name, Duration::from_secs(10)).await {
+        Err(Error::Backend { .. }) => {}
+        other => panic!("expected Backend, got {other:?}"),
+    }
+    assert!(
+        !exists(&mut conn, &locks.lock_key(name)).await,
+        "lock taken"
+    );
 }
 
 /// Unusual names map to their own keys under the prefix, verbatim.

@@ -25,10 +25,14 @@ pub fn fresh_prefix() -> String {
     format!("lockkit-test-{:016x}", rand::random::<u64>())
 }
 
-/// `url` with a `prefix=` query parameter added.
+/// `url` with a `prefix=` query parameter added (before any `#fragment`).
 pub fn with_prefix(url: &str, prefix: &str) -> String {
-    let sep = if url.contains('?') { '&' } else { '?' };
-    format!("{url}{sep}prefix={prefix}")
+    let (base, fragment) = match url.split_once('#') {
+        Some((b, f)) => (b, format!("#{f}")),
+        None => (url, String::new()),
+    };
+    let sep = if base.contains('?') { '&' } else { '?' };
+    format!("{base}{sep}prefix={prefix}{fragment}")
 }
 
 /// A harness that connects a new client through `lockkit::connect` for every `client()` call.

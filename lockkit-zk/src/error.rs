@@ -5,8 +5,8 @@ use zookeeper_client as zk;
 
 pub(crate) const BACKEND: &str = "zk";
 
-/// Classifies a client error: unreachable servers, lost connections, timeouts, throttling and an
-/// expired session are [`Error::Unavailable`] (transient: a retry opens a new session); refused
+/// Classifies a client error: unreachable servers, lost connections (including the client's
+/// transport errors), timeouts, throttling and an expired session are [`Error::Unavailable`] (transient: a retry opens a new session); refused
 /// credentials and missing permissions are [`Error::Auth`]; everything else is
 /// [`Error::Backend`].
 pub(crate) fn from_zk(e: zk::Error) -> Error {
@@ -17,7 +17,8 @@ pub(crate) fn from_zk(e: zk::Error) -> Error {
         | zk::Error::Throttled
         | zk::Error::SessionExpired
         | zk::Error::SessionMoved
-        | zk::Error::ClientClosed => Error::Unavailable {
+        | zk::Error::ClientClosed
+        | zk::Error::Custom(_) => Error::Unavailable {
             backend: BACKEND,
             source: Box::new(e),
         },
@@ -30,6 +31,14 @@ pub(crate) fn from_zk(e: zk::Error) -> Error {
             source: Box::new(other),
         },
     }
+}
+
+/// The request's connection broke before its reply arrived: it may or may not have been applied,
+/// and the session may well live on. The client reports this as `ConnectionLoss`, or as a
+/// custom error carrying the transport failure (an I/O error, "no response from connection in
+/// N ms") for requests in flight when the connection was declared dead.
+pub(crate) fn connection_lost(e: &zk::Error) -> bool {
+    matches!(e, zk::Error::ConnectionLoss | zk::Error::Custom(_))
 }
 
 /// [`Error::Unavailable`] with a message of ours.

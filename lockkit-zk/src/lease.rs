@@ -8,7 +8,7 @@ use std::time::Duration;
 use lockkit_core::{Error, Instant, LeaseOps, Result, async_trait};
 use zookeeper_client as zk;
 
-use crate::error::{from_zk, unavailable};
+use crate::error::{connection_lost, from_zk, unavailable};
 use crate::session::{Session, spawn_delete};
 
 /// The ZooKeeper side of a [`Lease`](lockkit_core::Lease): the lock node it owns and the session
@@ -86,8 +86,10 @@ impl LeaseOps for ZkLease {
     /// The node's name holds this acquire's unique id, so no other holder's node can be hit.
     ///
     /// A lost connection is retried for up to one TTL (the client resends once it reconnects;
-    /// after that the session has expired and the server deleted the node). If the delete is
-    /// still not acknowledged, it goes on in the background until acknowledged or until the
+    /// after that the session has expired and the server deleted the node). A retry that finds
+    /// the node gone while the session lives counts as released: the lost attempt was applied,
+    /// since nothing else deletes a live session's ephemeral node. If the delete is still not
+    /// acknowledged after one TTL, it goes on in the background until acknowledged or until the
     /// session ends, the lease stays registered with its session until then, and this returns
     /// [`Error::Unavailable`].
     async fn release(&self) -> Result<()> {
@@ -96,9 +98,9 @@ impl LeaseOps for ZkLease {
             return Err(self.not_held());
         }
         let deadline = Instant::now() + self.session.ttl;
-        let res = self
+        let (res, retried) = self
             .session
-            .retry_loss(Some(deadline), || {
+            .retry_loss_seen(Some(deadline), || {
                 self.session.client.delete(&self.path, Some(0))
             })
             .await;
@@ -107,11 +109,17 @@ impl LeaseOps for ZkLease {
                 self.session.deregister(self.reg);
                 Ok(())
             }
+            // An earlier attempt whose reply was lost deleted the node: the answer came on this
+            // (live) session, whose ephemeral node nothing else deletes.
+            Err(zk::Error::NoNode) if retried => {
+                self.session.deregister(self.reg);
+                Ok(())
+            }
             Err(zk::Error::NoNode | zk::Error::BadVersion | zk::Error::SessionExpired) => {
                 self.session.deregister(self.reg);
                 Err(self.not_held())
             }
-            Err(zk::Error::ConnectionLoss | zk::Error::Timeout) => {
+            Err(e) if connection_lost(&e) || e == zk::Error::Timeout => {
                 spawn_delete(self.session.clone(), self.path.clone(), Some(self.reg));
                 Err(unavailable(
                     "release not acknowledged; the lock node is deleted in the background, or \

@@ -13,7 +13,7 @@ use tokio::sync::watch;
 use zookeeper_client as zk;
 
 use crate::config::{CONTROL_SESSION_TTL, ZkConfig, encode_name};
-use crate::error::{BACKEND, from_zk, unavailable};
+use crate::error::{BACKEND, connection_lost, from_zk, unavailable};
 use crate::fence::ZkFence;
 use crate::lease::ZkLease;
 use crate::session::{Session, spawn_delete, spawn_delete_own};
@@ -357,7 +357,7 @@ impl ZkLock {
                     return Ok((path, czxid));
                 }
                 Err(zk::Error::NoNode) => self.ensure_dirs(session, dir, io_deadline).await?,
-                Err(zk::Error::ConnectionLoss) => {
+                Err(e) if connection_lost(&e) => {
                     let children = session
                         .retry_loss(io_deadline, || session.client.list_children(dir))
                         .await;

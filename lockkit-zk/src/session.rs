@@ -17,7 +17,7 @@ use tokio::task::AbortHandle;
 use zookeeper_client as zk;
 
 use crate::config::ZkConfig;
-use crate::error::{from_zk, unavailable};
+use crate::error::{connection_lost, from_zk, unavailable};
 
 /// A lease registered with its session: the monitor confirms, suspects or loses its tracker.
 struct Registered {
@@ -203,31 +203,47 @@ impl Session {
     pub(crate) async fn retry_loss<T, F, Fut>(
         &self,
         deadline: Option<Instant>,
-        mut op: F,
+        op: F,
     ) -> Result<T, zk::Error>
     where
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<T, zk::Error>>,
     {
+        self.retry_loss_seen(deadline, op).await.0
+    }
+
+    /// [`retry_loss`](Self::retry_loss), also telling whether an attempt was lost on the way (it
+    /// may have been applied: a retried delete may find its node already gone).
+    pub(crate) async fn retry_loss_seen<T, F, Fut>(
+        &self,
+        deadline: Option<Instant>,
+        mut op: F,
+    ) -> (Result<T, zk::Error>, bool)
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, zk::Error>>,
+    {
         let mut pause = Duration::from_millis(10);
+        let mut lost = false;
         loop {
             let attempt = op();
             let res = match deadline {
                 Some(d) => match tokio::time::timeout_at(d, attempt).await {
                     Ok(r) => r,
-                    Err(_) => return Err(zk::Error::Timeout),
+                    Err(_) => return (Err(zk::Error::Timeout), true),
                 },
                 None => attempt.await,
             };
             match res {
-                Err(zk::Error::ConnectionLoss) if !self.is_dead() => {
+                Err(e) if connection_lost(&e) && !self.is_dead() => {
+                    lost = true;
                     if deadline.is_some_and(|d| Instant::now() + pause >= d) {
-                        return Err(zk::Error::ConnectionLoss);
+                        return (Err(e), lost);
                     }
                     tokio::time::sleep(pause).await;
                     pause = (pause * 2).min(Duration::from_millis(500));
                 }
-                other => return other,
+                other => return (other, lost),
             }
         }
     }

@@ -29,7 +29,7 @@ use crate::error::{Msg, from_sqlx};
 /// use lockkit_core::{Lock, LockExt};
 /// use lockkit_postgres::{PgFence, PgLock};
 /// use sqlx::{Arguments, Connection, postgres::PgArguments};
-/// # async fn f(locks: PgLock, mut db: sqlx::PgConnection) -> Result<(), Box<dyn std::error::Error>> {
+/// # async fn f(locks: PgLock, mut db: sqlx::PgConnection) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 /// // CREATE TABLE reports (id int PRIMARY KEY, body text, fence_token bigint);
 /// let fence = PgFence::new("reports", "fence_token")?;
 /// let lease = locks.try_acquire("report-7", std::time::Duration::from_secs(10)).await?;

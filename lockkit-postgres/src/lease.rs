@@ -92,12 +92,18 @@ impl LeaseOps for PgLease {
         };
         let ms = ttl_ms(ttl);
         let sent = Instant::now();
-        let res: std::result::Result<i32, sqlx::Error> = sqlx::query_scalar(
-            "SELECT pg_backend_pid() FROM (SELECT set_config('idle_session_timeout', $1, false)) s",
+        // A renewal that takes a whole TTL is useless: the server ends an idle session then,
+        // and the client-side deadline has passed. Give up and close the connection.
+        let res = tokio::time::timeout(
+            ttl,
+            sqlx::query_scalar::<_, i32>(
+                "SELECT pg_backend_pid() FROM (SELECT set_config('idle_session_timeout', $1, false)) s",
+            )
+            .bind(ms.to_string())
+            .fetch_one(&mut c.conn),
         )
-        .bind(ms.to_string())
-        .fetch_one(&mut c.conn)
-        .await;
+        .await
+        .unwrap_or_else(|_| Err(sqlx::Error::Io(std::io::ErrorKind::TimedOut.into())));
         match res {
             Ok(pid) if pid == self.pid => {
                 c.last_sent = sent;
@@ -121,7 +127,9 @@ impl LeaseOps for PgLease {
     /// Unlocks with `pg_advisory_unlock(key)`; see [`PgLease`].
     ///
     /// # Errors
-    /// [`Error::NotHeld`] if the session is gone or did not hold the lock.
+    /// [`Error::NotHeld`] if the session is gone or did not hold the lock;
+    /// [`Error::Unavailable`] if the server did not answer within the TTL (the connection is
+    /// closed, so the server frees the lock when it sees the close or after the TTL).
     ///
     /// # Cancel safety
     /// Cancel safe: if the future is dropped, the connection is closed, which ends the session
@@ -133,11 +141,16 @@ impl LeaseOps for PgLease {
         };
         drop(guard);
         let sent = Instant::now();
-        let res: std::result::Result<bool, sqlx::Error> =
-            sqlx::query_scalar("SELECT pg_advisory_unlock($1)")
-                .bind(self.key)
-                .fetch_one(&mut c.conn)
-                .await;
+        let unlock = sqlx::query_scalar::<_, bool>("SELECT pg_advisory_unlock($1)")
+            .bind(self.key)
+            .fetch_one(&mut c.conn);
+        let Ok(res) = tokio::time::timeout(self.ttl, unlock).await else {
+            // No answer within a TTL: close the connection (the server frees the lock when it
+            // sees the close, or when the session's idle timeout fires).
+            return Err(crate::error::unavailable(crate::error::Msg(
+                "the server did not answer the unlock within the TTL".into(),
+            )));
+        };
         match res {
             Ok(true) => {
                 c.last_sent = sent;

@@ -11,7 +11,7 @@
 //! use lockkit_postgres::{PgFence, PgLock};
 //! use sqlx::{Arguments, Connection, postgres::PgArguments};
 //!
-//! # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 //! let url = "postgres://postgres@127.0.0.1:5432/postgres?prefix=billing";
 //! let locks = PgLock::connect(url).await?; // creates lockkit.fence if missing
 //!

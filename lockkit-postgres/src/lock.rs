@@ -159,8 +159,16 @@ impl Inner {
         }
     }
 
-    /// Opens a new dedicated connection and checks it talks to a PostgreSQL session of its own.
+    /// Opens a new dedicated connection and checks it talks to a PostgreSQL session of its own,
+    /// all within the connect timeout.
     async fn open(&self) -> Result<Conn> {
+        let t = self.config.connect_timeout;
+        tokio::time::timeout(t, self.open_untimed())
+            .await
+            .map_err(|_| unavailable(Msg(format!("connecting timed out after {t:?}"))))?
+    }
+
+    async fn open_untimed(&self) -> Result<Conn> {
         let probe = format!("{:016x}", rand::random::<u64>());
         let mut opts = self.config.connect.clone().options([
             ("statement_timeout", "0"),
@@ -178,10 +186,8 @@ impl Inner {
         if opts.get_application_name().is_none() {
             opts = opts.application_name("lockkit");
         }
-        let t = self.config.connect_timeout;
-        let mut conn = tokio::time::timeout(t, PgConnection::connect_with(&opts))
+        let mut conn = PgConnection::connect_with(&opts)
             .await
-            .map_err(|_| unavailable(Msg(format!("connecting timed out after {t:?}"))))?
             .map_err(connect_error)?;
         if let Some(v) = conn.server_version_num() {
             if v < 140_000 {
@@ -239,7 +245,26 @@ impl Inner {
         let mut may_retry = true;
         loop {
             let (mut c, reused) = self.checkout().await?;
-            match self.try_once(&mut c, req).await {
+            // A server that stops answering must not hang the acquire: a try-once gets the
+            // connect timeout, a timed wait its deadline plus a grace period. On expiry the
+            // connection is dropped (closed), which ends the session and whatever it held.
+            let limit = match req.opts.wait {
+                Wait::No => Some(Instant::now() + self.config.connect_timeout),
+                Wait::Timeout(_) => req.deadline.map(|d| d + CLIENT_WAIT_GRACE),
+                Wait::Forever => None,
+            };
+            let once = self.try_once(&mut c, req);
+            let res = match limit {
+                Some(l) => match tokio::time::timeout_at(l, once).await {
+                    Ok(r) => r,
+                    Err(_) if req.opts.wait == Wait::No => Err(unavailable(Msg(
+                        "the server did not answer the lock request in time".into(),
+                    ))),
+                    Err(_) => Ok(Outcome::Timeout { reusable: false }),
+                },
+                None => once.await,
+            };
+            match res {
                 Ok(Outcome::Granted { token, sent }) => {
                     return Ok(Granted {
                         conn: c,

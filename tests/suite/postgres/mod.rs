@@ -368,8 +368,9 @@ async fn migrate_is_idempotent_in_a_custom_schema() {
         .unwrap();
 }
 
-/// Through PgBouncer in transaction mode (and session mode: both refuse lockkit's startup
-/// settings) connect fails with a clear InvalidConfig naming the pooler, quickly.
+/// Through PgBouncer, in transaction mode and in session mode, connect fails quickly with a
+/// clear InvalidConfig naming the pooler: PgBouncer refuses lockkit's startup options, and when
+/// told to ignore them, the session marker does not come back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pgbouncer_is_detected() {
     let url = base_url();
@@ -379,8 +380,12 @@ async fn pgbouncer_is_detected() {
         .and_then(|s| s.split('/').next())
         .and_then(|p| p.parse().ok())
         .expect("port in LOCKKIT_POSTGRES_URL");
-    for mode in ["transaction", "session"] {
-        let (bouncer, port) = pgbouncer(upstream, mode);
+    for (mode, ignore) in [
+        ("transaction", "extra_float_digits"),
+        ("session", "extra_float_digits"),
+        ("transaction", "extra_float_digits,options"),
+    ] {
+        let (bouncer, port) = pgbouncer(upstream, mode, ignore);
         wait_until("pgbouncer", Duration::from_secs(10), || {
             std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
         })
@@ -391,7 +396,7 @@ async fn pgbouncer_is_detected() {
                 assert!(e.to_string().contains("pooler"), "{e}");
             }
             other => panic!(
-                "{mode} mode: expected InvalidConfig, got {other:?}\n{}",
+                "{mode} mode, ignoring {ignore}: expected InvalidConfig, got {other:?}\n{}",
                 bouncer.log_tail()
             ),
         }

@@ -150,8 +150,9 @@ impl Drop for PgServer {
     }
 }
 
-/// A PgBouncer in front of `upstream_port`, in `pool_mode`, run as the `postgres` user.
-pub fn pgbouncer(upstream_port: u16, pool_mode: &str) -> (ServerProcess, u16) {
+/// A PgBouncer in front of `upstream_port`, in `pool_mode`, run as the `postgres` user,
+/// ignoring the startup parameters `ignore` (comma-separated).
+pub fn pgbouncer(upstream_port: u16, pool_mode: &str, ignore: &str) -> (ServerProcess, u16) {
     let dir = tempfile::Builder::new()
         .prefix("lockkit-pgbouncer-")
         .tempdir()
@@ -170,7 +171,7 @@ pub fn pgbouncer(upstream_port: u16, pool_mode: &str) -> (ServerProcess, u16) {
              auth_type = any\n\
              pool_mode = {pool_mode}\n\
              unix_socket_dir =\n\
-             ignore_startup_parameters = extra_float_digits\n"
+             ignore_startup_parameters = {ignore}\n"
         ),
     )
     .expect("pgbouncer.ini");

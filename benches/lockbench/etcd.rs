@@ -1,5 +1,144 @@
-//! etcd rows (filled in by the etcd adapter).
-use crate::Row;
-pub async fn run(_iters: usize) -> Vec<Row> {
-    Vec::new()
+//! etcd rows: uncontended acquire + release.
+//!
+//! (a) the floor: the same two round trips by hand with etcd-client — a put-if-absent
+//!     transaction attaching the key to a pre-granted lease, then a delete;
+//! (b) etcd's server-side lock service (v3lock `Lock` + `Unlock`) through etcd-client, with a
+//!     pre-granted lease;
+//! (c) lockkit (session lease already granted: the warm-up acquires grant it and it lingers),
+//!     waiting acquire (put + holder read in one transaction) and try-acquire (put only if the
+//!     name is free), each followed by a compare-and-delete release.
+
+use std::time::Duration;
+
+use lockkit::etcd::EtcdLock;
+use std::time::Instant;
+
+use lockkit::etcd::etcd_client::{Compare, CompareOp, LockOptions, PutOptions, Txn, TxnOp};
+use lockkit::{AcquireOptions, Lock, Wait};
+
+use crate::{Row, url};
+
+pub async fn run(iters: usize) -> Vec<Row> {
+    let url = url("LOCKKIT_ETCD_URL");
+    let prefix = format!("lockbench-{:08x}", rand::random::<u32>());
+    let locks = EtcdLock::connect(&format!("{url}?prefix={prefix}"))
+        .await
+        .expect("connect");
+    let client = locks.client().clone();
+    let lease = client
+        .lease_client()
+        .grant(30, None)
+        .await
+        .expect("grant")
+        .id();
+    // Keep the hand-made lease alive for the run.
+    let keeper = {
+        let client = client.clone();
+        tokio::spawn(async move {
+            let (mut keeper, mut stream) = client
+                .lease_client()
+                .keep_alive(lease)
+                .await
+                .expect("keepalive");
+            loop {
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                if keeper.keep_alive().await.is_err() || stream.message().await.is_err() {
+                    return;
+                }
+            }
+        })
+    };
+
+    // The four sequences run interleaved (one of each per round, in rotating order), so load
+    // from other processes on the machine hits all rows alike.
+    let floor_key = format!("{prefix}/floor/k");
+    let v3lock_name = format!("{prefix}/v3lock");
+    let ttl = Duration::from_secs(30);
+    let names = [
+        "(a) by hand: put-if-absent txn (lease) + delete",
+        "(b) etcd server-side Lock + Unlock (v3lock)",
+        "(c) lockkit acquire + release (waiting acquire)",
+        "(c) lockkit acquire + release (try-acquire)",
+    ];
+    let one = |i: usize| {
+        let (client, locks) = (&client, &locks);
+        let (floor_key, v3lock_name) = (&floor_key, &v3lock_name);
+        async move {
+            match i {
+                0 => {
+                    let mut kv = client.kv_client();
+                    let txn = Txn::new()
+                        .when([Compare::create_revision(
+                            floor_key.clone(),
+                            CompareOp::Equal,
+                            0,
+                        )])
+                        .and_then([TxnOp::put(
+                            floor_key.clone(),
+                            "",
+                            Some(PutOptions::new().with_lease(lease)),
+                        )]);
+                    let r = kv.txn(txn).await.expect("txn");
+                    assert!(r.succeeded());
+                    kv.delete(floor_key.clone(), None).await.expect("delete");
+                }
+                1 => {
+                    let mut lc = client.lock_client();
+                    let r = lc
+                        .lock(
+                            v3lock_name.clone(),
+                            Some(LockOptions::new().with_lease(lease)),
+                        )
+                        .await
+                        .expect("lock");
+                    lc.unlock(r.key().to_vec()).await.expect("unlock");
+                }
+                2 => {
+                    let l = locks
+                        .acquire("bench", AcquireOptions::new().ttl(ttl))
+                        .await
+                        .expect("acquire");
+                    l.release().await.expect("release");
+                }
+                _ => {
+                    let l = locks
+                        .acquire("bench-try", AcquireOptions::new().ttl(ttl).wait(Wait::No))
+                        .await
+                        .expect("acquire");
+                    l.release().await.expect("release");
+                }
+            }
+        }
+    };
+    for r in 0..(iters / 10).max(10) {
+        for i in 0..names.len() {
+            one((i + r) % names.len()).await;
+        }
+    }
+    let mut samples = vec![Vec::with_capacity(iters); names.len()];
+    for r in 0..iters {
+        for k in 0..names.len() {
+            let i = (k + r) % names.len();
+            let t = Instant::now();
+            one(i).await;
+            samples[i].push(t.elapsed());
+        }
+    }
+    let rows = names
+        .iter()
+        .zip(samples)
+        .map(|(what, mut s)| {
+            s.sort();
+            let at = |q: f64| s[((s.len() as f64 - 1.0) * q).round() as usize];
+            Row {
+                backend: "etcd",
+                what: (*what).to_owned(),
+                median: at(0.5),
+                p99: at(0.99),
+            }
+        })
+        .collect();
+    keeper.abort();
+    let _ = client.lease_client().revoke(lease).await;
+    rows
 }

@@ -91,6 +91,11 @@ struct SharedState {
     /// Trackers of the locks held on this lease, confirmed with every keepalive.
     trackers: HashMap<u64, LeaseTracker>,
     next_tracker: u64,
+    /// Key slots in use per lock name: `(name, n)` names the key `{prefix}/{name}/{id hex}-{n}`.
+    /// A slot is busy from before its key may be created until its deletion is confirmed, so
+    /// sequential acquires reuse one key (etcd's index keeps every key ever created until
+    /// compaction, and range reads over a lock's prefix would slow down with each new key).
+    slots: std::collections::HashSet<(String, u32)>,
     /// No new acquire may join (a lock was leaked, or a cleanup failed).
     no_reuse: bool,
     /// Do not revoke when retiring (a leaked lock must stay until its TTL runs out).
@@ -180,6 +185,22 @@ impl SharedLease {
         let id = st.next_tracker;
         st.trackers.insert(id, tracker.clone());
         Some((id, tracker))
+    }
+
+    /// The lowest free key slot for lock `name` on this lease, now busy.
+    pub(crate) fn take_slot(&self, name: &str) -> u32 {
+        let mut st = self.st();
+        let mut n = 0;
+        while st.slots.contains(&(name.to_owned(), n)) {
+            n += 1;
+        }
+        st.slots.insert((name.to_owned(), n));
+        n
+    }
+
+    /// The key of slot `n` is known to be gone: the slot may be reused.
+    pub(crate) fn free_slot(&self, name: &str, n: u32) {
+        self.st().slots.remove(&(name.to_owned(), n));
     }
 
     fn unregister(&self, id: u64, leaked: bool) {
@@ -374,6 +395,8 @@ pub struct EtcdLease {
     pub(crate) binding: Binding,
     pub(crate) request_timeout: Duration,
     pub(crate) released: AtomicBool,
+    /// The key slot on the lease, freed once a release got a definite answer.
+    pub(crate) slot: u32,
 }
 
 impl fmt::Debug for EtcdLease {
@@ -394,7 +417,7 @@ impl fmt::Debug for EtcdLease {
 }
 
 impl EtcdLease {
-    /// The lock key (`{prefix}/{name}/{lease id hex}-{random hex}`).
+    /// The lock key (`{prefix}/{name}/{lease id hex}-{slot}`).
     pub fn key(&self) -> &[u8] {
         &self.key
     }
@@ -477,6 +500,9 @@ impl LeaseOps for EtcdLease {
         let mut kv = self.client.kv_client();
         let resp = timed(self.request_timeout, "a lock release", kv.txn(txn)).await?;
         self.released.store(true, Ordering::SeqCst);
+        if let Binding::Shared { reservation, .. } = &self.binding {
+            reservation.shared.free_slot(&self.name, self.slot);
+        }
         if let Binding::Dedicated = self.binding {
             let client = self.client.clone();
             let (id, limit) = (self.lease_id, self.request_timeout);

@@ -35,10 +35,13 @@
 //! timeout (3 s by default).
 //!
 //! ## Protocol
-//! - Each acquire puts its own key `{prefix}/{name}/{lease id hex}-{random hex}`, attached to an
+//! - Each acquire puts its own key `{prefix}/{name}/{lease id hex}-{slot}`, attached to an
 //!   etcd lease, in one transaction that also reads the lowest create revision under
 //!   `{prefix}/{name}/`. The key with the lowest create revision is the holder; the others are
-//!   waiters in FIFO order.
+//!   waiters in FIFO order. `slot` is the lowest number not in use by another acquire of the
+//!   same client, lease and name, so back-to-back acquires reuse one key (etcd's key index keeps
+//!   every key ever created until compaction, and reads over a lock's prefix would otherwise slow
+//!   down with every acquire).
 //! - A waiter watches only the key immediately ahead of it (largest create revision below its
 //!   own) for its deletion; one release wakes one waiter. No polling.
 //! - When woken, the waiter re-checks in one linearizable read that its own key still exists

@@ -2,7 +2,7 @@
 //!
 //! Protocol (the v3 lock recipe, <https://etcd.io/docs/v3.4/dev-guide/api_concurrency_reference_v3/>
 //! and `clientv3/concurrency/mutex.go`):
-//! 1. Each acquire creates its own key `{prefix}/{name}/{lease id hex}-{random hex}`, attached to
+//! 1. Each acquire creates its own key `{prefix}/{name}/{lease id hex}-{slot}`, attached to
 //!    a lease, in one transaction that also reads the key with the lowest create revision under
 //!    `{prefix}/{name}/`. The holder is the key with the lowest create revision.
 //! 2. A waiter reads the key immediately ahead of it (the largest create revision below its own:
@@ -440,17 +440,18 @@ impl EtcdLock {
         };
         let shared = reservation.shared.clone();
         let name_prefix = self.name_prefix(name);
+        let slot = shared.take_slot(name);
         let mut key = name_prefix.clone();
-        key.extend_from_slice(
-            format!("{:016x}-{:016x}", shared.id, rand::random::<u64>()).as_bytes(),
-        );
+        key.extend_from_slice(format!("{:016x}-{slot}", shared.id).as_bytes());
         // Armed before the first request that may create the key: from here on, dropping the
-        // acquire (or failing) deletes the key.
+        // acquire (or failing) deletes the key, and only then frees its slot.
         let mut guard = KeyGuard {
             kv: self.inner.client.kv_client(),
             key: Some(key.clone()),
             reservation: Some(reservation),
             limit: self.request_timeout(),
+            name: name.to_owned(),
+            slot,
         };
         // A private lease is kept alive by a task while its acquire waits, and no longer.
         let _private_keepalive = (!opts.keepalive).then(|| {
@@ -466,11 +467,11 @@ impl EtcdLock {
         let (my_rev, owner_rev) = match enq {
             Enqueued::LeaseGone => {
                 shared.mark_lost();
-                guard.key = None;
+                guard.nothing_created();
                 return Ok(None);
             }
             Enqueued::Held => {
-                guard.key = None;
+                guard.nothing_created();
                 return Err(Error::Held {
                     name: name.to_owned(),
                 });
@@ -536,6 +537,7 @@ impl EtcdLock {
             binding,
             request_timeout: self.request_timeout(),
             released: AtomicBool::new(false),
+            slot,
         });
         let token = FencingToken::new(u64::try_from(my_rev).unwrap_or(0));
         Ok(Some(Lease::new(name, token, tracker, ops, opts)))
@@ -571,12 +573,23 @@ struct KeyGuard {
     key: Option<Vec<u8>>,
     reservation: Option<Reservation>,
     limit: Duration,
+    name: String,
+    slot: u32,
 }
 
 impl KeyGuard {
+    /// Granted: the key and its slot now belong to the lock.
     fn disarm(&mut self) -> Option<Reservation> {
         self.key = None;
         self.reservation.take()
+    }
+
+    /// The request that would have created the key did not: the slot is free again.
+    fn nothing_created(&mut self) {
+        self.key = None;
+        if let Some(r) = &self.reservation {
+            r.shared.free_slot(&self.name, self.slot);
+        }
     }
 
     /// Deletes the key now; if that fails the drop retries in the background.
@@ -589,7 +602,7 @@ impl KeyGuard {
             )
             .await;
             if res.is_ok() {
-                self.key = None;
+                self.nothing_created();
             }
         }
     }
@@ -608,12 +621,17 @@ impl Drop for KeyGuard {
             return;
         };
         let mut kv = self.kv.clone();
-        let limit = self.limit;
+        let (limit, name, slot) = (self.limit, std::mem::take(&mut self.name), self.slot);
         rt.spawn(async move {
             let mut delay = Duration::from_millis(50);
             for _ in 0..6 {
-                if timed(limit, "a key delete", kv.delete(key.clone(), None)).await.is_ok() {
-                    drop(reservation);
+                if timed(limit, "a key delete", kv.delete(key.clone(), None))
+                    .await
+                    .is_ok()
+                {
+                    if let Some(r) = &reservation {
+                        r.shared.free_slot(&name, slot);
+                    }
                     return;
                 }
                 tokio::time::sleep(delay).await;

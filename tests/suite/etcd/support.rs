@@ -14,7 +14,6 @@ use crate::common::{ServerProcess, free_port};
 
 /// One private etcd member.
 pub struct Member {
-    pub name: String,
     pub client_port: u16,
     pub proc: ServerProcess,
 }
@@ -83,7 +82,6 @@ pub async fn start_cluster(n: usize) -> Vec<Member> {
             .arg("--log-level")
             .arg("warn");
         members.push(Member {
-            name: name.clone(),
             client_port: *c,
             proc: ServerProcess::spawn(&format!("etcd-{name}"), dir, cmd),
         });
@@ -287,7 +285,6 @@ pub async fn start_single(data: &std::path::Path, client_port: u16, peer_port: u
         .arg("--log-level")
         .arg("warn");
     let m = Member {
-        name: name.clone(),
         client_port,
         proc: ServerProcess::spawn("etcd-solo", data_dir(), cmd),
     };

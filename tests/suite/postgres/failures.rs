@@ -1,7 +1,10 @@
 //! Failures a PostgreSQL lease must survive: a frozen holder process, a killed session, a
 //! server crash and restart, and acquires cancelled (or timed out) at every moment.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::process::Stdio;
+use std::task::Poll;
 use std::time::Duration;
 
 use lockkit::postgres::sqlx::postgres::PgArguments;
@@ -31,6 +34,13 @@ fn signal(pid: u32, sig: &str) {
         .status()
         .expect("kill");
     assert!(st.success(), "kill -{sig} {pid}");
+}
+
+/// Polls `f` exactly once.
+async fn poll_once<F: Future>(f: Pin<&mut F>) -> Poll<F::Output> {
+    let mut f = Some(f);
+    std::future::poll_fn(|cx| Poll::Ready(f.take().map(|f| f.poll(cx)).unwrap_or(Poll::Pending)))
+        .await
 }
 
 /// Not a test of its own: the holder process of `paused_holder_is_fenced_out`, which re-runs
@@ -304,21 +314,45 @@ async fn cancelled_acquire_leaves_no_lock() {
     let ttl = Duration::from_secs(30);
     // Free lock: cancel a try-acquire before, during and after its grant.
     let free_key = b.key("free");
+    // tokio's timers tick in milliseconds, too coarse to land inside a ~0.2 ms grant, so the
+    // acquire future is polled by hand: each poll in `polls` is followed by a (blocking) pause of
+    // `us` µs, during which the server may grant and answer; then the future is dropped with
+    // the reply unread.
     let mut completed = 0;
-    for us in [
-        0u64, 50, 100, 200, 300, 500, 700, 1000, 1500, 2000, 3000, 5000, 10_000,
-    ] {
-        match tokio::time::timeout(Duration::from_micros(us), b.try_acquire("free", ttl)).await {
-            Ok(Ok(lease)) => {
-                completed += 1;
-                lease.release().await.expect("release");
+    let mut cases = 0;
+    for polls in 1..=3 {
+        for us in [0u64, 20, 50, 100, 150, 200, 300, 500, 1000, 3000] {
+            cases += 1;
+            // A warm connection in b's cache: the cancel lands while the grant statement itself
+            // is in flight, not while connecting.
+            b.try_acquire("warm", ttl)
+                .await
+                .expect("warm-up")
+                .release()
+                .await
+                .expect("warm-up release");
+            // Boxed, so that dropping it really drops the acquire (and its connection).
+            let mut fut = Box::pin(b.try_acquire("free", ttl));
+            let mut done = None;
+            for _ in 0..polls {
+                if let Poll::Ready(r) = poll_once(fut.as_mut()).await {
+                    done = Some(r);
+                    break;
+                }
+                std::thread::sleep(Duration::from_micros(us));
             }
-            Ok(Err(e)) => panic!("try-acquire of a free lock: {e:?}"),
-            Err(_) => {}
+            match done {
+                Some(Ok(lease)) => {
+                    completed += 1;
+                    lease.release().await.expect("release");
+                }
+                Some(Err(e)) => panic!("try-acquire of a free lock: {e:?}"),
+                None => drop(fut),
+            }
+            wait_no_advisory_lock(&base, free_key, Duration::from_secs(3)).await;
         }
-        wait_no_advisory_lock(&base, free_key, Duration::from_secs(3)).await;
     }
-    eprintln!("free lock: {completed} of 13 try-acquires completed before their cancel");
+    eprintln!("free lock: {completed} of {cases} try-acquires completed before their cancel");
 
     // Held lock: cancel waiters at several points of their wait.
     let key = a.key("held");
@@ -430,6 +464,7 @@ async fn expiry_has_millisecond_precision() {
             .await
             .expect("lapsed");
         let after = sent.elapsed();
+        eprintln!("350 ms lease freed after {after:?}");
         assert!(after >= ttl - drift_margin(ttl), "freed early: {after:?}");
         assert!(
             after <= ttl + SLACK + Duration::from_millis(400),

@@ -51,10 +51,19 @@ pub async fn wait_no_advisory_lock(url: &str, key: i64, limit: Duration) {
         if n == 0 {
             return;
         }
-        assert!(
-            Instant::now() < deadline,
-            "{n} advisory lock entries for key {key} still in pg_locks after {limit:?}"
-        );
+        if Instant::now() >= deadline {
+            let mut db = admin(url).await;
+            let who: Vec<(i32, Option<String>, Option<String>, bool)> = sqlx::query_as(
+                "SELECT l.pid, a.state, a.query, l.granted FROM pg_locks l \
+                 LEFT JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory'",
+            )
+            .fetch_all(&mut db)
+            .await
+            .expect("pg_stat_activity");
+            panic!(
+                "{n} advisory lock entries for key {key} still in pg_locks after {limit:?}: {who:?}"
+            );
+        }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }

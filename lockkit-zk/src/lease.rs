@@ -32,6 +32,13 @@ impl fmt::Debug for ZkLease {
     }
 }
 
+impl Drop for ZkLease {
+    fn drop(&mut self) {
+        // A released lease was deregistered already; a leaked one is still live here.
+        self.session.abandon(self.reg);
+    }
+}
+
 impl ZkLease {
     /// The lock node's path (below the chroot, if any).
     pub fn node_path(&self) -> &str {

@@ -60,7 +60,8 @@
 //! ## Limits
 //! - `keepalive(false)` is [`NotSupported`](lockkit_core::Error::NotSupported): session heartbeats
 //!   cannot be paused per lease.
-//! - A leaked lease stays held until its session ends (see [`ZkLock`]).
+//! - A leaked lease is freed by this client at its deadline, not by the server (its session is
+//!   shared and stays alive); see [`ZkLock`].
 //! - Expiry granularity: the server expires sessions on tick boundaries, up to one `tickTime`
 //!   (default 2 s, [`EXPIRY_SLACK`]) after the timeout.
 //! - Tokens survive restarts only if the server's transaction log is fsynced (`forceSync=yes`,

@@ -45,10 +45,11 @@ pub struct WaitStats {
 ///   server cannot negotiate (outside its `minSessionTimeout`..`maxSessionTimeout`, by default
 ///   2..20 ticks) is refused with [`Error::InvalidConfig`]; TTLs must be whole milliseconds.
 /// - **Keepalive** is the session's heartbeat and cannot be paused per lease, so
-///   `keepalive(false)` is [`Error::NotSupported`]. For the same reason a
-///   [`leak`](lockkit_core::Lease::leak)ed lease (or one dropped with `release_on_drop(false)`)
-///   stays held until its session ends: when every clone of this `ZkLock` and every lease of that
-///   TTL are dropped, or the process exits.
+///   `keepalive(false)` is [`Error::NotSupported`]. A [`leak`](lockkit_core::Lease::leak)ed
+///   lease, or one dropped with `release_on_drop(false)`, stops being confirmed and its node is
+///   deleted at its deadline (one TTL after its last confirmation), so it is held for its TTL
+///   and no longer, as on other backends (unless this process exits first: its sessions then
+///   expire within the TTL).
 /// - **Fencing token** = the holder node's `czxid`, the zxid of the transaction that created it.
 ///   Zxids are totally ordered over the whole ensemble and every later create gets a larger one,
 ///   across leader elections (the epoch is the high 32 bits) and across the lock's parent node

@@ -154,6 +154,21 @@ impl Session {
         Some(id)
     }
 
+    /// A lease object went away while its lease is still live (`Lease::leak`): stop confirming it
+    /// and delete its node at its deadline, so it is held for its TTL and no longer, as a lease
+    /// nobody renews on other backends.
+    pub(crate) fn abandon(self: &Arc<Self>, id: u64) {
+        let Some(r) = lock(&self.leases).remove(&id) else {
+            return;
+        };
+        if r.tracker.state() == lockkit_core::LeaseState::Lost {
+            // Released or lost: put it back for the monitor / the background delete to finish.
+            lock(&self.leases).insert(id, r);
+            return;
+        }
+        spawn_delete_at(self.clone(), r.path, r.tracker.valid_until());
+    }
+
     /// Forgets a lease (after its node was deleted, or found gone).
     pub(crate) fn deregister(&self, id: u64) {
         lock(&self.leases).remove(&id);
@@ -175,25 +190,25 @@ impl Session {
     }
 
     /// A round trip sent at `sent` was answered: the session was alive on the server at some
-    /// point after `sent`, so it stays alive until at least `sent + ttl`. Confirms every tracker;
-    /// a tracker that is already lost (its deadline passed while the reply was late) has its
-    /// node deleted, since its holder was told it lost the lock.
+    /// point after `sent`, so it stays alive until at least `sent + ttl`. Confirms every tracker.
+    /// A tracker that is already lost is dropped from the session and its node deleted: at once
+    /// if its deadline passed (the holder was told it lost the lock), else at its deadline (the
+    /// holder dropped the lease without releasing it: it lapses after its TTL, as elsewhere).
     fn confirm_all(self: &Arc<Self>, sent: Instant) {
-        let mut late = Vec::new();
+        let mut lost = Vec::new();
         {
             let mut leases = lock(&self.leases);
             leases.retain(|_, r| {
                 if r.tracker.confirm(sent) {
                     true
                 } else {
-                    late.push(std::mem::take(&mut r.path));
+                    lost.push((std::mem::take(&mut r.path), r.tracker.valid_until()));
                     false
                 }
             });
         }
-        for path in late {
-            tracing::warn!(node = %path, "lease confirmed after its deadline; deleting its node");
-            spawn_delete(self.clone(), path, None);
+        for (path, deadline) in lost {
+            spawn_delete_at(self.clone(), path, deadline);
         }
     }
 
@@ -268,6 +283,21 @@ pub(crate) fn spawn_delete(session: Arc<Session>, path: String, lease_id: Option
         if let Some(id) = lease_id {
             session.deregister(id);
         }
+    });
+}
+
+/// Deletes `path` in the background at `at` (at once if `at` has passed).
+fn spawn_delete_at(session: Arc<Session>, path: String, at: Instant) {
+    if at <= Instant::now() {
+        tracing::warn!(node = %path, "lease lapsed on the client side; deleting its node");
+        return spawn_delete(session, path, None);
+    }
+    let Ok(rt) = tokio::runtime::Handle::try_current() else {
+        return; // no runtime: the session's end frees the node
+    };
+    rt.spawn(async move {
+        tokio::time::sleep_until(at).await;
+        spawn_delete(session, path, None);
     });
 }
 

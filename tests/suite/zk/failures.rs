@@ -531,3 +531,43 @@ async fn release_during_a_blip_is_retried() {
         .expect("release succeeded after the blip");
     assert!(b.contenders(&name).await.unwrap().is_empty());
 }
+
+/// A leaked lease stays held for its TTL and no longer, though its session lives on; a lease
+/// dropped without release-on-drop likewise.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leaked_and_unreleased_leases_lapse_after_their_ttl() {
+    let prefix = fresh_prefix();
+    let a = direct(&prefix).await;
+    let b = direct(&prefix).await;
+    for leak in [true, false] {
+        let name = unique("leak");
+        let sent = Instant::now();
+        let lease = a
+            .acquire(
+                &name,
+                AcquireOptions::new()
+                    .ttl(TTL)
+                    .wait(Wait::No)
+                    .release_on_drop(false),
+            )
+            .await
+            .expect("acquire");
+        let token = lease.token();
+        if leak {
+            lease.leak();
+        } else {
+            drop(lease);
+        }
+        let again = b
+            .acquire(&name, waiting(TTL, TTL * 2 + TOLERANCE))
+            .await
+            .expect("freed after its TTL");
+        assert!(
+            sent.elapsed() >= TTL - TTL / 10,
+            "leak={leak}: freed after {:?}, before its TTL",
+            sent.elapsed()
+        );
+        assert!(again.token() > token);
+        again.release().await.unwrap();
+    }
+}

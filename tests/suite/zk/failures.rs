@@ -571,3 +571,20 @@ async fn leaked_and_unreleased_leases_lapse_after_their_ttl() {
         again.release().await.unwrap();
     }
 }
+
+/// A connect string with a dead server first still connects through the live one.
+#[tokio::test]
+async fn multi_host_connect_string_skips_a_dead_server() {
+    let url = format!(
+        "zk://127.0.0.1:{},{}?prefix={}",
+        free_port(),
+        upstream(),
+        fresh_prefix()
+    );
+    let locks = lockkit::connect(&url).await.expect("connect");
+    let lease = locks
+        .try_acquire(&unique("multi-host"), Duration::from_secs(10))
+        .await
+        .expect("acquire");
+    lease.release().await.expect("release");
+}

@@ -14,7 +14,7 @@ use lockkit::{AcquireOptions, Error, LeaseState, Lock, LockExt, Wait, drift_marg
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::time::Instant;
 
-use super::server::{PgServer, admin};
+use super::server::{PgServer, Relay, admin};
 use super::{base_url, scratch_table, wait_no_advisory_lock};
 use crate::common::{fresh_prefix, with_prefix};
 
@@ -248,6 +248,56 @@ async fn killed_session_releases_and_tells_holder() {
         other => panic!("release after kill: {other:?}"),
     }
     next.release().await.unwrap();
+}
+
+/// A holder cut off by the network (a relay that stops forwarding but keeps the sockets open)
+/// loses the lock within its TTL on the server, without waiting for TCP to give up: another
+/// client gets it with a larger token, and the holder's loss signal fires by its deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn network_cut_frees_the_lock_within_ttl() {
+    let base = base_url();
+    let upstream: u16 = base
+        .rsplit(':')
+        .next()
+        .and_then(|s| s.split('/').next())
+        .and_then(|p| p.parse().ok())
+        .expect("port in LOCKKIT_POSTGRES_URL");
+    let relay = Relay::start(upstream).await;
+    let prefix = fresh_prefix();
+    let through = with_prefix(
+        &format!("postgres://postgres@127.0.0.1:{}/postgres", relay.port),
+        &prefix,
+    );
+    let a = PgLock::connect(&through)
+        .await
+        .expect("connect through relay");
+    let b = PgLock::connect(&with_prefix(&base, &prefix)).await.unwrap();
+    let ttl = Duration::from_millis(1500);
+    let lease = a.try_acquire("cut", ttl).await.unwrap();
+    let lost = tokio::spawn(lease.lost());
+    relay.freeze();
+    let cut = Instant::now();
+    let next = b
+        .acquire_timeout(
+            "cut",
+            Duration::from_secs(10),
+            ttl + SLACK + Duration::from_secs(5),
+        )
+        .await
+        .expect("the cut-off holder's lock was not freed");
+    let took = cut.elapsed();
+    assert!(
+        took <= ttl + SLACK + Duration::from_millis(1500),
+        "freed {took:?} after the cut (TTL {ttl:?})"
+    );
+    assert!(next.token() > lease.token());
+    tokio::time::timeout(Duration::from_secs(1), lost)
+        .await
+        .expect("the holder's loss signal did not fire")
+        .unwrap();
+    assert_eq!(lease.state(), LeaseState::Lost);
+    next.release().await.unwrap();
+    lease.leak();
 }
 
 /// Tokens never repeat across crash-restarts of the server (`pg_ctl -m immediate`), for new

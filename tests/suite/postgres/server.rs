@@ -187,3 +187,74 @@ pub async fn admin(url: &str) -> PgConnection {
         .await
         .unwrap_or_else(|e| panic!("admin connection: {e}"))
 }
+
+/// A TCP relay to `upstream` that can be frozen: while frozen it forwards nothing in either
+/// direction and keeps both sockets open, as a network partition does (no FIN, no RST).
+pub struct Relay {
+    pub port: u16,
+    freeze: tokio::sync::watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Relay {
+    pub async fn start(upstream: u16) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("relay bind");
+        let port = listener.local_addr().expect("addr").port();
+        let (freeze, rx) = tokio::sync::watch::channel(false);
+        let task = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await
+                else {
+                    continue;
+                };
+                let (cr, cw) = client.into_split();
+                let (sr, sw) = server.into_split();
+                tokio::spawn(pipe(cr, sw, rx.clone()));
+                tokio::spawn(pipe(sr, cw, rx.clone()));
+            }
+        });
+        Self { port, freeze, task }
+    }
+
+    pub fn freeze(&self) {
+        self.freeze.send_replace(true);
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn pipe(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    mut frozen: tokio::sync::watch::Receiver<bool>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        if *frozen.borrow() {
+            // Partitioned: hold both sockets open and move no byte, until the test ends.
+            let _ = frozen.wait_for(|f| !*f).await;
+            std::future::pending::<()>().await;
+        }
+        tokio::select! {
+            n = from.read(&mut buf) => match n {
+                Ok(0) | Err(_) => return,
+                Ok(n) => {
+                    if *frozen.borrow() {
+                        std::future::pending::<()>().await;
+                    }
+                    if to.write_all(&buf[..n]).await.is_err() {
+                        return;
+                    }
+                }
+            },
+            _ = frozen.changed() => {}
+        }
+    }
+}

@@ -397,6 +397,9 @@ pub struct EtcdLease {
     pub(crate) released: AtomicBool,
     /// The key slot on the lease, freed once a release got a definite answer.
     pub(crate) slot: u32,
+    /// A release was tried (so a drop without a completed release is a failure to clean up,
+    /// not a deliberate leak).
+    pub(crate) release_attempted: AtomicBool,
 }
 
 impl fmt::Debug for EtcdLease {
@@ -498,7 +501,18 @@ impl LeaseOps for EtcdLease {
             )])
             .and_then([TxnOp::delete(self.key.clone(), None::<DeleteOptions>)]);
         let mut kv = self.client.kv_client();
-        let resp = timed(self.request_timeout, "a lock release", kv.txn(txn)).await?;
+        self.release_attempted.store(true, Ordering::SeqCst);
+        let resp = match timed(self.request_timeout, "a lock release", kv.txn(txn)).await {
+            Ok(r) => r,
+            Err(e) => {
+                // The key may outlive this call. Stop reusing the lease, so that it retires (and
+                // is revoked, taking the key with it) once its other locks are done.
+                if let Binding::Shared { reservation, .. } = &self.binding {
+                    reservation.shared.close_to_newcomers();
+                }
+                return Err(e);
+            }
+        };
         self.released.store(true, Ordering::SeqCst);
         if let Binding::Shared { reservation, .. } = &self.binding {
             reservation.shared.free_slot(&self.name, self.slot);
@@ -529,16 +543,51 @@ impl LeaseOps for EtcdLease {
 
 impl Drop for EtcdLease {
     fn drop(&mut self) {
+        let released = self.released.load(Ordering::SeqCst);
+        let attempted = self.release_attempted.load(Ordering::SeqCst);
         if let Binding::Shared {
             reservation,
             tracker_id,
         } = &self.binding
         {
-            // Dropped without a completed release (leak(), release_on_drop(false), or a failed
-            // release): the key must stay only until the TTL, so the lease must not be kept
-            // alive for newcomers nor revoked (which would free the lock at once).
-            let leaked = !self.released.load(Ordering::SeqCst);
-            reservation.shared.unregister(*tracker_id, leaked);
+            // Dropped without a release ever tried (leak(), release_on_drop(false)): the key
+            // must stay until its TTL only, so the lease must neither be kept alive for newcomers
+            // nor be revoked (which would free the lock at once).
+            reservation
+                .shared
+                .unregister(*tracker_id, !released && !attempted);
         }
+        if released || !attempted {
+            return;
+        }
+        // Every release failed (server unreachable): the key would block the lock while other
+        // locks keep the lease alive. Keep trying to delete it (if it is still ours) for a while.
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let mut kv = self.client.kv_client();
+        let (key, rev, limit) = (self.key.clone(), self.create_revision, self.request_timeout);
+        let slot = match &self.binding {
+            Binding::Shared { reservation, .. } => {
+                Some((reservation.shared.clone(), self.name.clone(), self.slot))
+            }
+            Binding::Dedicated => None,
+        };
+        rt.spawn(async move {
+            let mut delay = Duration::from_millis(50);
+            for _ in 0..12 {
+                let txn = Txn::new()
+                    .when([Compare::create_revision(key.clone(), CompareOp::Equal, rev)])
+                    .and_then([TxnOp::delete(key.clone(), None::<DeleteOptions>)]);
+                if timed(limit, "a lock release", kv.txn(txn)).await.is_ok() {
+                    if let Some((shared, name, slot)) = slot {
+                        shared.free_slot(&name, slot);
+                    }
+                    return;
+                }
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(2));
+            }
+        });
     }
 }

@@ -538,6 +538,7 @@ impl EtcdLock {
             request_timeout: self.request_timeout(),
             released: AtomicBool::new(false),
             slot,
+            release_attempted: AtomicBool::new(false),
         });
         let token = FencingToken::new(u64::try_from(my_rev).unwrap_or(0));
         Ok(Some(Lease::new(name, token, tracker, ops, opts)))

@@ -91,7 +91,8 @@ async fn holder_loss_behind_blackholed_proxy() {
         "loss signal late: {:?} after the cut",
         lost_at - cut
     );
-    assert!(granted >= cut + ttl - lockkit::drift_margin(ttl) - Duration::from_millis(400));
+    // etcd freed the lock no earlier than A's client-side deadline.
+    assert!(granted >= lease_a.valid_until());
     assert_eq!(lease_a.state(), LeaseState::Lost);
     assert!(lease_b.token() > lease_a.token());
 

@@ -1,7 +1,13 @@
 //! ZooKeeper rows: the hand-written floor (the lock recipe's round trips done by hand with
 //! zookeeper-client), zookeeper-client's own lock recipe, lockkit's acquire + release, and the
 //! handoff latency with 16 waiters.
+//!
+//! The first three rows are measured **interleaved** (floor, recipe, lockkit, floor, …) so that
+//! they see the same server and machine load; measured one after the other, the shared 2-core
+//! machine's load swings moved their ratio by ±20 % between runs.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -9,9 +15,11 @@ use lockkit::zk::ZkLock;
 use lockkit::zk::zookeeper_client as zk;
 use lockkit::{AcquireOptions, Lock, Wait};
 
-use crate::{Row, measure, url};
+use crate::{Row, url};
 
 const BACKEND: &str = "zk";
+
+type Op<'a> = Box<dyn FnMut() -> Pin<Box<dyn Future<Output = ()> + 'a>> + 'a>;
 
 pub async fn run(iters: usize) -> Vec<Row> {
     let base = url("LOCKKIT_ZK_URL");
@@ -28,64 +36,52 @@ pub async fn run(iters: usize) -> Vec<Row> {
     let persistent = zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all());
     let ephemeral_seq = zk::CreateMode::EphemeralSequential.with_acls(zk::Acls::anyone_all());
     let dir = format!("/lockbench-{run_id}");
-    client
-        .create(&dir, &[], &persistent)
-        .await
-        .expect("bench dir");
-    let mut rows = Vec::new();
+    let floor_dir = format!("{dir}/floor");
+    let recipe_dir = format!("{dir}/recipe");
+    for d in [&dir, &floor_dir] {
+        client.create(d, &[], &persistent).await.expect("bench dir");
+    }
     let lockkit_url = format!("{base}?prefix=lockbench-{run_id}-lk");
-    // The server is a JVM: its code paths get compiled during the first thousands of requests.
-    // A first, discarded pass over the three sequences keeps that out of whichever row runs first.
-    for pass in 0..2 {
-        let iters = if pass == 0 { iters / 2 } else { iters };
-        rows.clear();
+    let locks = ZkLock::connect(&lockkit_url)
+        .await
+        .expect("connect lockkit");
+    let opts = AcquireOptions::new()
+        .ttl(Duration::from_secs(10))
+        .wait(Wait::No);
+    let lock_options = zk::LockOptions::new(zk::Acls::anyone_all())
+        .with_ancestor_options(persistent.clone())
+        .expect("lock options");
 
+    let (client, floor_dir, recipe_dir) = (&client, &floor_dir, &recipe_dir);
+    let (ephemeral_seq, lock_options, locks, opts) = (&ephemeral_seq, &lock_options, &locks, &opts);
+    let ops: Vec<(&str, Op<'_>)> = vec![
         // Floor: exactly the round trips of one uncontended grant and release.
-        let prefix = format!("{dir}/floor/n-");
-        if pass == 0 {
-            client
-                .create(&format!("{dir}/floor"), &[], &persistent)
-                .await
-                .expect("floor dir");
-        }
-        rows.push(
-            measure(
-                BACKEND,
-                "hand: create ephemeral-seq + getChildren + delete",
-                iters,
-                || async {
+        (
+            "hand: create ephemeral-seq + getChildren + delete",
+            Box::new(move || {
+                Box::pin(async move {
+                    let prefix = format!("{floor_dir}/n-");
                     let (_, seq) = client
-                        .create(&prefix, &[], &ephemeral_seq)
+                        .create(&prefix, &[], ephemeral_seq)
                         .await
                         .expect("create");
-                    let children = client
-                        .list_children(&format!("{dir}/floor"))
-                        .await
-                        .expect("children");
+                    let children = client.list_children(floor_dir).await.expect("children");
                     assert_eq!(children.len(), 1);
                     client
                         .delete(&format!("{prefix}{seq}"), None)
                         .await
                         .expect("delete");
-                },
-            )
-            .await,
-        );
-
-        // zookeeper-client's recipe (Client::lock, Curator-style node names). Its LockClient deletes
-        // the node in the background on drop; the row deletes it explicitly instead, so the release
-        // is inside the measurement, and forgets the guard.
-        let recipe_dir = format!("{dir}/recipe");
-        let lock_options = zk::LockOptions::new(zk::Acls::anyone_all())
-            .with_ancestor_options(persistent.clone())
-            .expect("lock options");
-        rows.push(
-            measure(
-                BACKEND,
-                "zookeeper-client Client::lock + delete (its recipe)",
-                iters,
-                || async {
-                    let prefix = zk::LockPrefix::new_curator(&recipe_dir, "lock-").expect("prefix");
+                })
+            }),
+        ),
+        // zookeeper-client's recipe (Client::lock, Curator-style node names). Its LockClient
+        // deletes the node in the background on drop; the row deletes it explicitly instead, so
+        // the release is inside the measurement, and forgets the guard.
+        (
+            "zookeeper-client Client::lock + delete (its recipe)",
+            Box::new(move || {
+                Box::pin(async move {
+                    let prefix = zk::LockPrefix::new_curator(recipe_dir, "lock-").expect("prefix");
                     let guard = client
                         .lock(prefix, b"", lock_options.clone())
                         .await
@@ -95,42 +91,60 @@ pub async fn run(iters: usize) -> Vec<Row> {
                         .await
                         .expect("unlock");
                     std::mem::forget(guard);
-                },
-            )
-            .await,
-        );
-
-        // lockkit.
-        let locks = ZkLock::connect(&lockkit_url)
-            .await
-            .expect("connect lockkit");
-        let opts = AcquireOptions::new()
-            .ttl(Duration::from_secs(10))
-            .wait(Wait::No);
-        // Open the 10 s session before measuring.
-        locks
-            .acquire("bench", opts.clone())
-            .await
-            .expect("warm")
-            .release()
-            .await
-            .expect("warm release");
-        rows.push(
-            measure(BACKEND, "lockkit acquire + release", iters, || async {
-                let l = locks.acquire("bench", opts.clone()).await.expect("acquire");
-                l.release().await.expect("release");
-            })
-            .await,
-        );
-    }
-
+                })
+            }),
+        ),
+        (
+            "lockkit acquire + release",
+            Box::new(move || {
+                Box::pin(async move {
+                    let l = locks.acquire("bench", opts.clone()).await.expect("acquire");
+                    l.release().await.expect("release");
+                })
+            }),
+        ),
+    ];
+    let mut rows = interleaved(ops, iters).await;
     rows.push(handoff(&lockkit_url, 16, iters.min(1000)).await);
 
     // Clean up the hand-made nodes (lockkit's are container nodes, removed by the server).
-    for p in [format!("{dir}/recipe"), format!("{dir}/floor"), dir] {
-        let _ = client.delete(&p, None).await;
+    for p in [recipe_dir.as_str(), floor_dir.as_str(), dir.as_str()] {
+        let _ = client.delete(p, None).await;
     }
     rows
+}
+
+/// Runs every op once per round, `iters` rounds (after a warm-up of `iters / 2` rounds: the
+/// server is a JVM whose code paths get compiled during the first thousands of requests).
+async fn interleaved(mut ops: Vec<(&str, Op<'_>)>, iters: usize) -> Vec<Row> {
+    for _ in 0..(iters / 2).max(10) {
+        for (_, op) in ops.iter_mut() {
+            op().await;
+        }
+    }
+    let mut samples = vec![Vec::with_capacity(iters); ops.len()];
+    for _ in 0..iters {
+        for (i, (_, op)) in ops.iter_mut().enumerate() {
+            let t = Instant::now();
+            op().await;
+            samples[i].push(t.elapsed());
+        }
+    }
+    ops.iter()
+        .zip(samples)
+        .map(|((what, _), s)| row(what, s))
+        .collect()
+}
+
+fn row(what: &str, mut samples: Vec<Duration>) -> Row {
+    samples.sort();
+    let at = |q: f64| samples[((samples.len() as f64 - 1.0) * q).round() as usize];
+    Row {
+        backend: BACKEND,
+        what: what.to_owned(),
+        median: at(0.5),
+        p99: at(0.99),
+    }
 }
 
 /// `waiters` + 1 clients loop acquire → release on one lock, so `waiters` are always queued; each
@@ -175,13 +189,9 @@ async fn handoff(url: &str, waiters: usize, samples: usize) -> Row {
     for t in tasks {
         t.await.expect("handoff task");
     }
-    let mut v = got.lock().unwrap().split_off(warmup);
-    v.sort();
-    let at = |q: f64| v[((v.len() as f64 - 1.0) * q).round() as usize];
-    Row {
-        backend: BACKEND,
-        what: format!("lockkit handoff, {waiters} waiters (release → next acquire returns)"),
-        median: at(0.5),
-        p99: at(0.99),
-    }
+    let v = got.lock().unwrap().split_off(warmup);
+    row(
+        &format!("lockkit handoff, {waiters} waiters (release → next acquire returns)"),
+        v,
+    )
 }

@@ -388,3 +388,54 @@ async fn tokens_survive_server_restart() {
     assert!(l2.token() > t1);
     l2.release().await.unwrap();
 }
+
+/// Acquires dropped at random points (before, during and after their create transaction,
+/// while waiting, and just after being granted) leave nothing behind: every key they created is
+/// deleted, and the next client gets the lock at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acquires_dropped_at_any_point_leave_nothing() {
+    let url = with_prefix(&shared_url(), &fresh_prefix());
+    let (a, b, c) = (
+        EtcdLock::connect(&url).await.unwrap(),
+        EtcdLock::connect(&url).await.unwrap(),
+        EtcdLock::connect(&url).await.unwrap(),
+    );
+    let prefix = a.name_prefix("cancel");
+    let mut watch = PrefixWatch::new(a.client(), &prefix).await;
+    let ttl = Duration::from_secs(10);
+    for round in 0..2 {
+        // Round 0: the lock is free (drops hit grants too); round 1: it is held (drops hit
+        // waiters).
+        let held = if round == 1 {
+            Some(a.try_acquire("cancel", ttl).await.unwrap())
+        } else {
+            None
+        };
+        for i in 0..40u64 {
+            let b = b.clone();
+            let task =
+                tokio::spawn(
+                    async move { b.acquire("cancel", AcquireOptions::new().ttl(ttl)).await },
+                );
+            tokio::time::sleep(Duration::from_micros(i * 150)).await;
+            task.abort();
+            let _ = task.await;
+        }
+        if let Some(h) = held {
+            h.release().await.unwrap();
+        }
+    }
+    // Every key created is deleted (in the background after the drops): wait on the watch for
+    // deletions until none is left.
+    let deadline = Instant::now() + TOLERANCE * 3;
+    while count_under(a.client(), &prefix).await > 0 {
+        let left = deadline.saturating_duration_since(Instant::now());
+        assert!(!left.is_zero(), "keys left behind by dropped acquires");
+        watch.next(EventType::Delete, left).await;
+    }
+    let lease = c
+        .acquire_timeout("cancel", ttl, TOLERANCE)
+        .await
+        .expect("a dropped acquire left something behind");
+    lease.release().await.unwrap();
+}

@@ -291,6 +291,24 @@ async fn wrong_password_is_auth() {
     }
 }
 
+/// TLS (sqlx with rustls): against a server that rejects every non-TLS TCP connection,
+/// `sslmode=require` connects and locks, `sslmode=disable` is refused with a typed error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_connections_work() {
+    let srv = PgServer::start_tls_only();
+    let url = with_prefix(&format!("{}?sslmode=require", srv.url()), &fresh_prefix());
+    let locks = PgLock::connect(&url).await.expect("TLS connect");
+    let lease = locks
+        .try_acquire("tls", Duration::from_secs(5))
+        .await
+        .unwrap();
+    lease.release().await.unwrap();
+    match lockkit::connect(&format!("{}?sslmode=disable", srv.url())).await {
+        Err(Error::Auth { .. } | Error::Backend { .. }) => {}
+        other => panic!("non-TLS connection to a TLS-only server: {other:?}"),
+    }
+}
+
 /// Two names on one advisory key (simulated by planting the other name in the fence row, as a
 /// real SHA-256 prefix collision cannot be produced): the acquire fails with a collision error,
 /// both when the key is free and when the other name holds it (no silent wait), and leaves no

@@ -47,6 +47,16 @@ pub struct PgServer {
 impl PgServer {
     /// initdb + start. With a password, TCP connections use scram-sha-256 for user `postgres`.
     pub fn start(password: Option<&str>) -> Self {
+        Self::init(password, false)
+    }
+
+    /// initdb + start with TLS only: a fresh self-signed certificate, and pg_hba rejecting
+    /// every TCP connection that is not TLS.
+    pub fn start_tls_only() -> Self {
+        Self::init(None, true)
+    }
+
+    fn init(password: Option<&str>, tls: bool) -> Self {
         let dir = tempfile::Builder::new()
             .prefix("lockkit-pg-")
             .tempdir()
@@ -77,6 +87,43 @@ impl PgServer {
             initdb.args(["-A", "trust"]);
         }
         run("initdb", &mut initdb);
+        if tls {
+            let data = root.join("data");
+            run(
+                "openssl",
+                Command::new("openssl")
+                    .args(["req", "-new", "-x509", "-days", "2", "-nodes"])
+                    .args(["-subj", "/CN=127.0.0.1", "-newkey", "rsa:2048"])
+                    .arg("-keyout")
+                    .arg(data.join("server.key"))
+                    .arg("-out")
+                    .arg(data.join("server.crt")),
+            );
+            run(
+                "chown",
+                Command::new("chown")
+                    .arg("postgres:postgres")
+                    .arg(data.join("server.key"))
+                    .arg(data.join("server.crt")),
+            );
+            run(
+                "chmod",
+                Command::new("chmod")
+                    .arg("600")
+                    .arg(data.join("server.key")),
+            );
+            let conf = data.join("postgresql.conf");
+            let mut c = std::fs::read_to_string(&conf).expect("postgresql.conf");
+            c.push_str("\nssl = on\n");
+            std::fs::write(&conf, c).expect("postgresql.conf");
+            std::fs::write(
+                data.join("pg_hba.conf"),
+                "local all all trust\n\
+                 hostssl all all 127.0.0.1/32 trust\n\
+                 hostnossl all all 0.0.0.0/0 reject\n",
+            )
+            .expect("pg_hba.conf");
+        }
         let s = Self {
             dir,
             bin,

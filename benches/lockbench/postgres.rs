@@ -3,7 +3,9 @@
 //! 2. sqlx's own `PgAdvisoryLock` (`try_acquire` + `release_now`), same two statements;
 //! 3. the SQL lockkit sends, by hand: the grant statement that also bumps and commits the
 //!    name's token in `lockkit.fence`, then `pg_advisory_unlock` (2 round trips, one commit);
-//! 4. lockkit try-once acquire + release (keepalive on, TTL 10 s).
+//! 4. lockkit try-once acquire + release (keepalive on, TTL 10 s): the row;
+//! 5. the same with `keepalive(false)`, which shows the cost of the core's per-lease keepalive
+//!    task (a spawn and an abort, i.e. cross-thread wake-ups) apart from the backend's.
 //!
 //! The target is row 4 within 1.5× of row 1 while issuing a durable token. Note that
 //! `scripts/servers.sh` runs PostgreSQL with `fsync=off`: with fsync on, row 3 and 4 also pay
@@ -131,5 +133,19 @@ pub async fn run(iters: usize) -> Vec<Row> {
         },
     )
     .await;
-    vec![floor, sqlx_row, by_hand, lockkit_row]
+    let manual = opts.clone().keepalive(false);
+    let no_keepalive = measure(
+        "postgres",
+        "lockkit try-acquire + release, keepalive(false)",
+        iters,
+        || {
+            let (locks, opts) = (&locks, manual.clone());
+            async move {
+                let l = locks.acquire("bench-manual", opts).await.expect("acquire");
+                l.release().await.expect("release");
+            }
+        },
+    )
+    .await;
+    vec![floor, sqlx_row, by_hand, lockkit_row, no_keepalive]
 }

@@ -115,6 +115,9 @@
 //! | manual renewal | yes (`keepalive(false)`) |
 //! | failover | **not safe**: advisory locks are not replicated; a promoted standby has none |
 //!
+//! TLS: `sslmode=require` (encrypted), `verify-ca` or `verify-full` (certificate checked against
+//! the system roots or `sslrootcert=…`), through sqlx's rustls support.
+//!
 //! Requires PostgreSQL 14 or newer, a role that may create lockkit's schema and table once
 //! (or run [`PgLock::migrate`] from one that can), and one server connection per held lease
 //! plus up to 8 idle ones per [`PgLock`].

@@ -102,6 +102,10 @@ struct SharedState {
     no_revoke: bool,
     /// The keepalive task has stopped; the lease is no longer renewed.
     retired: bool,
+    /// The task wants to hear at once when `users` drops to zero (no linger, or the session
+    /// is gone); otherwise it notices on its next keepalive tick, which saves a task wake-up on
+    /// every release.
+    wake_when_idle: bool,
 }
 
 /// One etcd lease, shared by every lock that one client holds with one TTL (or private to one
@@ -214,7 +218,13 @@ impl SharedLease {
 
     /// Stops newcomers from joining (a phantom key may be left on the lease).
     pub(crate) fn close_to_newcomers(&self) {
-        self.st().no_reuse = true;
+        let mut st = self.st();
+        st.no_reuse = true;
+        let idle = st.users == 0;
+        drop(st);
+        if idle {
+            self.wake.notify_one();
+        }
     }
 
     /// Records an acknowledged keepalive sent at `sent`. Returns `false` if the lease was
@@ -268,8 +278,11 @@ impl Drop for Reservation {
         st.users = st.users.saturating_sub(1);
         if st.users == 0 {
             st.idle_since = Some(Instant::now());
+            let wake = st.wake_when_idle || st.no_reuse;
             drop(st);
-            self.shared.wake.notify_one();
+            if wake {
+                self.shared.wake.notify_one();
+            }
         }
     }
 }
@@ -285,6 +298,9 @@ pub(crate) async fn keepalive_task(shared: Arc<SharedLease>, mut ctx: TaskCtx) {
     let linger = ctx.linger.unwrap_or(ttl);
     let mut next = shared.master.confirmed_at() + interval;
     let mut session_closed = false;
+    if linger.is_zero() {
+        shared.st().wake_when_idle = true;
+    }
     loop {
         tokio::select! {
             _ = tokio::time::sleep_until(next) => {}
@@ -292,6 +308,7 @@ pub(crate) async fn keepalive_task(shared: Arc<SharedLease>, mut ctx: TaskCtx) {
             changed = ctx.closed.changed(), if !session_closed => {
                 if changed.is_err() {
                     session_closed = true;
+                    shared.st().wake_when_idle = true;
                 }
             }
         }

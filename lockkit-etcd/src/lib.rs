@@ -88,6 +88,22 @@
 //!   up to [`Guarantees::expiry_slack`](lockkit_core::Guarantees::expiry_slack) later
 //!   (`max(1 s, minimum TTL) + 0.5 s` for the leader's expiry sweep). After a leader change
 //!   etcd extends every lease by up to its TTL (no lease checkpointing in 3.4 by default).
+//!
+//! ## Performance
+//! An uncontended acquire + release is two round trips and two Raft writes, like the same steps
+//! done by hand. `cargo bench --bench lockbench --features etcd -- etcd` (single member on tmpfs,
+//! loopback, 2 shared cores, 2000 interleaved rounds, medians):
+//!
+//! | sequence | median | vs. (a) |
+//! |---|---|---|
+//! | (a) by hand: put-if-absent txn with a lease + delete | 0.75–0.89 ms | 1.00× |
+//! | (b) etcd's server-side `Lock` + `Unlock` (v3lock) | 0.81–0.97 ms | 1.08–1.10× |
+//! | (c) lockkit acquire + release, waiting acquire | 0.85–1.01 ms | 1.13–1.14× |
+//! | (c) lockkit acquire + release, try-acquire | 0.83–0.98 ms | 1.11× |
+//!
+//! lockkit's transactions carry what the contract needs and (a) skips: the holder read in the
+//! acquire and the ownership compare in the release. (b) runs the same acquire transaction
+//! inside the server, and its `Unlock` is an unconditional delete.
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations)]
 #![deny(rustdoc::broken_intra_doc_links)]

@@ -439,3 +439,41 @@ async fn acquires_dropped_at_any_point_leave_nothing() {
         .expect("a dropped acquire left something behind");
     lease.release().await.unwrap();
 }
+
+/// A keepalive answered with `TTL <= 0` (the session lease was revoked behind the client's back)
+/// marks every lock on that lease lost at once, long before their deadlines.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn revoked_session_lease_loses_every_lock_on_it() {
+    let url = with_prefix(&shared_url(), &fresh_prefix());
+    let (a, b) = (
+        EtcdLock::connect(&url).await.unwrap(),
+        EtcdLock::connect(&url).await.unwrap(),
+    );
+    let ttl = Duration::from_secs(6);
+    let l1 = a.try_acquire("one", ttl).await.unwrap();
+    let l2 = a.try_acquire("two", ttl).await.unwrap();
+    assert_eq!(etcd_of(&l1).lease_id(), etcd_of(&l2).lease_id());
+    b.client()
+        .lease_client()
+        .revoke(etcd_of(&l1).lease_id())
+        .await
+        .unwrap();
+    let revoked = Instant::now();
+    for l in [&l1, &l2] {
+        // The next keepalive (within TTL/3) learns the lease is gone.
+        tokio::time::timeout(ttl / 3 + TOLERANCE, l.lost())
+            .await
+            .expect("loss not signalled after the lease was revoked");
+        assert_eq!(l.state(), LeaseState::Lost);
+    }
+    assert!(Instant::now() < l1.valid_until().max(revoked + ttl / 2));
+    // Both locks are free for others; the stale leases' releases are refused.
+    let other = b.try_acquire("one", ttl).await.expect("free after revoke");
+    other.release().await.unwrap();
+    for l in [l1, l2] {
+        assert!(matches!(l.release().await, Err(Error::NotHeld { .. })));
+    }
+    // The client takes a fresh session lease for new acquires.
+    let again = a.try_acquire("two", ttl).await.expect("acquire again");
+    again.release().await.unwrap();
+}

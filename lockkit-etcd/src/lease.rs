@@ -168,6 +168,8 @@ impl SharedLease {
         let mut st = self.st();
         st.users += 1;
         st.no_reuse = true;
+        // Its keepalive task only bridges the wait; the lock's release revokes the lease.
+        st.no_revoke = true;
         Reservation {
             shared: self.clone(),
         }

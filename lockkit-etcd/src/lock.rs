@@ -454,7 +454,7 @@ impl EtcdLock {
             slot,
         };
         // A private lease is kept alive by a task while its acquire waits, and no longer.
-        let _private_keepalive = (!opts.keepalive).then(|| {
+        let private_keepalive = (!opts.keepalive).then(|| {
             AbortOnDrop(
                 tokio::spawn(keepalive_task(shared.clone(), self.task_ctx())).abort_handle(),
             )
@@ -519,6 +519,8 @@ impl EtcdLock {
                 name: name.to_owned(),
             });
         };
+        // From here on a private lease is renewed by hand only.
+        drop(private_keepalive);
         let reservation = guard.disarm();
         let binding = match reservation {
             Some(reservation) if opts.keepalive => Binding::Shared {

@@ -477,3 +477,46 @@ async fn revoked_session_lease_loses_every_lock_on_it() {
     let again = a.try_acquire("two", ttl).await.expect("acquire again");
     again.release().await.unwrap();
 }
+
+/// A `keepalive(false)` acquire that waits longer than its TTL keeps its own lease alive while
+/// queued, gets the lock with a fresh deadline, and from then on is renewed by hand only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn manual_lease_survives_a_long_wait() {
+    let url = with_prefix(&shared_url(), &fresh_prefix());
+    let (a, b) = (
+        EtcdLock::connect(&url).await.unwrap(),
+        EtcdLock::connect(&url).await.unwrap(),
+    );
+    let held = a.try_acquire("m", Duration::from_secs(10)).await.unwrap();
+    let ttl = Duration::from_secs(2);
+    let waiter = {
+        let b = b.clone();
+        tokio::spawn(async move {
+            b.acquire("m", AcquireOptions::new().ttl(ttl).keepalive(false))
+                .await
+        })
+    };
+    // Let more than the waiter's TTL pass while it is queued.
+    tokio::time::sleep(ttl + Duration::from_secs(1)).await;
+    assert!(!waiter.is_finished());
+    held.release().await.unwrap();
+    let lease = tokio::time::timeout(TOLERANCE, waiter)
+        .await
+        .expect("waiter not woken")
+        .unwrap()
+        .expect("a waiter on a manual lease got no lock");
+    assert_eq!(lease.state(), LeaseState::Held);
+    assert!(lease.remaining() > ttl / 2);
+    lease.renew().await.expect("manual renew");
+    // Not renewed any more: it ends by its deadline and the lock is free again.
+    tokio::time::timeout(ttl + TOLERANCE, lease.lost())
+        .await
+        .expect("manual lease not lost after its TTL");
+    let slack = a.guarantees().expiry_slack;
+    let next = a
+        .acquire_timeout("m", ttl, slack + TOLERANCE * 2)
+        .await
+        .expect("free after the manual lease lapsed");
+    assert!(next.token() > lease.token());
+    next.release().await.unwrap();
+}

@@ -380,9 +380,14 @@ impl Inner {
                     "pg_advisory_lock returned without the lock".into()
                 )));
             }
-            // lock_not_available: lock_timeout ran out in the queue; nothing is held.
+            // lock_not_available: lock_timeout ran out. Usually in the queue, but the timeout
+            // can also fire just as the lock is granted: its SIGINT then cancels the rest of
+            // the statement, and the session-level lock stays held (an error does not release
+            // session locks). So the connection is never reused after this: dropping it ends
+            // the session and frees whatever it holds. (Found by
+            // `timeout_racing_grant_leaks_nothing`.)
             Err(e) if sqlstate(&e).as_deref() == Some("55P03") => {
-                return Ok(Outcome::Timeout { reusable: true });
+                return Ok(Outcome::Timeout { reusable: false });
             }
             Err(e) => return Err(from_sqlx(e)),
         };

@@ -209,13 +209,17 @@ impl SharedLease {
         self.st().slots.remove(&(name.to_owned(), n));
     }
 
-    fn unregister(&self, id: u64, leaked: bool) {
+    /// Stops confirming lock `id`; returns its tracker (its deadline no longer moves).
+    fn unregister(&self, id: u64) -> Option<LeaseTracker> {
+        self.st().trackers.remove(&id)
+    }
+
+    /// A lock on this lease was leaked and nothing can delete its key: keep the lease from
+    /// newcomers and from revocation, so the key ends with the lease's TTL.
+    fn keep_leaked_key(&self) {
         let mut st = self.st();
-        st.trackers.remove(&id);
-        if leaked {
-            st.no_reuse = true;
-            st.no_revoke = true;
-        }
+        st.no_reuse = true;
+        st.no_revoke = true;
     }
 
     /// Stops newcomers from joining (a phantom key may be left on the lease).
@@ -564,49 +568,54 @@ impl Drop for EtcdLease {
     fn drop(&mut self) {
         let released = self.released.load(Ordering::SeqCst);
         let attempted = self.release_attempted.load(Ordering::SeqCst);
-        if let Binding::Shared {
-            reservation,
-            tracker_id,
-        } = &self.binding
-        {
-            // Dropped without a release ever tried (leak(), release_on_drop(false)): the key
-            // must stay until its TTL only, so the lease must neither be kept alive for newcomers
-            // nor be revoked (which would free the lock at once).
-            reservation
-                .shared
-                .unregister(*tracker_id, !released && !attempted);
-        }
-        if released || !attempted {
+        let binding = std::mem::replace(&mut self.binding, Binding::Dedicated);
+        let (reservation, deadline) = match binding {
+            Binding::Shared {
+                reservation,
+                tracker_id,
+            } => {
+                let tracker = reservation.shared.unregister(tracker_id);
+                (Some(reservation), tracker.map(|t| t.valid_until()))
+            }
+            Binding::Dedicated => (None, None),
+        };
+        if released {
             return;
         }
-        // Every release failed (server unreachable): the key would block the lock while other
-        // locks keep the lease alive. Keep trying to delete it (if it is still ours) for a while.
-        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+        // Either every release failed (server unreachable), or none was tried (leak(),
+        // release_on_drop(false)). A dedicated lease ends by its TTL since nobody renews it. A key
+        // on the shared session lease would live as long as other locks keep that lease alive:
+        // delete it (if it is still ours) — after a failed release as soon as etcd answers, after
+        // a leak at the lock's deadline, so a leaked lock stays held for its TTL and no longer.
+        let Some(reservation) = reservation else {
             return;
         };
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            reservation.shared.keep_leaked_key();
+            return;
+        };
+        let start_at = if attempted { None } else { deadline };
         let mut kv = self.client.kv_client();
         let (key, rev, limit) = (self.key.clone(), self.create_revision, self.request_timeout);
-        let slot = match &self.binding {
-            Binding::Shared { reservation, .. } => {
-                Some((reservation.shared.clone(), self.name.clone(), self.slot))
-            }
-            Binding::Dedicated => None,
-        };
+        let (name, slot) = (self.name.clone(), self.slot);
         rt.spawn(async move {
+            if let Some(at) = start_at {
+                tokio::time::sleep_until(at).await;
+            }
             let mut delay = Duration::from_millis(50);
             for _ in 0..12 {
                 let txn = Txn::new()
                     .when([Compare::create_revision(key.clone(), CompareOp::Equal, rev)])
                     .and_then([TxnOp::delete(key.clone(), None::<DeleteOptions>)]);
                 if timed(limit, "a lock release", kv.txn(txn)).await.is_ok() {
-                    if let Some((shared, name, slot)) = slot {
-                        shared.free_slot(&name, slot);
-                    }
+                    reservation.shared.free_slot(&name, slot);
                     return;
                 }
                 tokio::time::sleep(delay).await;
                 delay = (delay * 2).min(Duration::from_secs(2));
             }
+            // Still unreachable: let the lease end by its TTL, taking the key with it.
+            reservation.shared.keep_leaked_key();
         });
     }
 }

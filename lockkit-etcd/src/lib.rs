@@ -78,8 +78,9 @@
 //!   [`EtcdLock`] (all clones) is dropped, idle session leases are revoked at once; leases of
 //!   locks still held keep being renewed until those are released or dropped.
 //! - A lock dropped without release and without release-on-drop ([`Lease::leak`](lockkit_core::Lease::leak))
-//!   stays held while other locks of the same client and TTL keep the session lease alive; the
-//!   lease then takes no newcomers and is not revoked, so the leaked key ends with it, one TTL later.
+//!   stays held until its deadline, then its key is deleted (other locks may keep the session
+//!   lease alive much longer). A lock whose release failed keeps retrying the delete in the
+//!   background, and its session lease takes no new locks.
 //! - `keepalive(false)` acquires get a lease of their own, renewed only by
 //!   [`Lease::renew`](lockkit_core::Lease::renew) (one `LeaseKeepAlive` round trip).
 //! - etcd lease TTLs are whole seconds: a TTL is rounded up, and the server raises it to its

@@ -520,3 +520,38 @@ async fn manual_lease_survives_a_long_wait() {
     assert!(next.token() > lease.token());
     next.release().await.unwrap();
 }
+
+/// A leaked lock on a session lease that other locks keep alive stays held for its TTL, then
+/// is freed (not for the life of the shared lease).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leaked_lock_on_a_shared_lease_ends_at_its_deadline() {
+    let url = with_prefix(&shared_url(), &fresh_prefix());
+    let (a, b) = (
+        EtcdLock::connect(&url).await.unwrap(),
+        EtcdLock::connect(&url).await.unwrap(),
+    );
+    let ttl = Duration::from_secs(2);
+    let keeper = a.try_acquire("keeps-the-lease-alive", ttl).await.unwrap();
+    let leaked = a.try_acquire("leaked", ttl).await.unwrap();
+    assert_eq!(etcd_of(&keeper).lease_id(), etcd_of(&leaked).lease_id());
+    let (deadline, token) = (leaked.valid_until(), leaked.token());
+    leaked.leak();
+    assert!(matches!(
+        b.try_acquire("leaked", ttl).await,
+        Err(Error::Held { .. })
+    ));
+    let next = b
+        .acquire_timeout("leaked", ttl, ttl + TOLERANCE * 2)
+        .await
+        .expect("a leaked lock was held past its deadline");
+    let granted = Instant::now();
+    assert!(granted >= deadline, "freed before its deadline");
+    assert!(next.token() > token);
+    assert_eq!(
+        keeper.state(),
+        LeaseState::Held,
+        "the shared lease stayed alive"
+    );
+    next.release().await.unwrap();
+    keeper.release().await.unwrap();
+}

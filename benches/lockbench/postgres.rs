@@ -7,12 +7,18 @@
 //! 5. the same with `keepalive(false)`, which shows the cost of the core's per-lease keepalive
 //!    task (a spawn and an abort, i.e. cross-thread wake-ups) apart from the backend's.
 //!
+//! The rows are measured **interleaved** (20 rounds, each running every row for iters/20
+//! samples after a warm-up), so a load change on a shared machine hits all rows alike and the
+//! ratios stay meaningful.
+//!
 //! The issue's target is row 4 within 1.5× of row 1 while issuing a durable token. Note that
-//! `scripts/servers.sh` runs PostgreSQL with `fsync=off`: with fsync on, row 3 and 4 also pay
-//! one WAL flush per acquire (that is the price of a durable token) and rows 1–2 do not.
+//! `scripts/servers.sh` runs PostgreSQL with `fsync=off`: with fsync on, rows 3–5 also pay one
+//! WAL flush per acquire (the price of a durable token) and rows 1–2 do not.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use lockkit::postgres::PgLock;
 use lockkit::postgres::sqlx::postgres::PgAdvisoryLock;
@@ -20,7 +26,7 @@ use lockkit::postgres::sqlx::{self, Connection, Either, PgConnection};
 use lockkit::{AcquireOptions, Lock, Wait};
 use tokio::sync::Mutex;
 
-use crate::{Row, measure, url};
+use crate::{Row, url};
 
 const GRANT: &str = "WITH l AS MATERIALIZED (SELECT pg_try_advisory_lock($1) AS ok), \
      b AS (INSERT INTO lockkit.fence AS f (key, name, token) \
@@ -29,6 +35,44 @@ const GRANT: &str = "WITH l AS MATERIALIZED (SELECT pg_try_advisory_lock($1) AS 
            WHERE f.name = excluded.name \
            RETURNING f.token) \
      SELECT l.ok, (SELECT token FROM b) FROM l";
+
+type Op<'a> = Box<dyn FnMut() -> Pin<Box<dyn Future<Output = ()> + 'a>> + 'a>;
+
+/// Measures `ops` interleaved: a warm-up of each, then `ROUNDS` rounds of `iters / ROUNDS`
+/// samples of each op in turn.
+async fn interleaved(ops: Vec<(&str, Op<'_>)>, iters: usize) -> Vec<Row> {
+    const ROUNDS: usize = 20;
+    let per_round = (iters / ROUNDS).max(1);
+    let mut ops = ops;
+    for (_, op) in ops.iter_mut() {
+        for _ in 0..(iters / 10).max(10) {
+            op().await;
+        }
+    }
+    let mut samples: Vec<Vec<Duration>> = vec![Vec::with_capacity(iters); ops.len()];
+    for _ in 0..ROUNDS {
+        for (i, (_, op)) in ops.iter_mut().enumerate() {
+            for _ in 0..per_round {
+                let t = Instant::now();
+                op().await;
+                samples[i].push(t.elapsed());
+            }
+        }
+    }
+    ops.iter()
+        .zip(samples)
+        .map(|((what, _), mut s)| {
+            s.sort();
+            let at = |q: f64| s[((s.len() as f64 - 1.0) * q).round() as usize];
+            Row {
+                backend: "postgres",
+                what: (*what).to_owned(),
+                median: at(0.5),
+                p99: at(0.99),
+            }
+        })
+        .collect()
+}
 
 pub async fn run(iters: usize) -> Vec<Row> {
     let base = url("LOCKKIT_POSTGRES_URL");
@@ -40,112 +84,98 @@ pub async fn run(iters: usize) -> Vec<Row> {
     let conn = Arc::new(Mutex::new(Some(
         PgConnection::connect(&base).await.expect("connect"),
     )));
-    let key = locks.key("floor");
-
-    let floor = measure(
-        "postgres",
-        "floor: pg_try_advisory_lock + pg_advisory_unlock",
-        iters,
-        || {
-            let conn = conn.clone();
-            async move {
-                let mut g = conn.lock().await;
-                let c = g.as_mut().expect("conn");
-                let ok: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
-                    .bind(key)
-                    .fetch_one(&mut *c)
-                    .await
-                    .expect("lock");
-                assert!(ok);
-                let ok: bool = sqlx::query_scalar("SELECT pg_advisory_unlock($1)")
-                    .bind(key)
-                    .fetch_one(&mut *c)
-                    .await
-                    .expect("unlock");
-                assert!(ok);
-            }
-        },
-    )
-    .await;
-
+    let floor_key = locks.key("floor");
     let sqlx_lock = Arc::new(PgAdvisoryLock::new(format!("{prefix}/sqlx")));
-    let sqlx_row = measure(
-        "postgres",
-        "sqlx PgAdvisoryLock try_acquire + release_now",
-        iters,
-        || {
-            let (conn, lock) = (conn.clone(), sqlx_lock.clone());
-            async move {
-                let mut g = conn.lock().await;
-                let c = g.take().expect("conn");
-                let guard = match lock.try_acquire(c).await.expect("try_acquire") {
-                    Either::Left(guard) => guard,
-                    Either::Right(_) => panic!("sqlx lock held"),
-                };
-                *g = Some(guard.release_now().await.expect("release"));
-            }
-        },
-    )
-    .await;
-
-    let name = format!("{prefix}/by-hand");
+    let hand_name = format!("{prefix}/by-hand");
     let hand_key = locks.key("by-hand");
-    let by_hand = measure(
-        "postgres",
-        "lockkit's SQL by hand: grant + token bump (commit), unlock",
-        iters,
-        || {
-            let (conn, name) = (conn.clone(), name.clone());
-            async move {
-                let mut g = conn.lock().await;
-                let c = g.as_mut().expect("conn");
-                let (ok, token): (bool, Option<i64>) = sqlx::query_as(GRANT)
-                    .bind(hand_key)
-                    .bind(&name)
-                    .fetch_one(&mut *c)
-                    .await
-                    .expect("grant");
-                assert!(ok && token.is_some());
-                let ok: bool = sqlx::query_scalar("SELECT pg_advisory_unlock($1)")
-                    .bind(hand_key)
-                    .fetch_one(&mut *c)
-                    .await
-                    .expect("unlock");
-                assert!(ok);
-            }
-        },
-    )
-    .await;
-
     let opts = AcquireOptions::new()
         .ttl(Duration::from_secs(10))
         .wait(Wait::No);
-    let lockkit_row = measure(
-        "postgres",
-        "lockkit try-acquire + release (durable token, keepalive)",
-        iters,
-        || {
-            let (locks, opts) = (&locks, opts.clone());
-            async move {
-                let l = locks.acquire("bench", opts).await.expect("acquire");
-                l.release().await.expect("release");
-            }
-        },
-    )
-    .await;
     let manual = opts.clone().keepalive(false);
-    let no_keepalive = measure(
-        "postgres",
-        "lockkit try-acquire + release, keepalive(false)",
+
+    let floor: Op = Box::new(|| {
+        let conn = conn.clone();
+        Box::pin(async move {
+            let mut g = conn.lock().await;
+            let c = g.as_mut().expect("conn");
+            let ok: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+                .bind(floor_key)
+                .fetch_one(&mut *c)
+                .await
+                .expect("lock");
+            assert!(ok);
+            let ok: bool = sqlx::query_scalar("SELECT pg_advisory_unlock($1)")
+                .bind(floor_key)
+                .fetch_one(&mut *c)
+                .await
+                .expect("unlock");
+            assert!(ok);
+        })
+    });
+    let sqlx_row: Op = Box::new(|| {
+        let (conn, lock) = (conn.clone(), sqlx_lock.clone());
+        Box::pin(async move {
+            let mut g = conn.lock().await;
+            let c = g.take().expect("conn");
+            let guard = match lock.try_acquire(c).await.expect("try_acquire") {
+                Either::Left(guard) => guard,
+                Either::Right(_) => panic!("sqlx lock held"),
+            };
+            *g = Some(guard.release_now().await.expect("release"));
+        })
+    });
+    let by_hand: Op = Box::new(|| {
+        let (conn, name) = (conn.clone(), hand_name.clone());
+        Box::pin(async move {
+            let mut g = conn.lock().await;
+            let c = g.as_mut().expect("conn");
+            let (ok, token): (bool, Option<i64>) = sqlx::query_as(GRANT)
+                .bind(hand_key)
+                .bind(&name)
+                .fetch_one(&mut *c)
+                .await
+                .expect("grant");
+            assert!(ok && token.is_some());
+            let ok: bool = sqlx::query_scalar("SELECT pg_advisory_unlock($1)")
+                .bind(hand_key)
+                .fetch_one(&mut *c)
+                .await
+                .expect("unlock");
+            assert!(ok);
+        })
+    });
+    let lockkit_row: Op = Box::new(|| {
+        let (locks, opts) = (&locks, opts.clone());
+        Box::pin(async move {
+            let l = locks.acquire("bench", opts).await.expect("acquire");
+            l.release().await.expect("release");
+        })
+    });
+    let no_keepalive: Op = Box::new(|| {
+        let (locks, opts) = (&locks, manual.clone());
+        Box::pin(async move {
+            let l = locks.acquire("bench-manual", opts).await.expect("acquire");
+            l.release().await.expect("release");
+        })
+    });
+    interleaved(
+        vec![
+            ("floor: pg_try_advisory_lock + pg_advisory_unlock", floor),
+            ("sqlx PgAdvisoryLock try_acquire + release_now", sqlx_row),
+            (
+                "lockkit's SQL by hand: grant + token bump (commit), unlock",
+                by_hand,
+            ),
+            (
+                "lockkit try-acquire + release (durable token, keepalive)",
+                lockkit_row,
+            ),
+            (
+                "lockkit try-acquire + release, keepalive(false)",
+                no_keepalive,
+            ),
+        ],
         iters,
-        || {
-            let (locks, opts) = (&locks, manual.clone());
-            async move {
-                let l = locks.acquire("bench-manual", opts).await.expect("acquire");
-                l.release().await.expect("release");
-            }
-        },
     )
-    .await;
-    vec![floor, sqlx_row, by_hand, lockkit_row, no_keepalive]
+    .await
 }

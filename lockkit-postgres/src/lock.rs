@@ -240,7 +240,8 @@ impl Inner {
 
     /// One acquire attempt: on a cached connection, or a fresh one if the cached one turns out
     /// dead. Every error path drops the connection it used (closing it frees anything it held),
-    /// except the clean outcomes (`Held`, server-side `Timeout`), which keep it for reuse.
+    /// except the outcomes known to leave nothing held (`Held`, a key collision after its
+    /// explicit unlock, a deadline that passed before the wait started), which keep it.
     async fn attempt(&self, req: &Request<'_>) -> Result<Granted> {
         let mut may_retry = true;
         loop {

@@ -275,6 +275,19 @@ mod tests {
     }
 
     #[test]
+    fn both_schemes_and_defaults() {
+        let c = PgConfig::from_url("postgresql://u@h/db").unwrap();
+        assert_eq!(c.get_prefix(), DEFAULT_PREFIX);
+        assert_eq!(c.get_schema(), DEFAULT_SCHEMA);
+        assert_eq!(c.connect_timeout, DEFAULT_CONNECT_TIMEOUT);
+        assert!(c.auto_migrate);
+        let c =
+            PgConfig::from_url("postgres://u@h/db?auto_migrate=false&application_name=x").unwrap();
+        assert!(!c.auto_migrate);
+        assert_eq!(c.connect.get_application_name(), Some("x"));
+    }
+
+    #[test]
     fn rejects_bad_input() {
         for bad in [
             "not a url",

@@ -529,6 +529,38 @@ async fn expiry_has_millisecond_precision() {
     }
 }
 
+/// `leak()` keeps the lock held for the rest of its TTL (the session stays open, unrenewed),
+/// then the server frees it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leaked_lease_holds_until_ttl() {
+    let url = with_prefix(&base_url(), &fresh_prefix());
+    let (a, b) = (
+        PgLock::connect(&url).await.unwrap(),
+        PgLock::connect(&url).await.unwrap(),
+    );
+    let ttl = Duration::from_secs(1);
+    let sent = Instant::now();
+    let lease = a.try_acquire("leak", ttl).await.unwrap();
+    let token = lease.token();
+    lease.leak();
+    match b.try_acquire("leak", ttl).await {
+        Err(Error::Held { .. }) => {}
+        other => panic!("a leaked lease must stay held for its TTL: {other:?}"),
+    }
+    let next = b
+        .acquire_timeout("leak", ttl, Duration::from_secs(5))
+        .await
+        .expect("the leaked lease did not lapse");
+    let after = sent.elapsed();
+    assert!(after >= ttl - drift_margin(ttl), "freed early: {after:?}");
+    assert!(
+        after <= ttl + SLACK + Duration::from_secs(1),
+        "freed late: {after:?}"
+    );
+    assert!(next.token() > token);
+    next.release().await.unwrap();
+}
+
 /// The Lock trait object from `lockkit::connect` is a PgLock with honest guarantees.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn guarantees_are_declared() {

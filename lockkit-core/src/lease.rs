@@ -432,14 +432,32 @@ impl Drop for Lease {
         self.tracker.mark_lost();
         if self.release_on_drop {
             if let Ok(rt) = tokio::runtime::Handle::try_current() {
-                let ops = self.ops.clone();
-                let name = self.name.clone();
-                rt.spawn(async move {
-                    if let Err(e) = ops.release().await {
-                        tracing::debug!(lock = %name, error = %e, "release on drop failed; the TTL will free the lock");
-                    }
-                });
+                rt.spawn(release_in_background(
+                    self.name.clone(),
+                    self.ops.clone(),
+                    self.tracker.valid_until() + drift_margin(self.tracker.ttl),
+                ));
             }
+        }
+    }
+}
+
+/// Release on drop: retries transient failures with backoff until `until` (after which the server
+/// frees the lock by itself).
+async fn release_in_background(name: String, ops: Arc<dyn LeaseOps>, until: Instant) {
+    let mut pause = Duration::from_millis(20);
+    loop {
+        match tokio::time::timeout_at(until, ops.release()).await {
+            Ok(Err(e)) if e.is_retryable() && Instant::now() + pause < until => {
+                tracing::debug!(lock = %name, error = %e, "release on drop failed; retrying");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(1));
+            }
+            Ok(Err(e)) => {
+                tracing::debug!(lock = %name, error = %e, "release on drop failed; the TTL will free the lock");
+                return;
+            }
+            Ok(Ok(())) | Err(_) => return,
         }
     }
 }
@@ -473,6 +491,8 @@ async fn keepalive_loop(name: String, tracker: LeaseTracker, ops: Arc<dyn LeaseO
                 return;
             }
             Ok(Err(e)) => {
+                // The renewal failed: the lease may still be valid, but can no longer be counted on.
+                tracker.mark_suspect();
                 tracing::warn!(lock = %name, error = %e, "keepalive failed; retrying");
                 next = Instant::now() + retry;
             }
@@ -620,6 +640,55 @@ mod tests {
         lease.lost().await;
         // The first keepalive (at TTL/3) learned the lease is gone: no waiting for the deadline.
         assert_eq!(start.elapsed(), ttl / 3);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn transient_keepalive_failure_turns_suspect_at_once() {
+        let ops = Scripted::new(&[Step::Transient, Step::Ok]);
+        let ttl = Duration::from_secs(30);
+        let lease = lease_with(ops, ttl, true);
+        tokio::time::sleep(ttl / 3 + Duration::from_millis(1)).await;
+        assert_eq!(lease.state(), LeaseState::Suspect);
+        tokio::time::sleep(ttl / 12).await;
+        assert_eq!(lease.state(), LeaseState::Held);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn drop_release_retries_transient_failures() {
+        #[derive(Debug, Default)]
+        struct FlakyRelease(std::sync::atomic::AtomicUsize);
+        #[async_trait]
+        impl LeaseOps for FlakyRelease {
+            async fn renew(&self, _ttl: Duration) -> Result<()> {
+                Ok(())
+            }
+            async fn release(&self) -> Result<()> {
+                if self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst) < 2 {
+                    Err(Error::Unavailable {
+                        backend: "test",
+                        source: "down".into(),
+                    })
+                } else {
+                    Ok(())
+                }
+            }
+            fn as_any(&self) -> &dyn Any {
+                self
+            }
+        }
+        let ops = Arc::new(FlakyRelease::default());
+        let ttl = Duration::from_secs(3);
+        let opts = AcquireOptions::new().ttl(ttl).keepalive(false);
+        let lease = Lease::new(
+            "l",
+            FencingToken::new(1),
+            LeaseTracker::new(Instant::now(), ttl),
+            ops.clone(),
+            &opts,
+        );
+        drop(lease);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert_eq!(ops.0.load(std::sync::atomic::Ordering::SeqCst), 3);
     }
 
     #[tokio::test(start_paused = true)]

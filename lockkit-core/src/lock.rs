@@ -195,8 +195,10 @@ pub fn wait_deadline(wait: Wait, start: Instant) -> Option<Instant> {
 }
 
 /// Runs one acquire attempt `attempt` and retries it on [`Error::is_retryable`] errors with
-/// exponential backoff and full jitter (backon's `ExponentialBuilder`), as configured by
-/// `opts.retry`, never sleeping past `deadline`. For backends' `acquire` implementations.
+/// exponential backoff and jitter (backon's `ExponentialBuilder::with_jitter`: each pause is
+/// between 1× and 2× the current delay), as configured by `opts.retry`, never sleeping past
+/// `deadline`. For backends' `acquire` implementations: `attempt` itself must respect
+/// `deadline` (a single attempt is not cut short here).
 ///
 /// # Errors
 /// The last attempt's error.
@@ -226,7 +228,9 @@ where
                 let Some(delay) = delays.as_mut().and_then(Iterator::next) else {
                     return Err(e);
                 };
-                let wake = Instant::now() + delay;
+                let Some(wake) = Instant::now().checked_add(delay) else {
+                    return Err(e);
+                };
                 // A try-once acquire (`Wait::No`) still retries transient errors; a timed one
                 // stops when the pause would run past its deadline.
                 if opts.wait != Wait::No && deadline.is_some_and(|d| wake >= d) {

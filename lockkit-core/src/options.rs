@@ -15,6 +15,9 @@ pub const MAX_TTL: Duration = Duration::from_secs(24 * 60 * 60);
 /// The TTL used when none is given: 30 s.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(30);
 
+/// The longest pause between two retries of a transient failure: 10 minutes.
+pub const MAX_RETRY_DELAY: Duration = Duration::from_secs(600);
+
 /// The longest lock name, in bytes of UTF-8: 256.
 pub const MAX_NAME_BYTES: usize = 256;
 
@@ -31,7 +34,8 @@ pub enum Wait {
 }
 
 /// Retry of *transient* failures ([`Error::is_retryable`]) during an acquire: exponential backoff
-/// with full jitter, bounded by the acquire's [`Wait`] deadline.
+/// with jitter (each pause between 1× and 2× the current delay), bounded by the acquire's [`Wait`]
+/// deadline.
 ///
 /// Contention is not a transient failure: waiting for a held lock is the job of [`Wait`], and the
 /// backends do it by watching, not by retrying.
@@ -146,8 +150,9 @@ impl AcquireOptions {
     /// Checks the TTL and the wait timeout.
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] if the TTL is outside [`MIN_TTL`]..=[`MAX_TTL`] or the wait
-    /// timeout is longer than [`MAX_TTL`] (almost surely a unit mistake; use [`Wait::Forever`]).
+    /// [`Error::InvalidConfig`] if the TTL is outside [`MIN_TTL`]..=[`MAX_TTL`], the wait
+    /// timeout is longer than [`MAX_TTL`] (almost surely a unit mistake; use [`Wait::Forever`]),
+    /// or the retry delays are inverted or longer than [`MAX_RETRY_DELAY`].
     pub fn validate(&self) -> Result<()> {
         validate_ttl(self.ttl)?;
         if let Wait::Timeout(d) = self.wait {
@@ -160,6 +165,12 @@ impl AcquireOptions {
         if let Some(r) = &self.retry {
             if r.min_delay > r.max_delay {
                 return Err(Error::config("retry min_delay is larger than max_delay"));
+            }
+            if r.max_delay > MAX_RETRY_DELAY {
+                return Err(Error::config(format!(
+                    "retry max_delay {:?} is longer than {MAX_RETRY_DELAY:?}",
+                    r.max_delay
+                )));
             }
         }
         Ok(())

@@ -174,6 +174,36 @@ impl LeaseTracker {
             }
         }
     }
+
+    /// A future that resolves with the new state as soon as the lease is no longer
+    /// [`Held`](LeaseState::Held): [`Suspect`](LeaseState::Suspect) (a renewal is late or failed,
+    /// or the connection dropped) or [`Lost`](LeaseState::Lost). The early warning: stop starting
+    /// work that cannot finish before [`valid_until`](Self::valid_until). Resolves at once if the
+    /// lease is not held now. `'static`.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropping it has no effect on the lease.
+    pub fn at_risk(&self) -> impl Future<Output = LeaseState> + Send + 'static {
+        let mut rx = self.tx.subscribe();
+        let ttl = self.ttl;
+        async move {
+            loop {
+                let v = *rx.borrow_and_update();
+                let state = state_at(&v, ttl, Instant::now());
+                if state != LeaseState::Held {
+                    return state;
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep_until(v.confirmed_sent_at + ttl / 2) => {}
+                    changed = rx.changed() => {
+                        if changed.is_err() {
+                            tokio::time::sleep_until(v.confirmed_sent_at + ttl / 2).await;
+                        }
+                    }
+                }
+            }
+        }
+    }
 }
 
 fn deadline(sent_at: Instant, ttl: Duration) -> Instant {
@@ -341,6 +371,16 @@ impl Lease {
     /// Cancel safe: dropping it has no effect on the lease.
     pub fn lost(&self) -> impl Future<Output = ()> + Send + 'static {
         self.tracker.lost()
+    }
+
+    /// Resolves with the new state once the lease is no longer [`Held`](LeaseState::Held):
+    /// [`Suspect`](LeaseState::Suspect) or [`Lost`](LeaseState::Lost). See
+    /// [`LeaseTracker::at_risk`].
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropping it has no effect on the lease.
+    pub fn at_risk(&self) -> impl Future<Output = LeaseState> + Send + 'static {
+        self.tracker.at_risk()
     }
 
     /// The lease's tracker (shared state), for backends and for watching from elsewhere.
@@ -703,6 +743,21 @@ mod tests {
         tokio::time::sleep(Duration::from_secs(10)).await;
         assert_eq!(ops.releases.load(std::sync::atomic::Ordering::SeqCst), 0);
         assert_eq!(ops.renews.load(std::sync::atomic::Ordering::SeqCst), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn at_risk_fires_at_half_ttl_or_on_a_flag() {
+        let ttl = Duration::from_secs(10);
+        let t = LeaseTracker::new(Instant::now(), ttl);
+        let start = Instant::now();
+        assert_eq!(t.at_risk().await, LeaseState::Suspect);
+        assert_eq!(start.elapsed(), ttl / 2);
+        assert!(t.confirm(Instant::now()));
+        let risk = tokio::spawn(t.at_risk());
+        tokio::task::yield_now().await;
+        t.mark_suspect();
+        assert_eq!(risk.await.unwrap(), LeaseState::Suspect);
+        assert_eq!(start.elapsed(), ttl / 2);
     }
 
     #[tokio::test(start_paused = true)]

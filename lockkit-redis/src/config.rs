@@ -1,6 +1,7 @@
 //! Connection settings: from a `redis://` / `rediss://` URL or built by hand.
 
 use std::fmt;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use lockkit_core::{Error, Result};
@@ -19,6 +20,12 @@ pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// How long a command waits for its reply by default: 2 s.
 pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The largest `tls_ca_file` read, in bytes: 1 MiB.
+pub const MAX_CA_FILE_BYTES: u64 = 1 << 20;
+
+/// The query parameters the redis crate itself understands and that pass through to it.
+const REDIS_CRATE_PARAMS: &[&str] = &["protocol"];
 
 /// Where and how to reach Redis, and under which key prefix to keep the locks.
 ///
@@ -47,6 +54,8 @@ pub struct RedisConfig {
     pub(crate) connect_timeout: Duration,
     pub(crate) response_timeout: Duration,
     pub(crate) tls_root_cert: Option<Vec<u8>>,
+    /// Read when connecting (see [`RedisConfig::tls_ca_file`]).
+    pub(crate) tls_ca_file: Option<PathBuf>,
 }
 
 impl fmt::Debug for RedisConfig {
@@ -68,6 +77,7 @@ impl fmt::Debug for RedisConfig {
                 "tls_root_cert",
                 &self.tls_root_cert.as_ref().map(|_| "<set>"),
             )
+            .field("tls_ca_file", &self.tls_ca_file)
             .field("prefix", &self.prefix)
             .field("connect_timeout", &self.connect_timeout)
             .field("response_timeout", &self.response_timeout)
@@ -85,6 +95,7 @@ impl RedisConfig {
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             response_timeout: DEFAULT_RESPONSE_TIMEOUT,
             tls_root_cert: None,
+            tls_ca_file: None,
         }
     }
 
@@ -92,16 +103,20 @@ impl RedisConfig {
     /// `redis[s]://[[user]:password@]host[:port][/db][?prefix=P&connect_timeout_ms=N&response_timeout_ms=N&tls_ca_file=PATH][#insecure]`.
     ///
     /// `prefix`, `connect_timeout_ms`, `response_timeout_ms` and `tls_ca_file` (a PEM file with the
-    /// root certificate to trust instead of the system's, read here) are lockkit's own query
-    /// parameters and are removed before the rest goes to the redis crate (which also understands
-    /// `protocol=resp3` and, for `rediss`, the `#insecure` fragment that skips certificate
-    /// verification altogether). The user name and password are percent-decoded.
+    /// root certificate to trust instead of the system's; `rediss` only; read when connecting, see
+    /// [`tls_ca_file`](Self::tls_ca_file)) are lockkit's own query parameters and are removed
+    /// before the rest goes to the redis crate, which understands `protocol` (`resp2`/`resp3`)
+    /// and, for `rediss`, the `#insecure` fragment that skips certificate verification
+    /// altogether. Any other query parameter is an error (a typo such as `prefx=` must not
+    /// silently fall back to the default prefix; the database goes in the path, `/3`, not in
+    /// `?db=3`). The user name and password are percent-decoded.
     ///
     /// # Errors
     /// [`Error::InvalidConfig`] for a URL that does not parse, a scheme other than `redis` or
-    /// `rediss`, a missing host, a bad database number, a bad `prefix` (see
-    /// [`prefix`](Self::prefix)) or timeout, an unreadable `tls_ca_file`, or `rediss` when the
-    /// crate was built without its `tls` feature. The URL is never echoed in the error (it may carry a password).
+    /// `rediss`, a missing host, a bad or negative database number, an unknown or repeated query
+    /// parameter, a bad `prefix` (see [`prefix`](Self::prefix)) or timeout, `tls_ca_file` on a
+    /// `redis://` URL, or `rediss` when the crate was built without its `tls` feature. The URL is
+    /// never echoed in the error (it may carry a password).
     pub fn from_url(url: &str) -> Result<Self> {
         let mut parsed =
             url::Url::parse(url).map_err(|e| Error::config_with("malformed redis URL", e))?;
@@ -126,19 +141,42 @@ impl RedisConfig {
         let mut prefix = DEFAULT_PREFIX.to_owned();
         let mut connect_timeout = DEFAULT_CONNECT_TIMEOUT;
         let mut response_timeout = DEFAULT_RESPONSE_TIMEOUT;
-        let mut tls_root_cert = None;
+        let mut tls_ca_file = None;
         let mut rest = Vec::new();
+        let mut seen: Vec<String> = Vec::new();
         for (k, v) in parsed.query_pairs() {
+            if seen.iter().any(|s| *s == k) {
+                return Err(Error::config(format!(
+                    "query parameter {:?} is given twice",
+                    shorten(&k)
+                )));
+            }
+            seen.push(k.clone().into_owned());
             match k.as_ref() {
                 "prefix" => prefix = v.into_owned(),
                 "connect_timeout_ms" => connect_timeout = parse_ms(&k, &v)?,
                 "response_timeout_ms" => response_timeout = parse_ms(&k, &v)?,
                 "tls_ca_file" => {
-                    let pem = std::fs::read(v.as_ref())
-                        .map_err(|e| Error::config_with("cannot read tls_ca_file", e))?;
-                    tls_root_cert = Some(pem);
+                    if parsed.scheme() != "rediss" {
+                        return Err(Error::config(
+                            "tls_ca_file is given but TLS is off (use rediss://)",
+                        ));
+                    }
+                    tls_ca_file = Some(PathBuf::from(v.as_ref()));
                 }
-                _ => rest.push((k.into_owned(), v.into_owned())),
+                k if REDIS_CRATE_PARAMS.contains(&k) => rest.push((k.to_owned(), v.into_owned())),
+                "db" => {
+                    return Err(Error::config(
+                        "unknown query parameter \"db\": the database goes in the path (redis://host:6379/3)",
+                    ));
+                }
+                other => {
+                    return Err(Error::config(format!(
+                        "unknown query parameter {:?} (known: prefix, connect_timeout_ms, \
+                         response_timeout_ms, tls_ca_file, protocol)",
+                        shorten(other)
+                    )));
+                }
             }
         }
         if rest.is_empty() {
@@ -153,7 +191,8 @@ impl RedisConfig {
             prefix,
             connect_timeout,
             response_timeout,
-            tls_root_cert,
+            tls_root_cert: None,
+            tls_ca_file,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -189,6 +228,32 @@ impl RedisConfig {
         self.tls(true)
     }
 
+    /// Uses TLS and trusts the root certificate(s) in the PEM file at `path` instead of the
+    /// system's. The file is read when connecting, within the connect timeout; it must be a
+    /// regular file of at most [`MAX_CA_FILE_BYTES`] (1 MiB).
+    pub fn tls_ca_file(mut self, path: impl Into<PathBuf>) -> Self {
+        self.tls_ca_file = Some(path.into());
+        self.tls(true)
+    }
+
+    /// Reads [`tls_ca_file`](Self::tls_ca_file) if one is set and no PEM was given directly.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] if the file is missing, not a regular file (a FIFO or a device
+    /// would block), larger than [`MAX_CA_FILE_BYTES`] or unreadable.
+    ///
+    /// # Cancel safety
+    /// Cancel safe.
+    pub(crate) async fn root_cert(&self) -> Result<Option<Vec<u8>>> {
+        if let Some(pem) = &self.tls_root_cert {
+            return Ok(Some(pem.clone()));
+        }
+        match &self.tls_ca_file {
+            None => Ok(None),
+            Some(path) => read_ca_file(path).await.map(Some),
+        }
+    }
+
     /// Sets the user name for `AUTH` (Redis 6 ACL users).
     pub fn username(mut self, user: impl AsRef<str>) -> Self {
         self.redis = self.redis.set_username(user);
@@ -201,7 +266,8 @@ impl RedisConfig {
         self
     }
 
-    /// Selects the logical database (default 0). Note that pub/sub channels, which wake waiters,
+    /// Selects the logical database (default 0; a number the server does not have fails the
+    /// connect with [`Error::InvalidConfig`]). Note that pub/sub channels, which wake waiters,
     /// are shared by all databases of a server; the prefix keeps them apart.
     pub fn db(mut self, db: i64) -> Self {
         self.redis = self.redis.set_db(db);
@@ -253,7 +319,12 @@ impl RedisConfig {
     /// [`Error::InvalidConfig`] naming what is wrong.
     pub fn validate(&self) -> Result<()> {
         validate_prefix(&self.prefix)?;
-        if self.tls_root_cert.is_some() && !matches!(self.addr, ConnectionAddr::TcpTls { .. }) {
+        if self.redis.db() < 0 {
+            return Err(Error::config("the database number is negative"));
+        }
+        if (self.tls_root_cert.is_some() || self.tls_ca_file.is_some())
+            && !matches!(self.addr, ConnectionAddr::TcpTls { .. })
+        {
             return Err(Error::config(
                 "a TLS root certificate is set but TLS is off (use rediss://)",
             ));
@@ -268,6 +339,36 @@ impl RedisConfig {
         }
         Ok(())
     }
+}
+
+/// A query parameter name for an error message: at most 32 characters.
+fn shorten(k: &str) -> String {
+    k.chars().take(32).collect()
+}
+
+async fn read_ca_file(path: &Path) -> Result<Vec<u8>> {
+    use tokio::io::AsyncReadExt;
+    let meta = tokio::fs::metadata(path)
+        .await
+        .map_err(|e| Error::config_with("cannot read tls_ca_file", e))?;
+    if !meta.is_file() {
+        return Err(Error::config("tls_ca_file is not a regular file"));
+    }
+    if meta.len() > MAX_CA_FILE_BYTES {
+        return Err(Error::config("tls_ca_file is larger than 1 MiB"));
+    }
+    let file = tokio::fs::File::open(path)
+        .await
+        .map_err(|e| Error::config_with("cannot read tls_ca_file", e))?;
+    let mut pem = Vec::new();
+    file.take(MAX_CA_FILE_BYTES + 1)
+        .read_to_end(&mut pem)
+        .await
+        .map_err(|e| Error::config_with("cannot read tls_ca_file", e))?;
+    if pem.len() as u64 > MAX_CA_FILE_BYTES {
+        return Err(Error::config("tls_ca_file is larger than 1 MiB"));
+    }
+    Ok(pem)
 }
 
 fn parse_ms(key: &str, v: &str) -> Result<Duration> {
@@ -337,7 +438,11 @@ mod tests {
             "redis://localhost?prefix=a%00b",
             "redis://localhost?connect_timeout_ms=0",
             "redis://localhost?connect_timeout_ms=x",
-            "rediss://localhost?tls_ca_file=/nonexistent/ca.pem",
+            "redis://localhost?tls_ca_file=/etc/hostname",
+            "redis://localhost?prefx=a",
+            "redis://localhost?db=3",
+            "redis://localhost?prefix=a&prefix=b",
+            "redis://localhost/-1",
         ] {
             match RedisConfig::from_url(bad) {
                 Err(Error::InvalidConfig { reason, .. }) => {

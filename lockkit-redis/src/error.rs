@@ -1,10 +1,16 @@
 //! Conversion of redis client errors into [`lockkit_core::Error`].
 //!
 //! - Unreachable server, refused or dropped connection, I/O error, timeout, and the transient
-//!   server states `LOADING`, `TRYAGAIN`, `MASTERDOWN`, `READONLY` (a failover in progress)
-//!   → [`Error::Unavailable`] (retryable).
-//! - Refused credentials (`AuthenticationFailed`, `WRONGPASS`, `NOAUTH`, `NOPERM`) → [`Error::Auth`].
-//! - A client configuration the redis crate rejects → [`Error::InvalidConfig`].
+//!   server states `LOADING` (loading its data set), `BUSY` (another script runs too long),
+//!   `TRYAGAIN` and `MASTERDOWN` → [`Error::Unavailable`] (retryable).
+//! - Refused credentials (`AuthenticationFailed`, `WRONGPASS`, `NOAUTH`) → [`Error::Auth`].
+//! - `READONLY` (the URL names a read-only replica, where no lock can be taken) →
+//!   [`Error::Backend`] saying so; not retried, since a replica stays one unless promoted.
+//! - `NOPERM` (the ACL user lacks a command, key or channel permission,
+//!   <https://redis.io/docs/latest/operate/oss_and_stack/management/security/acl/>) →
+//!   [`Error::Backend`] saying so.
+//! - A client configuration the redis crate rejects, or a database number the server does not
+//!   have → [`Error::InvalidConfig`].
 //! - Anything else → [`Error::Backend`].
 //!
 //! The redis crate's errors never contain the password (its connection info redacts it), and
@@ -31,6 +37,24 @@ pub(crate) fn from_redis(e: RedisError) -> Error {
             source: e.into(),
         };
     }
+    if e.kind() == ErrorKind::Server(ServerErrorKind::ReadOnly) || e.code() == Some("READONLY") {
+        return Error::Backend {
+            backend: BACKEND,
+            source: format!(
+                "the server is a read-only replica; point lockkit at the primary ({e})"
+            )
+            .into(),
+        };
+    }
+    if e.kind() == ErrorKind::Server(ServerErrorKind::NoPerm) || e.code() == Some("NOPERM") {
+        return Error::Backend {
+            backend: BACKEND,
+            source: format!("permission denied by the server's ACL ({e})").into(),
+        };
+    }
+    if e.to_string().contains("DB index is out of range") {
+        return Error::config_with("the server has no database with this number", e);
+    }
     if e.kind() == ErrorKind::InvalidClientConfig {
         return Error::config_with("the redis client rejected the configuration", e);
     }
@@ -41,9 +65,7 @@ pub(crate) fn from_redis(e: RedisError) -> Error {
 }
 
 fn is_auth(e: &RedisError) -> bool {
-    e.kind() == ErrorKind::AuthenticationFailed
-        || e.kind() == ErrorKind::Server(ServerErrorKind::NoPerm)
-        || matches!(e.code(), Some("WRONGPASS" | "NOAUTH" | "NOPERM"))
+    e.kind() == ErrorKind::AuthenticationFailed || matches!(e.code(), Some("WRONGPASS" | "NOAUTH"))
 }
 
 fn is_transient(e: &RedisError) -> bool {
@@ -57,8 +79,11 @@ fn is_transient(e: &RedisError) -> bool {
                 ServerErrorKind::BusyLoading
                     | ServerErrorKind::TryAgain
                     | ServerErrorKind::MasterDown
-                    | ServerErrorKind::ReadOnly
             )
+        )
+        || matches!(
+            e.code(),
+            Some("BUSY" | "LOADING" | "TRYAGAIN" | "MASTERDOWN")
         )
 }
 

@@ -40,8 +40,9 @@
 //!   random 128-bit owner value (hex), and the lock's fence counter becomes
 //!   `max(counter + 1, server TIME in µs)` (<https://redis.io/docs/latest/commands/time/>); the new
 //!   counter is the [`FencingToken`](lockkit_core::FencingToken). If the lock is held, the script
-//!   returns the holder's remaining `PTTL` instead. The scripts run with `EVALSHA` through the
-//!   redis crate's [`Script`](redis::Script), which reloads them after a server restart.
+//!   returns the holder's remaining `PTTL` instead (0 in the key's last millisecond, which a
+//!   waiter takes as "expires now"). The scripts run with `EVALSHA` through the redis crate's
+//!   [`Script`](redis::Script), which reloads them after a server restart or `SCRIPT FLUSH`.
 //! - **Renew** is compare-and-`PEXPIRE` and **release** is compare-and-`DEL` on the owner value
 //!   (both scripts), so a lease that lapsed can neither extend nor delete another holder's lock:
 //!   both return [`Error::NotHeld`](lockkit_core::Error::NotHeld), and a lapsed lock is never
@@ -51,20 +52,42 @@
 //!   pub/sub connection per [`RedisLock`]) *before* the attempt that finds the lock held, so no
 //!   release is missed between its attempt and its sleep. Expiry publishes nothing and pub/sub
 //!   delivery is at-most-once, so a waiter also wakes just after the holder's `PTTL` (plus up to
-//!   [`EXPIRY_JITTER`]) and at least every [`MAX_WAIT_POLL`] (≈1 s, jittered). Waiters are not
-//!   served in FIFO order.
+//!   [`EXPIRY_JITTER`]) and at least every [`MAX_WAIT_POLL`] (≈1 s, jittered), also while its
+//!   `SUBSCRIBE` is still pending. A `SUBSCRIBE` that gets no reply within the response timeout
+//!   drops the pub/sub connection (the next waiter opens a new one). Waiters are not served in
+//!   FIFO order.
+//! - **ACL users** need the commands `EVAL`, `EVALSHA`, `SCRIPT`, `PING` and `SUBSCRIBE`/
+//!   `UNSUBSCRIBE`, and the keys and channels under the prefix
+//!   (<https://redis.io/docs/latest/operate/oss_and_stack/management/security/acl/>). Without
+//!   channel permission (Redis 7's default `acl-pubsub-default resetchannels`) locks still work:
+//!   the release's `PUBLISH` is best effort, and waiters poll about once a second (a warning is
+//!   logged once per [`RedisLock`]).
 //! - **Cancel safety**: if an acquire is dropped after its script was sent but before the reply
-//!   arrived (or the reply was lost), a drop guard spawns a compare-and-delete for that
-//!   attempt's owner value, so no orphaned lock waits out its TTL.
+//!   arrived (or the reply was lost, or came after the TTL), a drop guard spawns a cleanup for
+//!   that attempt's owner value, sent as plain `EVAL` (immune to a flushed script cache) and
+//!   retried on transient errors for the TTL (at least 60 s): it deletes the lock if the attempt
+//!   took it, or else leaves a *tombstone* (`P:cancelled:OWNER`, expiring after the TTL or 60 s,
+//!   whichever is longer) that makes the attempt's script take nothing if it reaches the server
+//!   later, on another connection. So no orphaned lock waits out its TTL, unless the script
+//!   reaches the server after the tombstone expired. An acquire never hands out a lease that is
+//!   already lost (a grant whose reply took longer than the TTL is given back and retried).
 //! - **Leases** use lockkit-core's [`LeaseTracker`](lockkit_core::LeaseTracker) from the *send*
 //!   time of the granting request, and its keepalive (renew at about TTL/3). TTLs are sent in
 //!   whole milliseconds, rounded up.
 //! - **Connections**: one auto-reconnecting [`ConnectionManager`](redis::aio::ConnectionManager)
-//!   per [`RedisLock`] (clones share it). Connecting makes one attempt bounded by the connect
-//!   timeout (default 5 s), so an unreachable server fails fast with
-//!   [`Error::Unavailable`](lockkit_core::Error::Unavailable) and a wrong password with
-//!   [`Error::Auth`](lockkit_core::Error::Auth). Commands time out after the response timeout
-//!   (default 2 s).
+//!   per [`RedisLock`] (clones share it). It reconnects when a connection is closed or reset,
+//!   but not when replies merely stop coming (a dead NAT entry, a partition that drops packets),
+//!   so a command that times out also retires its connection and the next command opens a new
+//!   one. Connecting makes one attempt bounded by the connect timeout (default 5 s), so an
+//!   unreachable server fails fast with [`Error::Unavailable`](lockkit_core::Error::Unavailable)
+//!   and a wrong password with [`Error::Auth`](lockkit_core::Error::Auth). A `rediss://` URL
+//!   pointing at a plain-text port fails with `Unavailable` only after the connect timeout: the
+//!   plain server waits for the rest of what it takes for a command and never answers the TLS
+//!   handshake. Commands time out after the response timeout (default 2 s).
+//! - **Errors**: `LOADING`, `BUSY`, `TRYAGAIN` and `MASTERDOWN` replies are transient
+//!   ([`Error::Unavailable`](lockkit_core::Error::Unavailable), retried); `READONLY` (the URL
+//!   names a read-only replica) and `NOPERM` are [`Error::Backend`](lockkit_core::Error::Backend)
+//!   errors that say so.
 //!
 //! ## Keys
 //! For the prefix `P` (default `lockkit`; see [`RedisConfig::prefix`]) and the lock name `N`:
@@ -73,7 +96,14 @@
 //! |---|---|
 //! | `P:lock:N` | the holder's owner value, with the lease's TTL |
 //! | `P:fence:N` | the fence counter (the last token), no expiry |
+//! | `P:cancelled:OWNER` | tombstone of a cancelled acquire attempt (see *Cancel safety*), expires |
 //! | channel `P:released:N` | a message on every release |
+//!
+//! Fence counters are never deleted (deleting one would let tokens repeat, were it not for the
+//! `TIME` floor): every lock name ever used keeps one small key. With a name per request (for
+//! example a lock per order id) memory grows without bound; prefer a bounded set of names, or
+//! delete old fence keys yourself with a `SCAN` over `P:fence:*` once no lease on them can
+//! exist (a fresh counter then starts from the server's `TIME` floor).
 //!
 //! Any valid name (1–256 bytes of UTF-8 without `/` or control characters, see
 //! [`validate_name`](lockkit_core::validate_name)) maps safely into this space, and cannot
@@ -83,7 +113,8 @@
 //!   patterns (`KEYS`, `SCAN MATCH`, `PSUBSCRIBE`) ever sees them. `*`, `?`, `[`, `:`, spaces
 //!   and any Unicode are plain bytes.
 //! - The prefix may not contain `:`, so in `P:kind:N` the first `:` ends the prefix and the
-//!   second ends the kind (`lock` or `fence`); the rest is the name, verbatim. The map
+//!   second ends the kind (`lock`, `fence` or `cancelled`); the rest is the name (or the owner
+//!   value), verbatim. The map
 //!   (prefix, kind, name) → key is therefore one-to-one: two names never share a key, a lock key
 //!   is never a fence key, and two prefixes never share a key.
 //! - Keys are at most 64 + 7 + 256 bytes.
@@ -114,22 +145,26 @@
 //! numbers are doubles), which `TIME` in µs reaches in the year 2255.
 //!
 //! A lease's TTL also stops mattering if the server restarts with its data lost: the lock is
-//! free at once. The holder learns it at its next renewal ([`Error::NotHeld`](lockkit_core::Error::NotHeld),
-//! the lease becomes lost) or at its deadline; the new holder's larger token fences it off.
+//! free at once, and a waiter gets it while the old holder's lease still reads
+//! [`Held`](lockkit_core::LeaseState::Held) until its next renewal (the keepalive renews at
+//! about TTL/3, so for up to TTL/3) fails with [`Error::NotHeld`](lockkit_core::Error::NotHeld)
+//! and the lease becomes lost. This is why this is an efficiency lock: two holders can overlap,
+//! and only the new holder's larger token, checked by the fenced resource, keeps data safe.
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations)]
 #![deny(rustdoc::broken_intra_doc_links)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod config;
+mod conn;
 mod error;
 mod lease;
 mod lock;
 mod waiters;
 
 pub use config::{
-    DEFAULT_CONNECT_TIMEOUT, DEFAULT_PREFIX, DEFAULT_RESPONSE_TIMEOUT, MAX_PREFIX_BYTES,
-    RedisConfig, validate_prefix,
+    DEFAULT_CONNECT_TIMEOUT, DEFAULT_PREFIX, DEFAULT_RESPONSE_TIMEOUT, MAX_CA_FILE_BYTES,
+    MAX_PREFIX_BYTES, RedisConfig, validate_prefix,
 };
 pub use lock::{EXPIRY_JITTER, EXPIRY_SLACK, MAX_WAIT_POLL, RedisLock};
 

@@ -1,6 +1,7 @@
 //! [`RedisLock`]: the [`Lock`] implementation.
 
 use std::fmt;
+use std::pin::Pin;
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
@@ -11,13 +12,14 @@ use redis::{AsyncConnectionConfig, Script};
 use tokio::time::Instant;
 
 use lockkit_core::{
-    AcquireOptions, Error, FencingToken, Guarantees, Lease, LeaseTracker, Lock, LockKind, Result,
-    Wait, retry_transient, validate_name, wait_deadline,
+    AcquireOptions, Error, FencingToken, Guarantees, Lease, LeaseState, LeaseTracker, Lock,
+    LockKind, Result, Wait, retry_transient, validate_name, wait_deadline,
 };
 
 use crate::config::RedisConfig;
+use crate::conn::Conn;
 use crate::error::{BACKEND, bad_reply, from_redis, timed_out};
-use crate::lease::{RedisLease, compare_and_delete, ttl_millis};
+use crate::lease::{RedisLease, cancel_attempt, cancel_once, ttl_millis};
 use crate::waiters::{Hub, Subscription};
 
 /// The longest a waiter sleeps without looking at the lock again, when no release message
@@ -28,15 +30,20 @@ pub const MAX_WAIT_POLL: Duration = Duration::from_secs(1);
 /// waiters of one lock do not all ask at the same instant: 20 ms.
 pub const EXPIRY_JITTER: Duration = Duration::from_millis(20);
 
+/// How long a waiter polls without trying to subscribe again after the server refused its
+/// SUBSCRIBE (for instance an ACL user without permission for the channel): 30 s.
+const REFUSED_SUBSCRIBE_RETRY: Duration = Duration::from_secs(30);
+
 /// How much later than its TTL a lapsed lock may be granted to a waiter: [`EXPIRY_JITTER`] plus
 /// a round trip on a busy machine. Declared as [`Guarantees::expiry_slack`].
 pub const EXPIRY_SLACK: Duration = Duration::from_millis(50);
 
-/// The acquire script. `KEYS[1]` lock key, `KEYS[2]` fence counter key; `ARGV[1]` owner value,
-/// `ARGV[2]` TTL in ms.
+/// The acquire script. `KEYS[1]` lock key, `KEYS[2]` fence counter key, `KEYS[3]` this
+/// attempt's tombstone key; `ARGV[1]` owner value, `ARGV[2]` TTL in ms.
 ///
-/// Free lock: `SET NX PX` with our owner value, then the counter becomes
-/// `max(counter + 1, TIME in µs)` and is returned as `{1, token}`. Held lock: `{0, PTTL}` (the
+/// A tombstone means the attempt was cancelled and its cleanup ran first (it came on another
+/// connection): `{2, 0}`, nothing taken. Free lock: `SET NX PX` with our owner value, then the
+/// counter becomes `max(counter + 1, TIME in µs)` and is returned as `{1, token}`. Held lock: `{0, PTTL}` (the
 /// holder's remaining TTL in ms, or -1 for a key without expiry). The counter is checked before
 /// anything is written, so a corrupt counter fails the script without taking the lock. Lua
 /// numbers are doubles: tokens stay exact below 2^53 µs (the year 2255).
@@ -44,6 +51,9 @@ pub const EXPIRY_SLACK: Duration = Duration::from_millis(50);
 static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
+if redis.call('EXISTS', KEYS[3]) == 1 then
+  return {2, 0}
+end
 local last = redis.call('GET', KEYS[2])
 local counter = 0
 if last then
@@ -70,7 +80,9 @@ const NOTES: &str = "efficiency lock on one Redis server. Tokens: a per-name cou
 expires, floored at the server's TIME in µs, so they keep increasing across restarts without \
 persistence as long as the server's wall clock never steps backwards and the lock is granted \
 fewer than once per µs on average. A failover to an asynchronously replicated replica can \
-grant a held lock a second time.";
+grant a held lock a second time, and so can a restart that loses the data: a waiter may get the \
+lock while the old holder still reads Held until its next renewal (up to TTL/3 later). Fence \
+counters are never deleted: one small key per lock name ever used.";
 
 /// The keys and channel of one lock name. See the crate docs, "Keys".
 #[derive(Debug, Clone)]
@@ -78,6 +90,8 @@ pub(crate) struct Keys {
     pub(crate) lock: String,
     pub(crate) fence: String,
     pub(crate) channel: String,
+    /// `P:cancelled:`, to which an attempt's owner value is appended for its tombstone.
+    cancelled: String,
 }
 
 impl Keys {
@@ -86,7 +100,14 @@ impl Keys {
             lock: format!("{prefix}:lock:{name}"),
             fence: format!("{prefix}:fence:{name}"),
             channel: format!("{prefix}:released:{name}"),
+            cancelled: format!("{prefix}:cancelled:"),
         }
+    }
+
+    /// The tombstone key of a cancelled acquire attempt with `owner` value. The lock name is
+    /// not in it: `P:cancelled:OWNER`, a kind of its own.
+    pub(crate) fn tombstone(&self, owner: &str) -> String {
+        format!("{}{owner}", self.cancelled)
     }
 }
 
@@ -101,7 +122,7 @@ pub struct RedisLock {
 }
 
 struct Inner {
-    conn: ConnectionManager,
+    conn: Conn,
     hub: Arc<Hub>,
     config: RedisConfig,
 }
@@ -127,9 +148,13 @@ impl RedisLock {
     /// ```
     ///
     /// # Errors
-    /// - [`Error::InvalidConfig`]: malformed URL or options (the URL is not echoed).
+    /// - [`Error::InvalidConfig`]: malformed URL or options (the URL is not echoed), a
+    ///   `tls_ca_file` that is not a readable regular file of at most 1 MiB, or a database
+    ///   number the server does not have.
     /// - [`Error::Unavailable`]: the server did not answer within the connect timeout
-    ///   (default 5 s), refused the connection, or is loading.
+    ///   (default 5 s), refused the connection, or is loading. A `rediss://` URL for a
+    ///   plain-text port ends here too, after the connect timeout (the server never answers
+    ///   the TLS handshake).
     /// - [`Error::Auth`]: wrong user name or password, or a password is required.
     ///
     /// # Cancel safety
@@ -158,7 +183,12 @@ impl RedisLock {
             // ring unless the application installed one already (then this is a no-op).
             let _ = rustls::crypto::ring::default_provider().install_default();
         }
-        let client = match &config.tls_root_cert {
+        let ct = config.connect_timeout;
+        let root_cert = match tokio::time::timeout(ct, config.root_cert()).await {
+            Ok(r) => r?,
+            Err(_) => return Err(timed_out("reading tls_ca_file", ct)),
+        };
+        let client = match &root_cert {
             None => redis::Client::open(config.connection_info()?),
             #[cfg(feature = "tls")]
             Some(pem) => redis::Client::build_with_tls(
@@ -176,7 +206,6 @@ impl RedisLock {
             }
         }
         .map_err(from_redis)?;
-        let ct = config.connect_timeout;
         let rt = config.response_timeout;
         let probe = AsyncConnectionConfig::new()
             .set_connection_timeout(Some(ct))
@@ -202,7 +231,7 @@ impl RedisLock {
             .set_max_delay(Duration::from_secs(1));
         let conn = match tokio::time::timeout(
             ct,
-            ConnectionManager::new_with_config(client.clone(), manager),
+            ConnectionManager::new_with_config(client.clone(), manager.clone()),
         )
         .await
         {
@@ -212,8 +241,8 @@ impl RedisLock {
         };
         Ok(Self {
             inner: Arc::new(Inner {
-                conn,
-                hub: Hub::new(client, ct),
+                conn: Conn::new(client.clone(), manager, conn),
+                hub: Hub::new(client, ct, rt),
                 config,
             }),
         })
@@ -238,41 +267,70 @@ impl RedisLock {
 
     /// One run of the acquire script with a fresh owner value.
     ///
+    /// A grant whose reply came after its TTL (the lease would be lost on arrival) is undone and
+    /// reported as [`Error::Unavailable`], so that the caller retries.
+    ///
     /// Cancel safe: if the future is dropped (or the reply is lost) after the script may have
-    /// run, a drop guard spawns a compare-and-delete for this owner value.
-    async fn attempt(&self, keys: &Keys, ttl_ms: u64) -> Result<Attempt> {
+    /// run, a drop guard spawns a cleanup for this owner value (see [`cancel_attempt`]).
+    async fn attempt(&self, keys: &Keys, ttl: Duration) -> Result<Attempt> {
         let owner = format!("{:032x}", rand::random::<u128>());
+        let tombstone = keys.tombstone(&owner);
+        let sent = Instant::now();
         let mut guard = InFlight {
             conn: self.inner.conn.clone(),
             keys: keys.clone(),
             owner,
+            sent,
+            ttl,
             armed: true,
         };
-        let mut conn = self.inner.conn.clone();
-        let sent = Instant::now();
-        let reply: (i64, i64) = ACQUIRE
-            .key(&keys.lock)
-            .key(&keys.fence)
-            .arg(&guard.owner)
-            .arg(ttl_ms)
-            .invoke_async(&mut conn)
+        let reply: (i64, i64) = self
+            .inner
+            .conn
+            .invoke(
+                ACQUIRE
+                    .key(&keys.lock)
+                    .key(&keys.fence)
+                    .key(&tombstone)
+                    .arg(&guard.owner)
+                    .arg(ttl_millis(ttl)),
+            )
             .await
             // The script may have run: the guard stays armed and cleans up.
             .map_err(from_redis)?;
         match reply {
             (1, token) if token > 0 => {
+                let tracker = LeaseTracker::new(sent, ttl);
+                if tracker.state() == LeaseState::Lost {
+                    // Too late to be of use: undo it now (if that fails, the guard retries in
+                    // the background) so that the retry does not find its own stale lock.
+                    if cancel_once(&self.inner.conn, keys, &guard.owner, ttl)
+                        .await
+                        .is_ok()
+                    {
+                        guard.armed = false;
+                    }
+                    return Err(Error::Unavailable {
+                        backend: BACKEND,
+                        source: format!(
+                            "the grant arrived {:?} after the request, later than its TTL of \
+                             {ttl:?}; it was given back",
+                            sent.elapsed()
+                        )
+                        .into(),
+                    });
+                }
                 guard.armed = false;
                 Ok(Attempt::Granted {
                     token: token.unsigned_abs(),
                     owner: std::mem::take(&mut guard.owner),
-                    sent,
+                    tracker,
                 })
             }
             (0, pttl) => {
                 guard.armed = false;
-                let pttl = u64::try_from(pttl).ok().filter(|&ms| ms > 0);
                 Ok(Attempt::Held {
-                    pttl: pttl.map(Duration::from_millis),
+                    pttl: held_pttl(pttl),
                 })
             }
             _ => Err(bad_reply("acquire")),
@@ -280,11 +338,18 @@ impl RedisLock {
     }
 }
 
+/// The holder's remaining TTL from the acquire script's `PTTL`: `None` for a key without expiry
+/// (-1), zero for a key in its last millisecond (`PTTL` rounds down, so 0 means "expires now",
+/// <https://redis.io/docs/latest/commands/pttl/>).
+fn held_pttl(pttl: i64) -> Option<Duration> {
+    u64::try_from(pttl).ok().map(Duration::from_millis)
+}
+
 enum Attempt {
     Granted {
         token: u64,
         owner: String,
-        sent: Instant,
+        tracker: LeaseTracker,
     },
     Held {
         /// The holder's remaining TTL, if it has one.
@@ -292,12 +357,14 @@ enum Attempt {
     },
 }
 
-/// Armed while an acquire script is in flight: on drop it spawns a compare-and-delete of its
+/// Armed while an acquire script is in flight: on drop it spawns [`cancel_attempt`] for its
 /// owner value, so a cancelled acquire leaves no lock behind.
 struct InFlight {
-    conn: ConnectionManager,
+    conn: Conn,
     keys: Keys,
     owner: String,
+    sent: Instant,
+    ttl: Duration,
     armed: bool,
 }
 
@@ -309,19 +376,13 @@ impl Drop for InFlight {
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
             return; // no runtime: the TTL frees the lock
         };
-        let conn = self.conn.clone();
-        let keys = self.keys.clone();
-        let owner = std::mem::take(&mut self.owner);
-        rt.spawn(async move {
-            match compare_and_delete(&conn, &keys.lock, &owner, &keys.channel).await {
-                Ok(true) => {
-                    tracing::debug!(key = %keys.lock, "removed the lock of a cancelled acquire")
-                }
-                Ok(false) => {}
-                Err(e) => tracing::debug!(key = %keys.lock, error = %e,
-                    "cleanup of a cancelled acquire failed; the TTL will free the lock"),
-            }
-        });
+        rt.spawn(cancel_attempt(
+            self.conn.clone(),
+            self.keys.clone(),
+            std::mem::take(&mut self.owner),
+            self.sent,
+            self.ttl,
+        ));
     }
 }
 
@@ -347,6 +408,22 @@ async fn released(sub: &mut Option<Subscription>) {
     }
 }
 
+type Subscribing = Pin<Box<dyn Future<Output = Result<Subscription>> + Send>>;
+
+async fn subscribed(f: &mut Option<Subscribing>) -> Result<Subscription> {
+    match f {
+        Some(f) => f.await,
+        None => std::future::pending().await,
+    }
+}
+
+/// What ended a waiter's sleep.
+enum Woken {
+    Subscribed(Result<Subscription>),
+    Look,
+    Deadline,
+}
+
 async fn until(deadline: Option<Instant>) {
     match deadline {
         Some(d) => tokio::time::sleep_until(d).await,
@@ -369,26 +446,35 @@ impl Lock for RedisLock {
     /// not a number (nothing is written then).
     ///
     /// # Cancel safety
-    /// Cancel safe: if dropped while the acquire script is in flight, a compare-and-delete for
-    /// this attempt's owner value is spawned (it runs after the script on the same connection);
-    /// a dropped waiter's subscription is removed in the background.
+    /// Cancel safe: if dropped while the acquire script is in flight, a cleanup for this
+    /// attempt's owner value is spawned: it deletes the lock if the script took it, or else
+    /// leaves a tombstone that stops the script if it arrives later (on another connection),
+    /// and it retries transient errors for the TTL (at least 60 s). A dropped waiter's
+    /// subscription is removed in the background.
     async fn acquire(&self, name: &str, opts: AcquireOptions) -> Result<Lease> {
         validate_name(name)?;
         opts.validate()?;
         let start = Instant::now();
         let deadline = wait_deadline(opts.wait, start);
         let keys = Keys::new(self.prefix(), name);
-        let ttl_ms = ttl_millis(opts.ttl);
         let timeout = || Error::Timeout {
             name: name.to_owned(),
             waited: start.elapsed(),
         };
         let mut sub: Option<Subscription> = None;
+        // A SUBSCRIBE in progress: it goes on across sleeps, so that a slow or dead pub/sub
+        // connection never delays a look at the lock.
+        let mut subscribing: Option<Subscribing> = None;
         let mut next_subscribe = start;
         loop {
-            let attempt = retry_transient(&opts, deadline, || self.attempt(&keys, ttl_ms)).await?;
+            let attempt =
+                retry_transient(&opts, deadline, || self.attempt(&keys, opts.ttl)).await?;
             let pttl = match attempt {
-                Attempt::Granted { token, owner, sent } => {
+                Attempt::Granted {
+                    token,
+                    owner,
+                    tracker,
+                } => {
                     let ops = Arc::new(RedisLease {
                         conn: self.inner.conn.clone(),
                         name: name.to_owned(),
@@ -396,7 +482,6 @@ impl Lock for RedisLock {
                         channel: keys.channel,
                         owner,
                     });
-                    let tracker = LeaseTracker::new(sent, opts.ttl);
                     return Ok(Lease::new(
                         name,
                         FencingToken::new(token),
@@ -419,29 +504,37 @@ impl Lock for RedisLock {
             if sub.as_ref().is_some_and(Subscription::is_dead) {
                 sub = None;
             }
-            if sub.is_none() && now >= next_subscribe {
-                let subscribed = tokio::select! {
-                    s = self.inner.hub.subscribe(&keys.channel) => s,
-                    _ = until(deadline) => return Err(timeout()),
-                };
-                match subscribed {
-                    Ok(s) => {
-                        sub = Some(s);
-                        // Subscribed: look again before sleeping, so a release between the
-                        // last attempt and the subscription is not missed.
-                        continue;
-                    }
-                    Err(e) => {
-                        tracing::debug!(error = %e, "cannot subscribe to release messages; polling");
-                        next_subscribe = Instant::now() + MAX_WAIT_POLL;
-                    }
-                }
+            if sub.is_none() && subscribing.is_none() && now >= next_subscribe {
+                let hub = self.inner.hub.clone();
+                let channel = keys.channel.clone();
+                subscribing = Some(Box::pin(async move { hub.subscribe(&channel).await }));
             }
             let poll = fallback_delay(pttl);
-            tokio::select! {
-                _ = released(&mut sub) => {}
-                _ = tokio::time::sleep(poll) => {}
-                _ = until(deadline) => return Err(timeout()),
+            let woken = tokio::select! {
+                s = subscribed(&mut subscribing) => Woken::Subscribed(s),
+                _ = released(&mut sub) => Woken::Look,
+                _ = tokio::time::sleep(poll) => Woken::Look,
+                _ = until(deadline) => Woken::Deadline,
+            };
+            match woken {
+                Woken::Look => {}
+                Woken::Deadline => return Err(timeout()),
+                // Subscribed: look again before sleeping, so a release between the last
+                // attempt and the subscription is not missed.
+                Woken::Subscribed(Ok(s)) => {
+                    subscribing = None;
+                    sub = Some(s);
+                }
+                Woken::Subscribed(Err(e)) => {
+                    subscribing = None;
+                    next_subscribe = Instant::now()
+                        + if e.is_retryable() {
+                            MAX_WAIT_POLL
+                        } else {
+                            self.inner.hub.refused(&e);
+                            REFUSED_SUBSCRIBE_RETRY
+                        };
+                }
             }
         }
     }

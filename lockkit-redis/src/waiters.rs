@@ -13,6 +13,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
@@ -21,7 +22,7 @@ use redis::aio::PubSubSink;
 use tokio::sync::watch;
 use tokio::task::AbortHandle;
 
-use lockkit_core::Result;
+use lockkit_core::{Error, Result};
 
 use crate::error::{from_redis, timed_out};
 
@@ -43,7 +44,13 @@ struct State {
 /// The shared pub/sub connection of one `RedisLock` and the waiters' routes.
 pub(crate) struct Hub {
     client: redis::Client,
+    /// Bounds opening the pub/sub connection (the connect timeout).
+    connect_timeout: Duration,
+    /// Bounds one SUBSCRIBE or UNSUBSCRIBE (the response timeout); when it passes, the
+    /// connection is taken for dead and dropped.
     timeout: Duration,
+    /// Whether a refused SUBSCRIBE was logged at warn level already.
+    warned: AtomicBool,
     state: Mutex<State>,
     /// Serializes SUBSCRIBE/UNSUBSCRIBE and reconnects, so that a waiter that finds a route in
     /// place knows its SUBSCRIBE was confirmed.
@@ -140,10 +147,16 @@ impl Drop for Subscription {
 }
 
 impl Hub {
-    pub(crate) fn new(client: redis::Client, timeout: Duration) -> Arc<Self> {
+    pub(crate) fn new(
+        client: redis::Client,
+        connect_timeout: Duration,
+        timeout: Duration,
+    ) -> Arc<Self> {
         Arc::new(Self {
             client,
+            connect_timeout,
             timeout,
+            warned: AtomicBool::new(false),
             state: Mutex::new(State::default()),
             ops: tokio::sync::Mutex::new(()),
         })
@@ -153,7 +166,9 @@ impl Hub {
     /// subscription.
     ///
     /// # Errors
-    /// Connecting or subscribing failed or took longer than the connect timeout.
+    /// Connecting failed or took longer than the connect timeout, or SUBSCRIBE failed or took
+    /// longer than the response timeout. A timed-out connection is dropped (and its waiters
+    /// woken), so that the next call opens a new one.
     ///
     /// # Cancel safety
     /// Cancel safe: a dropped call leaves at most a server-side subscription that no one listens
@@ -178,8 +193,17 @@ impl Hub {
                 let sub = tokio::time::timeout(self.timeout, sink.subscribe(channel));
                 match sub.await {
                     Ok(Ok(())) => {}
-                    Ok(Err(e)) => return Err(from_redis(e)),
-                    Err(_) => return Err(timed_out("SUBSCRIBE", self.timeout)),
+                    Ok(Err(e)) => {
+                        let e = from_redis(e);
+                        if e.is_retryable() {
+                            self.drop_connection(generation);
+                        }
+                        return Err(e);
+                    }
+                    Err(_) => {
+                        self.drop_connection(generation);
+                        return Err(timed_out("SUBSCRIBE", self.timeout));
+                    }
                 }
                 let mut st = lock(&self.state);
                 if st.conn.as_ref().map(|c| c.0) != Some(generation) {
@@ -207,13 +231,41 @@ impl Hub {
         })
     }
 
+    /// Logs, once per hub at warn level (then at debug), that the server refused a SUBSCRIBE:
+    /// waiters then only poll.
+    pub(crate) fn refused(&self, e: &Error) {
+        if self.warned.swap(true, Ordering::Relaxed) {
+            tracing::debug!(error = %e, "SUBSCRIBE refused; waiters poll");
+        } else {
+            tracing::warn!(error = %e,
+                "the redis server refused SUBSCRIBE to a lock's release channel (an ACL without \
+                 channel permission?): waiters poll instead (about once a second), which costs \
+                 latency and load");
+        }
+    }
+
+    /// Drops pub/sub connection `generation` if it is still the current one: its reader stops,
+    /// and every route is removed, which wakes their waiters (they subscribe again).
+    fn drop_connection(&self, generation: u64) {
+        let mut st = lock(&self.state);
+        if st.conn.as_ref().map(|c| c.0) != Some(generation) {
+            return;
+        }
+        tracing::debug!("the pub/sub connection timed out; dropping it");
+        st.conn = None;
+        st.routes.clear();
+        if let Some(h) = st.reader.take() {
+            h.abort();
+        }
+    }
+
     /// Opens a new pub/sub connection and starts its reader. Called with `ops` held.
     async fn connect(self: &Arc<Self>) -> Result<(u64, PubSubSink)> {
-        let pubsub = match tokio::time::timeout(self.timeout, self.client.get_async_pubsub()).await
-        {
+        let ct = self.connect_timeout;
+        let pubsub = match tokio::time::timeout(ct, self.client.get_async_pubsub()).await {
             Ok(Ok(p)) => p,
             Ok(Err(e)) => return Err(from_redis(e)),
-            Err(_) => return Err(timed_out("connecting the pub/sub connection", self.timeout)),
+            Err(_) => return Err(timed_out("connecting the pub/sub connection", ct)),
         };
         let (sink, mut stream) = pubsub.split();
         let mut st = lock(&self.state);
@@ -262,7 +314,10 @@ impl Hub {
         match tokio::time::timeout(self.timeout, sink.unsubscribe(&channel)).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => tracing::debug!(error = %e, "UNSUBSCRIBE failed"),
-            Err(_) => tracing::debug!("UNSUBSCRIBE timed out"),
+            Err(_) => {
+                tracing::debug!("UNSUBSCRIBE timed out");
+                self.drop_connection(generation);
+            }
         }
     }
 }

@@ -11,6 +11,9 @@ use tokio::time::Instant;
 
 use crate::common::{ServerProcess, free_port, fresh_prefix, server_url, wait_until, with_prefix};
 
+mod failures;
+mod proxy;
+
 mod contract {
     use crate::common::UrlHarness;
     lockkit::contract_suite!(UrlHarness::from_env("LOCKKIT_REDIS_URL"));
@@ -21,28 +24,42 @@ struct PrivateRedis {
     proc: ServerProcess,
     port: u16,
     password: Option<&'static str>,
+    extra: Vec<String>,
 }
 
 impl PrivateRedis {
     async fn start(password: Option<&'static str>) -> Self {
+        Self::start_with(password, &[]).await
+    }
+
+    /// With `extra` command-line arguments for `redis-server`.
+    async fn start_with(password: Option<&'static str>, extra: &[&str]) -> Self {
         let port = free_port();
         let dir = tempfile::tempdir().expect("temp dir");
-        let proc = Self::spawn(dir, port, password);
+        let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+        let proc = Self::spawn(dir, port, password, &extra);
         let me = Self {
             proc,
             port,
             password,
+            extra,
         };
         me.wait_ready().await;
         me
     }
 
-    fn spawn(dir: tempfile::TempDir, port: u16, password: Option<&str>) -> ServerProcess {
+    fn spawn(
+        dir: tempfile::TempDir,
+        port: u16,
+        password: Option<&str>,
+        extra: &[String],
+    ) -> ServerProcess {
         let mut cmd = Command::new("redis-server");
         cmd.args(["--bind", "127.0.0.1", "--port", &port.to_string()])
             .arg("--dir")
             .arg(dir.path())
-            .args(["--save", "", "--appendonly", "no", "--daemonize", "no"]);
+            .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
+            .args(extra);
         if let Some(pw) = password {
             cmd.args(["--requirepass", pw]);
         }
@@ -53,7 +70,7 @@ impl PrivateRedis {
     async fn restart(&mut self) {
         self.proc.kill();
         let dir = tempfile::tempdir().expect("temp dir");
-        self.proc = Self::spawn(dir, self.port, self.password);
+        self.proc = Self::spawn(dir, self.port, self.password, &self.extra);
         self.wait_ready().await;
     }
 

@@ -77,36 +77,41 @@ pub use lockkit_zk as zk;
 /// - [`Error::Unavailable`] if the server cannot be reached, [`Error::Auth`] if it refuses the
 ///   credentials.
 pub async fn connect(url: &str) -> Result<Arc<dyn Lock>> {
-    let Some((scheme, _rest)) = url.split_once("://") else {
+    let Some((scheme, rest)) = url.split_once("://") else {
         return Err(Error::config(
             "malformed lock service URL: expected scheme://…, e.g. redis://127.0.0.1:6379",
         ));
     };
-    match scheme.to_ascii_lowercase().as_str() {
+    // Schemes are case-insensitive (RFC 3986 §3.1); backends see the lowercase form.
+    let scheme = scheme.to_ascii_lowercase();
+    let normalized = format!("{scheme}://{rest}");
+    #[allow(unused_variables)] // unused when no network backend is compiled in
+    let url = normalized.as_str();
+    match scheme.as_str() {
         "memory" => Ok(Arc::new(MemoryLock::new())),
         "redis" | "rediss" => {
             #[cfg(feature = "redis")]
             return Ok(Arc::new(lockkit_redis::RedisLock::connect(url).await?));
             #[cfg(not(feature = "redis"))]
-            return Err(feature_off(scheme, "redis"));
+            return Err(feature_off(&scheme, "redis"));
         }
         "etcd" => {
             #[cfg(feature = "etcd")]
             return Ok(Arc::new(lockkit_etcd::EtcdLock::connect(url).await?));
             #[cfg(not(feature = "etcd"))]
-            return Err(feature_off(scheme, "etcd"));
+            return Err(feature_off(&scheme, "etcd"));
         }
         "zk" => {
             #[cfg(feature = "zk")]
             return Ok(Arc::new(lockkit_zk::ZkLock::connect(url).await?));
             #[cfg(not(feature = "zk"))]
-            return Err(feature_off(scheme, "zk"));
+            return Err(feature_off(&scheme, "zk"));
         }
         "postgres" | "postgresql" => {
             #[cfg(feature = "postgres")]
             return Ok(Arc::new(lockkit_postgres::PgLock::connect(url).await?));
             #[cfg(not(feature = "postgres"))]
-            return Err(feature_off(scheme, "postgres"));
+            return Err(feature_off(&scheme, "postgres"));
         }
         other => Err(Error::config(format!(
             "unknown lock service scheme {other:?}: expected memory, redis, rediss, etcd, zk or postgres"
@@ -134,5 +139,6 @@ mod tests {
             }
         }
         assert!(connect("memory://").await.is_ok());
+        assert!(connect("MEMORY://").await.is_ok());
     }
 }

@@ -2,7 +2,7 @@
 
 use std::fmt;
 use std::pin::Pin;
-use std::sync::{Arc, LazyLock};
+use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -42,9 +42,10 @@ pub const EXPIRY_SLACK: Duration = Duration::from_millis(50);
 /// attempt's tombstone key; `ARGV[1]` owner value, `ARGV[2]` TTL in ms.
 ///
 /// A tombstone means the attempt was cancelled and its cleanup ran first (it came on another
-/// connection): `{2, 0}`, nothing taken. Free lock: `SET NX PX` with our owner value, then the
-/// counter becomes `max(counter + 1, TIME in µs)` and is returned as `{1, token}`. Held lock: `{0, PTTL}` (the
-/// holder's remaining TTL in ms, or -1 for a key without expiry). The counter is checked before
+/// connection): `{2, 0, ''}`, nothing taken. Free lock: `SET NX PX` with our owner value, then
+/// the counter becomes `max(counter + 1, TIME in µs)` and is returned as `{1, token, ''}`. Held
+/// lock: `{0, PTTL, holder}` (the holder's remaining TTL in ms, or -1 for a key without expiry,
+/// and its owner value). The counter is checked before
 /// anything is written, so a corrupt counter fails the script without taking the lock. Lua
 /// numbers are doubles: tokens stay exact below 2^53 µs (the year 2255).
 /// See <https://redis.io/docs/latest/commands/set/> and <https://redis.io/docs/latest/commands/time/>.
@@ -52,7 +53,7 @@ static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
 if redis.call('EXISTS', KEYS[3]) == 1 then
-  return {2, 0}
+  return {2, 0, ''}
 end
 local last = redis.call('GET', KEYS[2])
 local counter = 0
@@ -63,7 +64,7 @@ if last then
   end
 end
 if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  return {0, redis.call('PTTL', KEYS[1])}
+  return {0, redis.call('PTTL', KEYS[1]), redis.call('GET', KEYS[1])}
 end
 local t = redis.call('TIME')
 local token = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -71,7 +72,7 @@ if counter + 1 > token then
   token = counter + 1
 end
 redis.call('SET', KEYS[2], string.format('%d', token))
-return {1, token}
+return {1, token, ''}
 ",
     )
 });
@@ -270,9 +271,17 @@ impl RedisLock {
     /// A grant whose reply came after its TTL (the lease would be lost on arrival) is undone and
     /// reported as [`Error::Unavailable`], so that the caller retries.
     ///
+    /// An attempt that fails after its script may have run adds its owner value to
+    /// `abandoned`, so that the caller can tell its own orphaned grant from another holder.
+    ///
     /// Cancel safe: if the future is dropped (or the reply is lost) after the script may have
     /// run, a drop guard spawns a cleanup for this owner value (see [`cancel_attempt`]).
-    async fn attempt(&self, keys: &Keys, ttl: Duration) -> Result<Attempt> {
+    async fn attempt(
+        &self,
+        keys: &Keys,
+        ttl: Duration,
+        abandoned: &Mutex<Vec<String>>,
+    ) -> Result<Attempt> {
         let owner = format!("{:032x}", rand::random::<u128>());
         let tombstone = keys.tombstone(&owner);
         let sent = Instant::now();
@@ -284,7 +293,7 @@ impl RedisLock {
             ttl,
             armed: true,
         };
-        let reply: (i64, i64) = self
+        let reply: (i64, i64, String) = match self
             .inner
             .conn
             .invoke(
@@ -296,10 +305,16 @@ impl RedisLock {
                     .arg(ttl_millis(ttl)),
             )
             .await
-            // The script may have run: the guard stays armed and cleans up.
-            .map_err(from_redis)?;
+        {
+            Ok(r) => r,
+            Err(e) => {
+                // The script may have run: the guard stays armed and cleans up.
+                locked(abandoned).push(guard.owner.clone());
+                return Err(from_redis(e));
+            }
+        };
         match reply {
-            (1, token) if token > 0 => {
+            (1, token, _) if token > 0 => {
                 let tracker = LeaseTracker::new(sent, ttl);
                 if tracker.state() == LeaseState::Lost {
                     // Too late to be of use: undo it now (if that fails, the guard retries in
@@ -309,6 +324,8 @@ impl RedisLock {
                         .is_ok()
                     {
                         guard.armed = false;
+                    } else {
+                        locked(abandoned).push(guard.owner.clone());
                     }
                     return Err(Error::Unavailable {
                         backend: BACKEND,
@@ -327,15 +344,20 @@ impl RedisLock {
                     tracker,
                 })
             }
-            (0, pttl) => {
+            (0, pttl, holder) => {
                 guard.armed = false;
                 Ok(Attempt::Held {
                     pttl: held_pttl(pttl),
+                    holder,
                 })
             }
             _ => Err(bad_reply("acquire")),
         }
     }
+}
+
+fn locked(m: &Mutex<Vec<String>>) -> MutexGuard<'_, Vec<String>> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// The holder's remaining TTL from the acquire script's `PTTL`: `None` for a key without expiry
@@ -354,6 +376,8 @@ enum Attempt {
     Held {
         /// The holder's remaining TTL, if it has one.
         pttl: Option<Duration>,
+        /// The holder's owner value.
+        holder: String,
     },
 }
 
@@ -461,14 +485,18 @@ impl Lock for RedisLock {
             name: name.to_owned(),
             waited: start.elapsed(),
         };
+        // Owner values of this call's attempts that failed after their script may have run.
+        let abandoned = Mutex::new(Vec::new());
         let mut sub: Option<Subscription> = None;
         // A SUBSCRIBE in progress: it goes on across sleeps, so that a slow or dead pub/sub
         // connection never delays a look at the lock.
         let mut subscribing: Option<Subscribing> = None;
         let mut next_subscribe = start;
         loop {
-            let attempt =
-                retry_transient(&opts, deadline, || self.attempt(&keys, opts.ttl)).await?;
+            let attempt = retry_transient(&opts, deadline, || {
+                self.attempt(&keys, opts.ttl, &abandoned)
+            })
+            .await?;
             let pttl = match attempt {
                 Attempt::Granted {
                     token,
@@ -490,7 +518,20 @@ impl Lock for RedisLock {
                         &opts,
                     ));
                 }
-                Attempt::Held { pttl } => pttl,
+                Attempt::Held { pttl, holder } => {
+                    if locked(&abandoned).contains(&holder) {
+                        // An earlier attempt of this call timed out but took the lock after
+                        // all: give it back and look again (never report it as Held).
+                        if cancel_once(&self.inner.conn, &keys, &holder, opts.ttl)
+                            .await
+                            .is_ok()
+                        {
+                            locked(&abandoned).retain(|o| *o != holder);
+                            continue;
+                        }
+                    }
+                    pttl
+                }
             };
             if opts.wait == Wait::No {
                 return Err(Error::Held {

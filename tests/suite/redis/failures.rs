@@ -114,6 +114,44 @@ async fn a_cancelled_acquire_is_undone_after_a_script_flush_and_a_stall() {
     lease.release().await.expect("release");
 }
 
+/// A try-once acquire whose first attempts time out against a stopped server, one of which
+/// takes the lock once the server runs again, reports neither `Held` (for its own orphaned
+/// grant) nor leaves that grant behind: it gives it back and gets the lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timed_out_attempt_that_took_the_lock_is_not_reported_as_held() {
+    let server = PrivateRedis::start(None).await;
+    let prefix = fresh_prefix();
+    let url = format!("{}?prefix={prefix}&response_timeout_ms=300", server.url());
+    let locks = RedisLock::connect(&url).await.expect("connect");
+    locks
+        .acquire("warm", opts(5000, Wait::No))
+        .await
+        .expect("warm-up")
+        .release()
+        .await
+        .expect("release");
+    let name = "stopped";
+    server.proc.signal("STOP");
+    let l = locks.clone();
+    let pending = tokio::spawn(async move { l.acquire(name, opts(60_000, Wait::No)).await });
+    // Let the stop outlast a few response timeouts (retries on new connections).
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    server.proc.signal("CONT");
+    let lease = pending
+        .await
+        .expect("task")
+        .expect("the acquire gets the lock (no other holder exists)");
+    let mut conn = server.raw().await;
+    let owner: String = redis::cmd("GET")
+        .arg(locks.lock_key(name))
+        .query_async(&mut conn)
+        .await
+        .expect("GET");
+    assert_eq!(owner.len(), 32, "{owner:?}");
+    lease.release().await.expect("release");
+    assert!(!exists(&mut conn, &locks.lock_key(name)).await);
+}
+
 /// An acquire cancelled while its reply is held, whose cleanup then reaches the server before
 /// the acquire script itself (they travel on different connections), takes nothing: the
 /// cleanup leaves a tombstone that the late script obeys.

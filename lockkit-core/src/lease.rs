@@ -416,9 +416,14 @@ impl Lease {
         let sent = Instant::now();
         match self.ops.renew(self.tracker.ttl).await {
             Ok(()) if self.tracker.confirm(sent) => Ok(()),
-            Ok(()) => Err(Error::LeaseLost {
-                name: self.name.clone(),
-            }),
+            Ok(()) => {
+                // Acknowledged after the deadline: the holder may already have been told it lost
+                // the lock, so the renewal must not keep it held. Give it back.
+                let _ = self.ops.release().await;
+                Err(Error::LeaseLost {
+                    name: self.name.clone(),
+                })
+            }
             Err(e @ Error::NotHeld { .. }) => {
                 self.tracker.mark_lost();
                 Err(e)

@@ -13,6 +13,9 @@ pub const DEFAULT_PREFIX: &str = "lockkit";
 /// take before failing with [`Error::Unavailable`]: 5 s.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// The longest connect timeout [`ZkConfig::validate`] accepts: 1 hour.
+pub const MAX_CONNECT_TIMEOUT: Duration = Duration::from_secs(3600);
+
 /// The session timeout asked for by the session that [`ZkLock::connect`](crate::ZkLock::connect)
 /// opens to check the server: 30 s ([`lockkit_core::DEFAULT_TTL`]). If the server negotiates
 /// another value, that session serves leases of the negotiated TTL instead.
@@ -80,7 +83,10 @@ impl ZkConfig {
     /// Parses `zk://[user:password@]host:port[,host:port…][/chroot][?prefix=…&connect_timeout_ms=…]`.
     ///
     /// - `user:password` (percent-encoded) turns on ZooKeeper `digest` authentication; lock nodes
-    ///   are then created with the `CREATOR_ALL_ACL`, so only that identity can touch them.
+    ///   (and fenced data nodes) are then created with the `CREATOR_ALL_ACL`, so only that
+    ///   identity can touch them; the shared parents (prefix node, lock container nodes) stay
+    ///   open to everyone, so that clients with other credentials can queue on the same locks.
+    ///   ZooKeeper's `digest` scheme never refuses a password: a wrong one is another identity.
     /// - `/chroot` is ZooKeeper's chroot suffix of the connect string: every path lives under it
     ///   (it must exist).
     /// - `prefix` (default `lockkit`) is the node under which lock nodes live.
@@ -111,22 +117,31 @@ impl ZkConfig {
             None => (None, authority),
         };
         let mut cfg = ZkConfig::new(hosts.split(','));
+        let decode = |s: &str, what: &str| {
+            percent_decode_str(s)
+                .decode_utf8()
+                .map(|c| c.into_owned())
+                .map_err(|_| Error::config(format!("ZooKeeper URL {what} is not UTF-8")))
+        };
         if let Some(userinfo) = userinfo {
             let (user, pass) = userinfo
                 .split_once(':')
                 .ok_or_else(|| Error::config("ZooKeeper URL credentials must be user:password"))?;
-            let decode = |s: &str, what: &str| {
-                percent_decode_str(s)
-                    .decode_utf8()
-                    .map(|c| c.into_owned())
-                    .map_err(|_| Error::config(format!("ZooKeeper URL {what} is not UTF-8")))
-            };
             cfg = cfg.digest(decode(user, "user")?, decode(pass, "password")?);
         }
         if let Some(chroot) = chroot.filter(|c| *c != "/") {
-            cfg = cfg.chroot(chroot);
+            // Percent-decoded, like the prefix.
+            cfg = cfg.chroot(decode(chroot, "chroot")?);
         }
+        let mut seen: Vec<String> = Vec::new();
         for (key, value) in url::form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
+            if seen.iter().any(|k| *k == key) {
+                return Err(Error::config(format!(
+                    "ZooKeeper URL parameter {:?} is given more than once",
+                    key.chars().take(32).collect::<String>()
+                )));
+            }
+            seen.push(key.clone().into_owned());
             match &*key {
                 "prefix" => cfg = cfg.prefix(value.into_owned()),
                 "connect_timeout_ms" => {
@@ -176,6 +191,11 @@ impl ZkConfig {
         &self.hosts
     }
 
+    /// The chroot, if any.
+    pub fn chroot_value(&self) -> Option<&str> {
+        self.chroot.as_deref()
+    }
+
     /// The key prefix.
     pub fn key_prefix(&self) -> &str {
         &self.prefix
@@ -201,7 +221,7 @@ impl ZkConfig {
             .map(|(u, p)| format!("{u}:{p}").into_bytes())
     }
 
-    /// Checks hosts, chroot, prefix and timeout.
+    /// Checks hosts, chroot, prefix and timeout (non-zero, at most [`MAX_CONNECT_TIMEOUT`]).
     ///
     /// # Errors
     /// [`Error::InvalidConfig`] naming what is wrong.
@@ -215,7 +235,12 @@ impl ZkConfig {
             let (host, port) = h
                 .rsplit_once(':')
                 .ok_or_else(|| Error::config("each ZooKeeper server must be given as host:port"))?;
-            if host.is_empty() || host.contains(['/', '@', ' ']) {
+            // An IPv6 address must be bracketed: `[::1]:2181`; `h:1:2` is not a host and port.
+            let bracketed = host.starts_with('[') && host.ends_with(']') && host.len() > 2;
+            if host.is_empty()
+                || host.contains(['/', '@', ' '])
+                || (host.contains(':') && !bracketed)
+            {
                 return Err(Error::config(
                     "a ZooKeeper server has an empty or invalid host",
                 ));
@@ -242,6 +267,11 @@ impl ZkConfig {
                      components, no trailing '/', no characters ZooKeeper forbids)",
                 ));
             }
+            if c == "/zookeeper" || c.starts_with("/zookeeper/") {
+                return Err(Error::config(
+                    "the ZooKeeper chroot must not be /zookeeper or below it (reserved by the server)",
+                ));
+            }
         }
         let p = &self.prefix;
         let reason = if p.is_empty() {
@@ -262,6 +292,12 @@ impl ZkConfig {
         }
         if self.connect_timeout.is_zero() {
             return Err(Error::config("connect timeout is zero"));
+        }
+        if self.connect_timeout > MAX_CONNECT_TIMEOUT {
+            return Err(Error::config(format!(
+                "connect timeout {:?} is longer than the maximum {MAX_CONNECT_TIMEOUT:?}",
+                self.connect_timeout
+            )));
         }
         Ok(())
     }
@@ -351,6 +387,12 @@ mod tests {
             "zk://h:1?connect_timeout_ms=0",
             "zk://user@h:1",
             "zk://h:1#frag",
+            "zk://127.0.0.1:2181:2181",
+            "zk://h:1/zookeeper",
+            "zk://h:1/zookeeper/quota",
+            "zk://h:1?prefix=a&prefix=b",
+            "zk://h:1?connect_timeout_ms=18446744073709551615",
+            "zk://h:1?connect_timeout_ms=3600001",
         ] {
             match ZkConfig::from_url(bad) {
                 Err(Error::InvalidConfig { .. }) => {}
@@ -359,6 +401,13 @@ mod tests {
         }
         let long = format!("zk://h:1?prefix={}", "x".repeat(65));
         assert!(ZkConfig::from_url(&long).is_err());
+    }
+
+    #[test]
+    fn chroot_is_percent_decoded() {
+        let cfg = ZkConfig::from_url("zk://h:1/apps%20x/b").unwrap();
+        assert_eq!(cfg.connect_string(), "h:1/apps x/b");
+        assert!(ZkConfig::from_url("zk://[::1]:2181").is_ok());
     }
 
     #[test]

@@ -22,9 +22,18 @@ pub(crate) fn from_zk(e: zk::Error) -> Error {
             backend: BACKEND,
             source: Box::new(e),
         },
-        zk::Error::AuthFailed | zk::Error::NoAuth => Error::Auth {
+        zk::Error::AuthFailed => Error::Auth {
             backend: BACKEND,
             source: Box::new(e),
+        },
+        // Not a failed authentication: the credentials (or their absence) were accepted, but a
+        // node's ACL does not grant them this operation.
+        zk::Error::NoAuth => Error::Backend {
+            backend: BACKEND,
+            source: "no permission on a ZooKeeper node (NoAuth): its ACL does not grant these \
+                     credentials this operation (nodes created by an authenticated client are \
+                     creator-only)"
+                .into(),
         },
         other => Error::Backend {
             backend: BACKEND,
@@ -57,7 +66,8 @@ mod tests {
     fn classification() {
         assert!(from_zk(zk::Error::ConnectionLoss).is_retryable());
         assert!(from_zk(zk::Error::SessionExpired).is_retryable());
-        assert!(matches!(from_zk(zk::Error::NoAuth), Error::Auth { .. }));
+        assert!(matches!(from_zk(zk::Error::AuthFailed), Error::Auth { .. }));
+        assert!(matches!(from_zk(zk::Error::NoAuth), Error::Backend { .. }));
         assert!(matches!(
             from_zk(zk::Error::BadVersion),
             Error::Backend { .. }

@@ -62,7 +62,7 @@ impl ZkFence {
                 .new_check_writer(&zl.path, Some(0))
                 .map_err(bad_path)?;
             if create {
-                let mode = zk::CreateMode::Persistent.with_acls(session.acls());
+                let mode = zk::CreateMode::Persistent.with_acls(session.own_acls());
                 w.add_create(path, data, &mode).map_err(bad_path)?;
             } else {
                 w.add_set_data(path, data, None).map_err(bad_path)?;
@@ -103,18 +103,23 @@ impl ZkFence {
     /// Reads the node `path` (reads are not fenced). `None` if it does not exist.
     ///
     /// # Errors
-    /// From the server ([`Error::Unavailable`], [`Error::Auth`], …).
+    /// [`Error::Unavailable`] if no answer came within the connect timeout; others from the
+    /// server.
     ///
     /// # Cancel safety
     /// Cancel safe (a read).
     pub async fn read(&self, path: &str) -> Result<Option<Vec<u8>>> {
-        let session = self.lock.control_session().await?;
-        match session.client.get_data(path).await {
-            Ok((data, _)) => Ok(Some(data)),
-            Err(zk::Error::NoNode) => Ok(None),
-            Err(e @ zk::Error::BadArguments(_)) => Err(bad_path(e)),
-            Err(e) => Err(from_zk(e)),
-        }
+        self.lock
+            .bounded(async {
+                let session = self.lock.control_session().await?;
+                match session.client.get_data(path).await {
+                    Ok((data, _)) => Ok(Some(data)),
+                    Err(zk::Error::NoNode) => Ok(None),
+                    Err(e @ zk::Error::BadArguments(_)) => Err(bad_path(e)),
+                    Err(e) => Err(from_zk(e)),
+                }
+            })
+            .await
     }
 
     /// The token of the lock's current holder (lowest node), if any.

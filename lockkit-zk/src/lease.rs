@@ -64,9 +64,11 @@ impl ZkLease {
 
 #[async_trait]
 impl LeaseOps for ZkLease {
-    /// A lease on ZooKeeper lives as long as its session; a renewal is one `exists` round trip
-    /// on the lock node proving that the node (same `czxid`, same owner session) is still there.
-    /// The session itself is kept alive by the client's heartbeats, whatever this returns.
+    /// A lease on ZooKeeper lives as long as its session; a renewal is a `sync` (leader-ordered:
+    /// it proves the session alive on the leader, see the session module) pipelined with an
+    /// `exists` on the lock node, which, read after the `sync`, proves that the node (same
+    /// `czxid`, same owner session) is still there. The session itself is kept alive by the
+    /// client's heartbeats, whatever this returns.
     async fn renew(&self, _ttl: Duration) -> Result<()> {
         if self.session.is_dead() {
             return Err(self.not_held());
@@ -75,7 +77,14 @@ impl LeaseOps for ZkLease {
         let res = self
             .session
             .retry_loss(Some(deadline), || {
-                self.session.client.check_stat(&self.path)
+                // Both requests are queued at once; the session answers them in order.
+                let sync = self.session.client.sync(&self.path);
+                let stat = self.session.client.check_stat(&self.path);
+                async move {
+                    let (synced, stat) = tokio::join!(sync, stat);
+                    synced?;
+                    stat
+                }
             })
             .await;
         match res {

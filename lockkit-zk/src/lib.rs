@@ -78,10 +78,12 @@ mod lease;
 mod lock;
 mod session;
 
-pub use config::{CONTROL_SESSION_TTL, DEFAULT_CONNECT_TIMEOUT, DEFAULT_PREFIX, ZkConfig};
+pub use config::{
+    CONTROL_SESSION_TTL, DEFAULT_CONNECT_TIMEOUT, DEFAULT_PREFIX, MAX_CONNECT_TIMEOUT, ZkConfig,
+};
 pub use fence::ZkFence;
 pub use lease::ZkLease;
-pub use lock::{EXPIRY_SLACK, WaitStats, ZkLock};
+pub use lock::{EXPIRY_SLACK, MAX_SESSIONS, WaitStats, ZkLock};
 
 /// The ZooKeeper client crate this backend is built on, re-exported so that code working with
 /// ZooKeeper next to lockkit (its own nodes, ACLs, the benchmark's hand-written floor) names the

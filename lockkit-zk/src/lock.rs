@@ -2,7 +2,8 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::Arc;
+use std::future::Future;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use lockkit_core::{
@@ -16,12 +17,17 @@ use crate::config::{CONTROL_SESSION_TTL, ZkConfig, encode_name};
 use crate::error::{BACKEND, connection_lost, from_zk, unavailable};
 use crate::fence::ZkFence;
 use crate::lease::ZkLease;
-use crate::session::{Session, spawn_delete, spawn_delete_own};
+use crate::session::{Session, shared_acls, spawn_delete, spawn_delete_own};
 
 /// The longest a server may keep a lapsed lease past its TTL with ZooKeeper's default
 /// `tickTime` of 2 s: the server checks session expiry once per tick, rounding each session's
 /// deadline up to the next tick ([`ExpiryQueue`](https://github.com/apache/zookeeper/blob/release-3.8.0/zookeeper-server/src/main/java/org/apache/zookeeper/server/ExpiryQueue.java)).
 pub const EXPIRY_SLACK: Duration = Duration::from_secs(2);
+
+/// The most ZooKeeper sessions one [`ZkLock`] (and its clones) keeps open at once, the control
+/// session included: one per distinct TTL in use. ZooKeeper refuses more than `maxClientCnxns`
+/// (60 by default) connections from one IP address, for every client on that host together.
+pub const MAX_SESSIONS: usize = 16;
 
 /// Counters of the waiting machinery, for tests (herd checks). Not part of the API.
 #[doc(hidden)]
@@ -41,7 +47,10 @@ pub struct WaitStats {
 /// - **Lease = session.** A lock node is ephemeral: the server deletes it when its
 ///   [session](https://zookeeper.apache.org/doc/r3.8.0/zookeeperProgrammers.html#ch_zkSessions)
 ///   expires. The session timeout is therefore the TTL; each distinct TTL gets a session of its
-///   own (opened on first use, shared by all leases of that TTL from this `ZkLock`). A TTL the
+///   own (opened on first use, shared by all leases of that TTL from this `ZkLock`, closed once
+///   it has carried no lease for one to two TTLs, or at once when a new TTL needs room). At most
+///   [`MAX_SESSIONS`] are open at once: an acquire that needs one more while every open session
+///   carries a lease fails with [`Error::Backend`]. A TTL the
 ///   server cannot negotiate (outside its `minSessionTimeout`..`maxSessionTimeout`, by default
 ///   2..20 ticks) is refused with [`Error::InvalidConfig`]; TTLs must be whole milliseconds.
 /// - **Keepalive** is the session's heartbeat and cannot be paused per lease, so
@@ -94,7 +103,9 @@ impl ZkLock {
     /// # Errors
     /// - [`Error::InvalidConfig`]: invalid `cfg`, or the chroot does not exist.
     /// - [`Error::Unavailable`]: no server answered within the connect timeout.
-    /// - [`Error::Auth`]: the server refused the credentials, or they may not read the prefix.
+    /// - [`Error::Auth`]: the server refused the credentials.
+    /// - [`Error::Backend`]: the credentials may not read the prefix node (its ACL, set by
+    ///   an older version of this crate or by hand, does not grant them).
     ///
     /// # Cancel safety
     /// Cancel safe: a session being opened is closed when the future is dropped.
@@ -159,24 +170,41 @@ impl ZkLock {
     /// waiters'. For inspection (operators, tests); the answer may be stale at once.
     ///
     /// # Errors
-    /// [`Error::InvalidName`]; errors from the server.
+    /// [`Error::InvalidName`]; [`Error::Unavailable`] if no answer came within the connect
+    /// timeout; other errors from the server.
     ///
     /// # Cancel safety
     /// Cancel safe (a read).
     pub async fn contenders(&self, name: &str) -> Result<Vec<String>> {
         let dir = self.lock_dir(name)?;
-        let session = self.control_session().await?;
-        let children = match session.client.list_children(&dir).await {
-            Ok(c) => c,
-            Err(zk::Error::NoNode) => return Ok(Vec::new()),
-            Err(e) => return Err(from_zk(e)),
-        };
+        let children = self
+            .bounded(async {
+                let session = self.control_session().await?;
+                match session.client.list_children(&dir).await {
+                    Ok(c) => Ok(c),
+                    Err(zk::Error::NoNode) => Ok(Vec::new()),
+                    Err(e) => Err(from_zk(e)),
+                }
+            })
+            .await?;
         let mut queue: Vec<(i64, String)> = children
             .into_iter()
             .filter_map(|c| sequence_of(&c).map(|s| (s, c)))
             .collect();
         queue.sort_unstable();
         Ok(queue.into_iter().map(|(_, c)| c).collect())
+    }
+
+    /// Runs `fut` for at most the connect timeout (the bound of one request round), else
+    /// [`Error::Unavailable`].
+    pub(crate) async fn bounded<T>(&self, fut: impl Future<Output = Result<T>>) -> Result<T> {
+        tokio::time::timeout(self.inner.cfg.connect_timeout_value(), fut)
+            .await
+            .unwrap_or_else(|_| {
+                Err(unavailable(
+                    "no answer from ZooKeeper within the connect timeout",
+                ))
+            })
     }
 
     /// Waiting counters, for tests.
@@ -186,7 +214,8 @@ impl ZkLock {
     }
 
     /// A live session whose timeout is `ttl`, opened if needed. With `strict`, a server that
-    /// negotiates another timeout is an error.
+    /// negotiates another timeout is an error. Keeps at most [`MAX_SESSIONS`] open: idle ones
+    /// (used by nothing but the map) are closed to make room.
     pub(crate) async fn session(&self, ttl: Duration, strict: bool) -> Result<Arc<Session>> {
         let mut sessions = self.inner.sessions.lock().await;
         if let Some(s) = sessions.get(&ttl) {
@@ -194,8 +223,30 @@ impl ZkLock {
                 return Ok(s.clone());
             }
         }
+        let control = self.inner.control_ttl;
+        // Dead sessions go at once; idle ones too when room is needed. Under the map's lock a
+        // strong count of 1 means no lease, acquire or background delete uses the session (they
+        // only get it from the map, under this lock), so closing it takes nothing from anyone.
+        sessions.retain(|t, s| *t == control || !s.is_dead());
+        if sessions.len() >= MAX_SESSIONS {
+            sessions.retain(|t, s| *t == control || Arc::strong_count(s) > 1);
+        }
+        if sessions.len() >= MAX_SESSIONS {
+            return Err(Error::Backend {
+                backend: BACKEND,
+                source: format!(
+                    "this ZkLock already has {MAX_SESSIONS} ZooKeeper sessions open, one per \
+                     distinct TTL with a live lease; use fewer distinct TTLs (ZooKeeper also \
+                     limits connections per client IP with maxClientCnxns, 60 by default)"
+                )
+                .into(),
+            });
+        }
         let s = Session::open(&self.inner.cfg, ttl, strict).await?;
         sessions.insert(s.ttl, s.clone());
+        if s.ttl != control {
+            spawn_janitor(Arc::downgrade(&self.inner), Arc::downgrade(&s));
+        }
         Ok(s)
     }
 
@@ -205,6 +256,12 @@ impl ZkLock {
     }
 
     fn fail(&self, e: zk::Error, name: &str, start: Instant, opts: &AcquireOptions) -> Error {
+        if e == CHROOT_GONE {
+            return Error::config(format!(
+                "the ZooKeeper chroot {} does not exist (any more): lock nodes cannot be created",
+                self.inner.cfg.chroot_value().unwrap_or("/")
+            ));
+        }
         match (e, opts.wait) {
             (zk::Error::Timeout, Wait::Timeout(_)) => Error::Timeout {
                 name: name.to_owned(),
@@ -223,19 +280,16 @@ impl ZkLock {
         start: Instant,
         deadline: Option<Instant>,
     ) -> Result<Lease> {
-        // A try-once acquire must not time its requests out at its (immediate) deadline.
-        let io_deadline = if opts.wait == Wait::No {
-            None
-        } else {
-            deadline
-        };
+        // Requests are bounded by the wait deadline, but never cut shorter than one connect
+        // timeout from the start: a free lock is granted even with `Wait::No` or a zero timeout
+        // (only waiting for a holder is cut by the deadline), and a frozen server costs a
+        // try-once acquire one connect timeout, not a session's life.
+        let floor = start + self.inner.cfg.connect_timeout_value();
+        let io_deadline = deadline.map(|d| d.max(floor));
         let session = match io_deadline {
             Some(d) => tokio::time::timeout_at(d, self.session(opts.ttl, true))
                 .await
-                .map_err(|_| Error::Timeout {
-                    name: name.to_owned(),
-                    waited: start.elapsed(),
-                })??,
+                .map_err(|_| self.fail(zk::Error::Timeout, name, start, opts))??,
             None => self.session(opts.ttl, true).await?,
         };
         let own = format!("{:032x}-lock-", rand::random::<u128>());
@@ -246,17 +300,30 @@ impl ZkLock {
             path: None,
             armed: true,
         };
-        let (node, czxid) = self
+        let (node, czxid, mut created_at) = self
             .create_node(&session, dir, &own, io_deadline, &mut pending)
             .await
             .map_err(|e| self.fail(e, name, start, opts))?;
         let node_name = node.rsplit('/').next().unwrap_or_default().to_owned();
         loop {
-            let sent = Instant::now();
-            let children = session
-                .retry_loss(io_deadline, || session.client.list_children(dir))
-                .await
-                .map_err(|e| self.fail(e, name, start, opts))?;
+            // The lease starts at the send time of a leader-ordered request whose success shows
+            // the session alive on the leader (see the session module): the create itself for the
+            // first look (a write goes through the leader, which checks the session), else a
+            // `sync` pipelined before the listing (which also makes the listing as fresh as the
+            // leader's state).
+            let (sent, children) = match created_at.take() {
+                Some(at) => (
+                    at,
+                    session
+                        .retry_loss(io_deadline, || session.client.list_children(dir))
+                        .await,
+                ),
+                None => {
+                    let at = Instant::now();
+                    (at, synced_children(&session, dir, io_deadline).await)
+                }
+            };
+            let children = children.map_err(|e| self.fail(e, name, start, opts))?;
             let mut queue: Vec<(i64, &str)> = children
                 .iter()
                 .filter_map(|c| sequence_of(c).map(|s| (s, c.as_str())))
@@ -268,8 +335,7 @@ impl ZkLock {
                 ));
             };
             if pos == 0 {
-                // Granted. The listing's reply proves the session (hence the node) alive at some
-                // point after `sent`: that is the lease's start.
+                // Granted. `sent` is the lease's start (see above).
                 let tracker = LeaseTracker::new(sent, session.ttl);
                 let Some(reg) = session.register(tracker.clone(), node.clone()) else {
                     return Err(unavailable(
@@ -326,7 +392,8 @@ impl ZkLock {
     /// Creates this acquire's ephemeral sequential node `{dir}/{own}NNNNNNNNNN`, creating the
     /// container parents when missing. If the reply is lost (connection dropped after the
     /// request went out), lists `dir` after reconnecting and adopts the node carrying `own`, or
-    /// creates again if there is none. Returns the path and its `czxid`.
+    /// creates again if there is none. Returns the path, its `czxid` and, when the create's own
+    /// reply arrived, the create's send time (a leader-ordered proof of the session's life).
     async fn create_node(
         &self,
         session: &Session,
@@ -334,10 +401,11 @@ impl ZkLock {
         own: &str,
         io_deadline: Option<Instant>,
         pending: &mut Pending,
-    ) -> Result<(String, i64), zk::Error> {
+    ) -> Result<(String, i64, Option<Instant>), zk::Error> {
         let prefix = format!("{dir}/{own}");
-        let mode = zk::CreateMode::EphemeralSequential.with_acls(session.acls());
+        let mode = zk::CreateMode::EphemeralSequential.with_acls(session.own_acls());
         for _ in 0..8 {
+            let sent = Instant::now();
             let res = match io_deadline {
                 Some(d) => tokio::time::timeout_at(d, session.client.create(&prefix, &[], &mode))
                     .await
@@ -355,13 +423,13 @@ impl ZkLock {
                     } else {
                         self.czxid_of(session, &path, io_deadline).await?
                     };
-                    return Ok((path, czxid));
+                    return Ok((path, czxid, Some(sent)));
                 }
                 Err(zk::Error::NoNode) => self.ensure_dirs(session, dir, io_deadline).await?,
                 Err(e) if connection_lost(&e) => {
-                    let children = session
-                        .retry_loss(io_deadline, || session.client.list_children(dir))
-                        .await;
+                    // `sync` first: a follower that lags behind the leader could otherwise list
+                    // `dir` without the create, whose commit it has not applied yet.
+                    let children = synced_children(session, dir, io_deadline).await;
                     let mine = match children {
                         Ok(c) => c.into_iter().find(|c| c.starts_with(own)),
                         Err(zk::Error::NoNode) => None,
@@ -371,7 +439,7 @@ impl ZkLock {
                         let path = format!("{dir}/{child}");
                         pending.path = Some(path.clone());
                         let czxid = self.czxid_of(session, &path, io_deadline).await?;
-                        return Ok((path, czxid));
+                        return Ok((path, czxid, None));
                     }
                 }
                 Err(e) => return Err(e),
@@ -396,14 +464,15 @@ impl ZkLock {
     }
 
     /// Creates `/{prefix}` and `dir` as container nodes (the server deletes a container once its
-    /// last child is gone, so names used once do not pile up).
+    /// last child is gone, so names used once do not pile up), open to everyone
+    /// ([`shared_acls`]) whatever the credentials.
     async fn ensure_dirs(
         &self,
         session: &Session,
         dir: &str,
         io_deadline: Option<Instant>,
     ) -> Result<(), zk::Error> {
-        let mode = zk::CreateMode::Container.with_acls(session.acls());
+        let mode = zk::CreateMode::Container.with_acls(shared_acls());
         let prefix = format!("/{}", self.inner.cfg.key_prefix());
         for path in [prefix.as_str(), dir] {
             match session
@@ -411,12 +480,70 @@ impl ZkLock {
                 .await
             {
                 Ok(_) | Err(zk::Error::NodeExists) => {}
+                // The prefix node's parent is the chroot's root, which always exists unless the
+                // chroot itself is missing (deleted after connect).
+                Err(zk::Error::NoNode) if path == prefix => return Err(CHROOT_GONE),
                 Err(e) => return Err(e),
             }
         }
         Ok(())
     }
 }
+
+/// `sync(dir)` then `list_children(dir)`, queued together (a session answers in order): a listing
+/// that reflects every transaction the leader committed before the `sync` reached it.
+pub(crate) async fn synced_children(
+    session: &Session,
+    dir: &str,
+    io_deadline: Option<Instant>,
+) -> Result<Vec<String>, zk::Error> {
+    session
+        .retry_loss(io_deadline, || {
+            let sync = session.client.sync(dir);
+            let list = session.client.list_children(dir);
+            async move {
+                let (synced, list) = tokio::join!(sync, list);
+                synced?;
+                list
+            }
+        })
+        .await
+}
+
+/// Closes `session` once it has been idle (used by nothing but the map) at two checks one TTL
+/// apart, so a TTL's session lingers one to two TTLs after its last lease, ready for the next.
+fn spawn_janitor(inner: Weak<Inner>, session: Weak<Session>) {
+    let Ok(rt) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    rt.spawn(async move {
+        let mut idle_before = false;
+        loop {
+            let Some(ttl) = session.upgrade().map(|s| s.ttl) else {
+                return;
+            };
+            tokio::time::sleep(ttl).await;
+            let (Some(inner), Some(s)) = (inner.upgrade(), session.upgrade()) else {
+                return;
+            };
+            let mut sessions = inner.sessions.lock().await;
+            if !sessions.get(&ttl).is_some_and(|m| Arc::ptr_eq(m, &s)) {
+                return; // replaced (it died) or already closed to make room
+            }
+            // 2: the map's reference and `s`.
+            let idle = Arc::strong_count(&s) == 2;
+            if idle && idle_before {
+                sessions.remove(&ttl);
+                // Dropping the last `Client` clone sends closeSession.
+                return;
+            }
+            idle_before = idle;
+        }
+    });
+}
+
+/// Marker error: the chroot does not exist (reported as [`Error::InvalidConfig`]).
+const CHROOT_GONE: zk::Error = zk::Error::BadArguments(&"the chroot does not exist");
 
 /// The sequence number of a lock node `…-lock-NNNNNNNNNN`.
 fn sequence_of(child: &str) -> Option<i64> {
@@ -498,6 +625,11 @@ impl Lock for ZkLock {
     ///   be paused, so a lease cannot be left to lapse while its holder lives.
     /// - [`Error::InvalidConfig`] if the TTL is not a whole number of milliseconds or the server
     ///   negotiates another session timeout for it.
+    /// - [`Error::Unavailable`] for a `Wait::No` acquire that got no answer within the connect
+    ///   timeout. A timed acquire's requests get at least one connect timeout too (a free lock is
+    ///   granted even with a zero wait), so it may return up to that long after its deadline when
+    ///   the server does not answer.
+    /// - [`Error::Backend`] if [`MAX_SESSIONS`] sessions (distinct TTLs) are already in use.
     ///
     /// # Cancel safety
     /// Cancel safe: a node created by a dropped acquire is deleted in the background (found by
@@ -521,10 +653,15 @@ impl Lock for ZkLock {
         let start = Instant::now();
         let deadline = wait_deadline(opts.wait, start);
         let dir = self.lock_dir(name)?;
-        retry_transient(&opts, deadline, || {
+        let acquire = retry_transient(&opts, deadline, || {
             self.attempt(name, &dir, &opts, start, deadline)
-        })
-        .await
+        });
+        if opts.wait == Wait::No {
+            // `retry_transient` retries a try-once acquire's transient errors without a deadline;
+            // bound the whole of it by one connect timeout (dropping attempts is cancel safe).
+            return self.bounded(acquire).await;
+        }
+        acquire.await
     }
 
     fn guarantees(&self) -> Guarantees {

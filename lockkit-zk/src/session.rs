@@ -3,6 +3,25 @@
 //! One [`Session`] per distinct TTL per [`ZkLock`](crate::ZkLock): its negotiated session timeout
 //! *is* the TTL of every lease it carries. A monitor task per session maps session states to lease
 //! states and confirms the leases' trackers with the send time of its own periodic round trip.
+//!
+//! # Leader-ordered heartbeat
+//!
+//! A [`sync`](https://zookeeper.apache.org/doc/r3.8.0/zookeeperProgrammers.html#ch_zkGuarantees)
+//! sent to a follower is forwarded to the leader, which checks the session
+//! (`PrepRequestProcessor`: `sessionTracker.checkSession`, failing with `SessionExpired` for an
+//! expired or closing session) and answers only after every proposal issued before it has been
+//! committed; the follower applies those commits, in order, before it answers the `sync`. So if
+//! the leader had expired the session (a `closeSession` transaction) before the `sync` reached
+//! it, the follower applies that transaction first and drops the session: the `sync` is never
+//! answered with success. A follower cut off from the leader cannot answer a `sync` at all. A
+//! successful `sync` sent at `t` therefore shows the session alive on the leader at some point
+//! after `t`; the leader times the session out only `TTL` after the follower's last report of
+//! client activity (followers report session touches with every ping, every `tickTime / 2`), and
+//! rounds expiry up to the next tick. Residual window, stated plainly: if the quorum link breaks
+//! within half a tick after the `sync` reached the follower, the leader's last report of this
+//! session may be older than `t` (by at most the time since the client's previous request or
+//! ping, under `TTL / 3`). On a standalone server the `sync` is answered locally, which is the
+//! same server that expires sessions.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -32,7 +51,8 @@ pub(crate) struct Session {
     pub(crate) ttl: Duration,
     /// The session id, as stored in its ephemeral nodes' `ephemeralOwner`.
     pub(crate) id: i64,
-    /// Lock nodes get `CREATOR_ALL_ACL` when the client authenticated, else `OPEN_ACL_UNSAFE`.
+    /// Lock nodes get `CREATOR_ALL_ACL` when the client authenticated, else `OPEN_ACL_UNSAFE`
+    /// (see [`own_acls`](Self::own_acls)).
     pub(crate) creator_acl: bool,
     leases: Mutex<HashMap<u64, Registered>>,
     next_id: AtomicU64,
@@ -114,8 +134,10 @@ impl Session {
         lock(&self.monitor)
     }
 
-    /// ACLs for the nodes this session creates.
-    pub(crate) fn acls(&self) -> zk::Acls<'static> {
+    /// ACLs for the nodes that belong to one holder (its lock node, its fenced data node):
+    /// creator-only when the client authenticated. Shared parents (the prefix node, a lock's
+    /// container node) get [`shared_acls`] instead.
+    pub(crate) fn own_acls(&self) -> zk::Acls<'static> {
         if self.creator_acl {
             zk::Acls::creator_all()
         } else {
@@ -309,11 +331,8 @@ pub(crate) fn spawn_delete_own(session: Arc<Session>, dir: String, own_prefix: S
     };
     rt.spawn(async move {
         // Requests on one session are answered in order, so this listing sees a create that was
-        // sent before it.
-        let children = match session
-            .retry_loss(None, || session.client.list_children(&dir))
-            .await
-        {
+        // sent before it; the `sync` makes a lagging follower catch up with the leader first.
+        let children = match crate::lock::synced_children(&session, &dir, None).await {
             Ok(c) => c,
             Err(_) => return, // no parent, or the session ended: nothing of ours remains
         };
@@ -323,13 +342,24 @@ pub(crate) fn spawn_delete_own(session: Arc<Session>, dir: String, own_prefix: S
     });
 }
 
+/// ACLs for shared parent nodes (the prefix node, a lock's container node): open to everyone
+/// (`OPEN_ACL_UNSAFE`). Whoever creates such a node first (they are containers: the server
+/// deletes them when empty and the next acquire re-creates them) must not lock every other
+/// user out of the lock; the lock nodes inside stay creator-only when authenticated.
+pub(crate) fn shared_acls() -> zk::Acls<'static> {
+    zk::Acls::anyone_all()
+}
+
 type Heartbeat = Pin<Box<dyn Future<Output = (Instant, Result<(), zk::Error>)> + Send>>;
 
 /// Session states → lease states, and the client-side confirmation of every lease:
 /// - `Disconnected` → every lease [`Suspect`](lockkit_core::LeaseState::Suspect);
 /// - `Expired`, `Closed`, `AuthFailed` → every lease [`Lost`](lockkit_core::LeaseState::Lost);
-/// - every `interval` (TTL/3) an `exists /` round trip; its answer confirms every lease with the
-///   request's send time. Without answers the trackers reach their deadline (send time of the
+/// - every `interval` (TTL/3) a `sync` round trip; its answer confirms every lease with the
+///   request's send time. A `sync` is leader-ordered (see the module docs); a plain read is
+///   not: a follower cut off from the leader keeps answering reads from its own state for up to
+///   `syncLimit` ticks while the leader may already have expired the session and granted the
+///   lock to someone else. Without answers the trackers reach their deadline (send time of the
 ///   last answered round trip + TTL − margin) and turn Lost on their own, whether or not the
 ///   server has said anything.
 async fn monitor(weak: Weak<Session>, mut states: zk::StateWatcher, interval: Duration) {
@@ -375,7 +405,8 @@ async fn monitor(weak: Weak<Session>, mut states: zk::StateWatcher, interval: Du
                 drop(s);
                 let sent = Instant::now();
                 inflight = Some(Box::pin(async move {
-                    let res = client.check_stat("/").await.map(|_| ());
+                    // `sync`, not a read: see `leader_ordered` below.
+                    let res = client.sync("/").await;
                     (sent, res)
                 }));
                 next = sent + interval;

@@ -59,6 +59,13 @@ async fn malformed_urls_are_invalid_config_at_once() {
         "zk://127.0.0.1:2181?prefix=zookeeper",
         "zk://127.0.0.1:2181?what=1",
         "zk://user-without-password@127.0.0.1:2181",
+        // Finding 6 of the review: a host:port:port, the server's reserved /zookeeper tree as
+        // chroot, a repeated parameter; finding 5: a connect timeout whose deadline overflows.
+        "zk://127.0.0.1:2181:2181",
+        "zk://127.0.0.1:2181/zookeeper",
+        "zk://127.0.0.1:2181/zookeeper/quota",
+        "zk://127.0.0.1:2181?prefix=a&prefix=b",
+        "zk://127.0.0.1:2181?connect_timeout_ms=18446744073709551615",
     ] {
         let start = Instant::now();
         match lockkit::connect(url).await {
@@ -118,32 +125,64 @@ async fn missing_chroot_is_invalid_config() {
     }
 }
 
+/// Finding 4 of the review: the shared parent nodes (prefix, lock container) are open to all;
+/// only an authenticated holder's own nodes are creator-only. So a client with other (or no)
+/// credentials can queue on a lock whose container an authenticated client created. ZooKeeper's
+/// `digest` scheme cannot refuse a password: a wrong one is just another identity, which gets a
+/// clear "no permission" error (not "authentication failed") where an ACL refuses it, and the
+/// password is never shown.
 #[tokio::test]
-async fn wrong_password_is_auth_error_and_never_printed() {
+async fn shared_nodes_are_open_and_wrong_password_is_another_identity() {
     let prefix = fresh_prefix();
     let hostport = upstream();
-    let owner = ZkLock::connect(&format!("zk://alice:right@{hostport}?prefix={prefix}"))
+    let alice = ZkLock::connect(&format!("zk://alice:right@{hostport}?prefix={prefix}"))
         .await
         .expect("connect with digest auth");
-    // The lock nodes (and the prefix node) now carry alice's CREATOR_ALL ACL.
-    let lease = owner
-        .try_acquire(&unique("acl"), Duration::from_secs(10))
+    let name = unique("acl");
+    let lease = alice
+        .try_acquire(&name, Duration::from_secs(10))
         .await
         .expect("acquire");
+    let data = format!("/{prefix}-alice-data");
+    alice
+        .fence()
+        .write(&lease, &data, b"a")
+        .await
+        .expect("alice's fenced write");
+
+    // No credentials: queues on alice's lock (the container alice created is open).
+    let anonymous = direct(&prefix).await;
+    match anonymous.try_acquire(&name, TTL).await {
+        Err(Error::Held { .. }) => {}
+        other => panic!("anonymous acquire of alice's lock: expected Held, got {other:?}"),
+    }
+
     let url = format!("zk://alice:wrong-pass-123@{hostport}?prefix={prefix}");
-    match lockkit::connect(&url).await {
-        Err(e @ Error::Auth { .. }) => {
+    let mallory = lockkit::connect(&url)
+        .await
+        .expect("a wrong digest password is another identity, not a refused one");
+    assert!(!format!("{mallory:?}").contains("wrong-pass-123"));
+    let cfg = ZkConfig::from_url(&url).unwrap();
+    assert!(!format!("{cfg:?}").contains("wrong-pass-123"));
+    let mallory = ZkLock::with_config(cfg).await.expect("connect");
+    match mallory.fence().write(&lease, &data, b"m").await {
+        Err(e @ Error::Backend { .. }) => {
             let shown = format!("{e} {e:?} {:?}", std::error::Error::source(&e));
+            assert!(shown.contains("no permission"), "{shown}");
             assert!(
                 !shown.contains("wrong-pass-123"),
                 "password leaked: {shown}"
             );
         }
-        other => panic!("expected Auth, got {other:?}"),
+        other => panic!("write to alice's creator-only node: expected Backend, got {other:?}"),
     }
-    let cfg = ZkConfig::from_url(&url).unwrap();
-    assert!(!format!("{cfg:?}").contains("wrong-pass-123"));
+
     lease.release().await.expect("release");
+    let next = anonymous
+        .try_acquire(&name, TTL)
+        .await
+        .expect("anonymous acquires once alice released");
+    next.release().await.expect("release");
 }
 
 #[tokio::test]
@@ -587,4 +626,125 @@ async fn multi_host_connect_string_skips_a_dead_server() {
         .await
         .expect("acquire");
     lease.release().await.expect("release");
+}
+
+/// Finding 5 of the review: a huge connect timeout built without a URL panicked (`Instant`
+/// overflow) instead of being refused.
+#[tokio::test]
+async fn huge_connect_timeout_is_invalid_config_not_a_panic() {
+    let cfg = ZkConfig::new([upstream()]).connect_timeout(Duration::MAX);
+    match ZkLock::with_config(cfg).await {
+        Err(Error::InvalidConfig { .. }) => {}
+        other => panic!("expected InvalidConfig, got {other:?}"),
+    }
+}
+
+/// Finding 6 of the review: a zero (or 1 µs) wait on a FREE lock is granted, as on the memory
+/// backend: only waiting for a holder is cut by the wait deadline, not the first attempt.
+#[tokio::test]
+async fn zero_wait_timeout_grants_a_free_lock() {
+    let locks = direct(&fresh_prefix()).await;
+    let name = unique("zero-wait");
+    for wait in [Duration::ZERO, Duration::from_micros(1)] {
+        let lease = locks
+            .acquire(&name, waiting(TTL, wait))
+            .await
+            .unwrap_or_else(|e| panic!("free lock with Wait::Timeout({wait:?}): {e:?}"));
+        match locks.acquire(&name, waiting(TTL, wait)).await {
+            Err(Error::Timeout { .. }) => {}
+            other => panic!("held lock with Wait::Timeout({wait:?}): {other:?}"),
+        }
+        lease.release().await.expect("release");
+    }
+    assert!(locks.contenders(&name).await.unwrap().is_empty());
+}
+
+/// Finding 6 of the review: a chroot deleted after connecting is named in the error.
+#[tokio::test]
+async fn chroot_deleted_after_connect_is_named() {
+    let raw = lockkit::zk::zookeeper_client::Client::connect(&upstream())
+        .await
+        .expect("raw client");
+    let chroot = format!("/chroot-{:08x}", rand::random::<u32>());
+    let mode = lockkit::zk::zookeeper_client::CreateMode::Persistent
+        .with_acls(lockkit::zk::zookeeper_client::Acls::anyone_all());
+    raw.create(&chroot, &[], &mode)
+        .await
+        .expect("create chroot");
+    let locks = ZkLock::connect(&format!("{}{chroot}", shared_url()))
+        .await
+        .expect("connect under the chroot");
+    raw.delete(&chroot, None).await.expect("delete chroot");
+    match locks.try_acquire(&unique("no-chroot"), TTL).await {
+        Err(Error::InvalidConfig { reason, .. }) => {
+            assert!(reason.contains(&chroot), "{reason}");
+            assert!(reason.contains("does not exist"), "{reason}");
+        }
+        other => panic!("expected InvalidConfig naming the chroot, got {other:?}"),
+    }
+}
+
+/// Finding 3 of the review: with the connection frozen (a paused server, a partition), a
+/// try-once acquire, `contenders()` and a fence read answer within about the connect timeout
+/// (1 s here) instead of waiting for the session to give up and retrying with new sessions
+/// (77 s before the fix).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frozen_connection_bounds_try_once_acquire_and_reads() {
+    let prefix = fresh_prefix();
+    let proxy = Proxy::start(upstream()).await;
+    let locks = ZkLock::connect(&format!(
+        "zk://127.0.0.1:{}?prefix={prefix}&connect_timeout_ms=1000",
+        proxy.port
+    ))
+    .await
+    .expect("connect through proxy");
+    let name = unique("frozen-try");
+    // Open the TTL's session first, so the frozen acquire uses a live session.
+    let ttl = Duration::from_secs(20);
+    locks
+        .try_acquire(&name, ttl)
+        .await
+        .expect("acquire")
+        .release()
+        .await
+        .expect("release");
+    proxy.freeze(true);
+    let bound = Duration::from_secs(1) + TOLERANCE * 2;
+
+    let start = Instant::now();
+    let res = tokio::time::timeout(Duration::from_secs(30), locks.try_acquire(&name, ttl))
+        .await
+        .expect("try-once acquire hung for 30 s");
+    match res {
+        Err(e @ Error::Unavailable { .. }) => assert!(e.is_retryable()),
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+    assert!(
+        start.elapsed() < bound,
+        "try-once acquire took {:?}",
+        start.elapsed()
+    );
+
+    let start = Instant::now();
+    let res = tokio::time::timeout(Duration::from_secs(30), locks.contenders(&name))
+        .await
+        .expect("contenders() hung for 30 s");
+    assert!(matches!(res, Err(Error::Unavailable { .. })), "{res:?}");
+    assert!(
+        start.elapsed() < bound,
+        "contenders() took {:?}",
+        start.elapsed()
+    );
+
+    let start = Instant::now();
+    let res = tokio::time::timeout(Duration::from_secs(30), locks.fence().read("/x"))
+        .await
+        .expect("fence read hung for 30 s");
+    assert!(matches!(res, Err(Error::Unavailable { .. })), "{res:?}");
+    assert!(
+        start.elapsed() < bound,
+        "fence read took {:?}",
+        start.elapsed()
+    );
+    proxy.freeze(false);
 }

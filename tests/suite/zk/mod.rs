@@ -18,6 +18,7 @@ mod contract {
     lockkit::contract_suite!(harness());
 }
 
+mod ensemble;
 mod failures;
 mod private;
 mod proxy;

@@ -6,7 +6,7 @@ use lockkit::LockExt;
 use lockkit::zk::ZkLock;
 use lockkit::zk::zookeeper_client as zk;
 
-use super::server::PrivateZk;
+use super::server::{PrivateZk, connections};
 
 const TTL: Duration = Duration::from_secs(10);
 
@@ -73,4 +73,73 @@ async fn empty_lock_nodes_are_removed_and_tokens_still_grow() {
     );
     assert!(second.token() > t1, "{} !> {}", second.token(), t1);
     second.release().await.expect("release");
+}
+
+/// Finding 2 of the review: every distinct TTL opened a session that was never closed, until
+/// the server's `maxClientCnxns` (per client IP) refused every client on the host. Now idle
+/// sessions are closed to make room (at most `MAX_SESSIONS` per `ZkLock`), a `ZkLock` that
+/// needs more sessions than that for live leases gets a clear error, and a TTL's session is
+/// closed one to two TTLs after its last lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_per_ttl_are_capped_and_closed_when_idle() {
+    use lockkit::Error;
+    use lockkit::zk::MAX_SESSIONS;
+
+    // Room for MAX_SESSIONS sessions plus the 4lw connection, far fewer than 40 TTLs.
+    let server = PrivateZk::start_with("", &format!("maxClientCnxns={}\n", MAX_SESSIONS + 4)).await;
+    let locks = ZkLock::connect(&server.url()).await.expect("connect");
+    let ttl = |i: u64| Duration::from_millis(1000 + 10 * i);
+
+    // 40 distinct TTLs one after the other: idle sessions make room.
+    for i in 0..40 {
+        let lease = locks
+            .try_acquire("many-ttls", ttl(i))
+            .await
+            .unwrap_or_else(|e| panic!("acquire with TTL {:?}: {e:?}", ttl(i)));
+        lease.release().await.expect("release");
+    }
+    assert!(connections(server.port).await <= MAX_SESSIONS);
+
+    // Live leases on MAX_SESSIONS - 1 distinct TTLs (plus the control session): the next TTL
+    // has no room, and says so.
+    let mut held = Vec::new();
+    for i in 0..(MAX_SESSIONS as u64 - 1) {
+        held.push(
+            locks
+                .try_acquire(&format!("held-{i}"), ttl(100 + i))
+                .await
+                .expect("acquire"),
+        );
+    }
+    match locks.try_acquire("one-more", ttl(200)).await {
+        Err(e @ Error::Backend { .. }) => {
+            let shown = format!("{e} {:?}", std::error::Error::source(&e));
+            assert!(shown.contains("distinct TTL"), "{shown}");
+        }
+        other => panic!("expected Backend (too many sessions), got {other:?}"),
+    }
+    held.pop().unwrap().release().await.expect("release");
+    let lease = locks
+        .try_acquire("one-more", ttl(200))
+        .await
+        .expect("room again once a TTL's leases are gone");
+    lease.release().await.expect("release");
+    for lease in held {
+        lease.release().await.expect("release");
+    }
+
+    // Idle sessions close one to two TTLs after their last lease; only the control session
+    // stays. Polled: the server offers no signal for a closed connection.
+    let deadline = tokio::time::Instant::now() + ttl(200) * 2 + Duration::from_secs(5);
+    loop {
+        let open = connections(server.port).await;
+        if open <= 1 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{open} connections still open"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }

@@ -12,18 +12,25 @@ pub struct PrivateZk {
     proc: Option<ServerProcess>,
     pub port: u16,
     jvm_flags: String,
+    extra_cfg: String,
 }
 
 impl PrivateZk {
     /// Starts a standalone server (tickTime 500 ms, session timeouts 1–60 s, fsynced log) with
     /// extra JVM system properties `jvm_flags` (e.g. `-Dznode.container.checkIntervalMs=100`).
     pub async fn start(jvm_flags: &str) -> Self {
+        Self::start_with(jvm_flags, "").await
+    }
+
+    /// [`start`](Self::start) with extra `zoo.cfg` lines (e.g. `maxClientCnxns=20\n`).
+    pub async fn start_with(jvm_flags: &str, extra_cfg: &str) -> Self {
         let dir = tempfile::tempdir().expect("temp dir");
         let port = free_port();
         let mut zk = PrivateZk {
             proc: None,
             port,
             jvm_flags: jvm_flags.to_owned(),
+            extra_cfg: extra_cfg.to_owned(),
         };
         zk.spawn(dir).await;
         zk
@@ -42,9 +49,10 @@ impl PrivateZk {
             format!(
                 "tickTime=500\nminSessionTimeout=1000\nmaxSessionTimeout=60000\n\
                  dataDir={}\nclientPortAddress=127.0.0.1\nclientPort={}\n\
-                 admin.enableServer=false\n4lw.commands.whitelist=ruok,srvr,stat,mntr,conf,cons,wchc,wchs\n",
+                 admin.enableServer=false\n4lw.commands.whitelist=ruok,srvr,stat,mntr,conf,cons,wchc,wchs\n{}",
                 data.display(),
-                self.port
+                self.port,
+                self.extra_cfg
             ),
         )
         .expect("zoo.cfg");
@@ -85,6 +93,24 @@ async fn session_ok(port: u16) -> bool {
         tokio::time::timeout(Duration::from_secs(5), connect).await,
         Ok(Ok(_))
     )
+}
+
+/// The number of client connections the server at `port` has open (`cons` four-letter word,
+/// one line per connection; the asking connection itself is not counted).
+pub async fn connections(port: u16) -> usize {
+    let ask = async {
+        let mut s = TcpStream::connect(("127.0.0.1", port)).await.ok()?;
+        s.write_all(b"cons").await.ok()?;
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.ok()?;
+        Some(out.lines().filter(|l| l.contains("queued=")).count())
+    };
+    tokio::time::timeout(Duration::from_secs(2), ask)
+        .await
+        .ok()
+        .flatten()
+        .expect("cons")
+        .saturating_sub(1)
 }
 
 /// ZooKeeper's `ruok` four-letter word answered `imok` (bounded: never hangs).

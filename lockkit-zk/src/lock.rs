@@ -307,11 +307,16 @@ impl ZkLock {
         let node_name = node.rsplit('/').next().unwrap_or_default().to_owned();
         loop {
             // The lease starts at the send time of a leader-ordered request whose success shows
-            // the session alive on the leader (see the session module): the create itself for the
-            // first look (a write goes through the leader, which checks the session), else a
-            // `sync` pipelined before the listing (which also makes the listing as fresh as the
-            // leader's state).
-            let (sent, children) = match created_at.take() {
+            // the session alive on the leader (see the session module): the create itself
+            // (a write goes through the leader, which checks the session) or the session's
+            // latest answered heartbeat (a `sync`), whichever is later, as long as it is less
+            // than half a TTL old (a waiter woken by its predecessor's delete); else a `sync`
+            // pipelined before the listing. The listing itself needs no `sync` for the queue's
+            // sake: lock nodes are only ever appended (higher sequence) or deleted, so a
+            // follower's view that lags can only show a predecessor that is gone already, never
+            // hide one.
+            let proof = created_at.take().max(session.last_confirmed());
+            let (sent, children) = match proof.filter(|t| t.elapsed() < session.ttl / 2) {
                 Some(at) => (
                     at,
                     session

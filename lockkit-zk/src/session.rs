@@ -55,6 +55,8 @@ pub(crate) struct Session {
     /// (see [`own_acls`](Self::own_acls)).
     pub(crate) creator_acl: bool,
     leases: Mutex<HashMap<u64, Registered>>,
+    /// Send time of the latest answered heartbeat (`sync`), or of the session's creation.
+    confirmed: Mutex<Option<Instant>>,
     next_id: AtomicU64,
     dead: AtomicBool,
     monitor: Mutex<Option<AbortHandle>>,
@@ -97,6 +99,9 @@ impl Session {
             connector = connector.with_auth("digest", &auth);
         }
         let cs = cfg.connect_string();
+        // A new session is created by a transaction the leader orders (`createSession`), after
+        // this instant: its send time is the first proof of the session's life.
+        let opened = Instant::now();
         let client =
             match tokio::time::timeout(cfg.connect_timeout_value(), connector.connect(&cs)).await {
                 Err(_) => return Err(unavailable("connecting to ZooKeeper timed out")),
@@ -120,6 +125,7 @@ impl Session {
             creator_acl: cfg.digest_auth().is_some(),
             client,
             leases: Mutex::new(HashMap::new()),
+            confirmed: Mutex::new(Some(opened)),
             next_id: AtomicU64::new(0),
             dead: AtomicBool::new(false),
             monitor: Mutex::new(None),
@@ -191,6 +197,12 @@ impl Session {
         spawn_delete_at(self.clone(), r.path, r.tracker.valid_until());
     }
 
+    /// Send time of the latest answered heartbeat, or of the session's creation: the session
+    /// was alive on the leader at some point after it (see the module docs).
+    pub(crate) fn last_confirmed(&self) -> Option<Instant> {
+        *lock(&self.confirmed)
+    }
+
     /// Forgets a lease (after its node was deleted, or found gone).
     pub(crate) fn deregister(&self, id: u64) {
         lock(&self.leases).remove(&id);
@@ -217,6 +229,10 @@ impl Session {
     /// if its deadline passed (the holder was told it lost the lock), else at its deadline (the
     /// holder dropped the lease without releasing it: it lapses after its TTL, as elsewhere).
     fn confirm_all(self: &Arc<Self>, sent: Instant) {
+        {
+            let mut c = lock(&self.confirmed);
+            *c = (*c).max(Some(sent));
+        }
         let mut lost = Vec::new();
         {
             let mut leases = lock(&self.leases);

@@ -93,6 +93,8 @@ pub trait Lock: Send + Sync + fmt::Debug {
     /// - [`Error::Unavailable`], [`Error::Auth`], [`Error::Backend`]: from the server, after the
     ///   retries allowed by [`AcquireOptions::retry`].
     /// - [`Error::NotSupported`]: the options ask for something the backend cannot do.
+    /// - [`Error::LeaseLost`]: a waiting acquire whose own server-side session or lease expired
+    ///   while it was queued (an outage); it never held the lock, and a new acquire may succeed.
     ///
     /// # Cancel safety
     /// Cancel safe: dropping the future at any point leaves no lock and no waiter entry behind
@@ -197,8 +199,9 @@ pub fn wait_deadline(wait: Wait, start: Instant) -> Option<Instant> {
 /// Runs one acquire attempt `attempt` and retries it on [`Error::is_retryable`] errors with
 /// exponential backoff and jitter (backon's `ExponentialBuilder::with_jitter`: each pause is
 /// between 1× and 2× the current delay), as configured by `opts.retry`, never sleeping past
-/// `deadline`. For backends' `acquire` implementations: `attempt` itself must respect
-/// `deadline` (a single attempt is not cut short here).
+/// `deadline` (for [`Wait::No`], no pause ends later than `max_delay` after the first
+/// attempt). For backends' `acquire` implementations: `attempt` itself must respect `deadline`
+/// (a single attempt is not cut short here).
 ///
 /// # Errors
 /// The last attempt's error.
@@ -222,6 +225,15 @@ where
             .with_jitter()
             .build()
     });
+    // A try-once acquire (`Wait::No`) still retries transient errors, but only for about one
+    // `max_delay` (it promised an answer "at once"); a timed one stops when the pause would run
+    // past its deadline.
+    let limit = match opts.wait {
+        Wait::No => opts
+            .retry
+            .and_then(|r| Instant::now().checked_add(r.max_delay)),
+        _ => deadline,
+    };
     loop {
         match attempt().await {
             Err(e) if e.is_retryable() => {
@@ -231,9 +243,7 @@ where
                 let Some(wake) = Instant::now().checked_add(delay) else {
                     return Err(e);
                 };
-                // A try-once acquire (`Wait::No`) still retries transient errors; a timed one
-                // stops when the pause would run past its deadline.
-                if opts.wait != Wait::No && deadline.is_some_and(|d| wake >= d) {
+                if limit.is_some_and(|d| wake >= d) {
                     return Err(e);
                 }
                 tracing::debug!(error = %e, ?delay, "transient error; retrying");
@@ -288,6 +298,19 @@ mod tests {
         .await;
         assert!(matches!(r, Err(Error::Unavailable { .. })));
         assert_eq!(n.load(Ordering::SeqCst), 4);
+
+        // Try-once: retries stop about one max_delay after the first attempt.
+        let k = AtomicUsize::new(0);
+        let once = AcquireOptions::new().wait(Wait::No);
+        let start = Instant::now();
+        let r: Result<()> = retry_transient(&once, Some(start), || async {
+            k.fetch_add(1, Ordering::SeqCst);
+            Err(unavailable())
+        })
+        .await;
+        assert!(matches!(r, Err(Error::Unavailable { .. })));
+        assert!(start.elapsed() <= crate::RetryPolicy::default().max_delay);
+        assert!(k.load(Ordering::SeqCst) >= 2);
 
         let m = AtomicUsize::new(0);
         let r: Result<()> = retry_transient(&opts, None, || async {

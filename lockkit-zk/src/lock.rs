@@ -488,6 +488,9 @@ impl ZkLock {
                 // The prefix node's parent is the chroot's root, which always exists unless the
                 // chroot itself is missing (deleted after connect).
                 Err(zk::Error::NoNode) if path == prefix => return Err(CHROOT_GONE),
+                // The server reaped the (empty) prefix container between the two creates: the
+                // caller's next create fails with `NoNode` again and brings us back here.
+                Err(zk::Error::NoNode) => return Ok(()),
                 Err(e) => return Err(e),
             }
         }

@@ -108,6 +108,20 @@ impl Session {
                 Ok(Err(e @ zk::Error::BadArguments(_))) => {
                     return Err(Error::config_with("invalid ZooKeeper connect string", e));
                 }
+                Ok(Err(e @ (zk::Error::NoHosts | zk::Error::ConnectionLoss))) => {
+                    // A server at its `maxClientCnxns` limit for this host accepts the TCP
+                    // connection and closes it at once; the client sees exactly this.
+                    return Err(Error::Unavailable {
+                        backend: crate::error::BACKEND,
+                        source: format!(
+                            "could not open a ZooKeeper session ({e}): no server reachable, or \
+                             each closed the connection (a server also does this to clients \
+                             beyond its maxClientCnxns connections per IP address, 60 by \
+                             default)"
+                        )
+                        .into(),
+                    });
+                }
                 Ok(Err(e)) => return Err(from_zk(e)),
                 Ok(Ok(c)) => c,
             };

@@ -118,6 +118,26 @@ async fn sessions_per_ttl_are_capped_and_closed_when_idle() {
         }
         other => panic!("expected Backend (too many sessions), got {other:?}"),
     }
+    // Other clients on this host now hit the server's maxClientCnxns: the error says so.
+    let mut others = Vec::new();
+    let refused = loop {
+        match ZkLock::connect(&format!("{}?connect_timeout_ms=2000", server.url())).await {
+            Ok(l) => others.push(l),
+            Err(e) => break e,
+        }
+        assert!(
+            others.len() <= 8,
+            "maxClientCnxns never refused a connection"
+        );
+    };
+    match &refused {
+        Error::Unavailable { .. } => {
+            let shown = format!("{refused} {:?}", std::error::Error::source(&refused));
+            assert!(shown.contains("maxClientCnxns"), "{shown}");
+        }
+        other => panic!("expected Unavailable naming maxClientCnxns, got {other:?}"),
+    }
+    drop(others);
     held.pop().unwrap().release().await.expect("release");
     let lease = locks
         .try_acquire("one-more", ttl(200))

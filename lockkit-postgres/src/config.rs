@@ -16,6 +16,31 @@ pub const DEFAULT_SCHEMA: &str = "lockkit";
 /// The default time allowed for opening one connection: 10 s.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The shortest connect timeout accepted: 10 ms.
+pub const MIN_CONNECT_TIMEOUT: Duration = Duration::from_millis(10);
+
+/// The URL parameters sqlx's [`PgConnectOptions`] understands (besides `options[NAME]`).
+const SQLX_PARAMS: &[&str] = &[
+    "sslmode",
+    "ssl-mode",
+    "sslrootcert",
+    "ssl-root-cert",
+    "ssl-ca",
+    "sslcert",
+    "ssl-cert",
+    "sslkey",
+    "ssl-key",
+    "statement-cache-capacity",
+    "host",
+    "hostaddr",
+    "port",
+    "dbname",
+    "user",
+    "password",
+    "application_name",
+    "options",
+];
+
 /// Settings of a [`PgLock`](crate::PgLock): where the server is, the lock namespace, lockkit's
 /// schema, timeouts.
 ///
@@ -83,8 +108,9 @@ impl PgConfig {
 
     /// Parses a `postgres://` (or `postgresql://`) URL.
     ///
-    /// Everything sqlx's [`PgConnectOptions`] understands is accepted (`sslmode`, `host`,
-    /// `options`, …). lockkit's own query parameters are removed before the URL reaches sqlx:
+    /// The parameters sqlx's [`PgConnectOptions`] understands are accepted (`sslmode`, `host`,
+    /// `options`, …); any other unknown parameter (a misspelling such as `ssl_mode`) is an
+    /// error. lockkit's own query parameters are removed before the URL reaches sqlx:
     ///
     /// | parameter | meaning | default |
     /// |---|---|---|
@@ -119,9 +145,9 @@ impl PgConfig {
                     let secs: f64 = v.parse().map_err(|e| {
                         Error::config_with("connect_timeout is not a number of seconds", e)
                     })?;
-                    if !(secs > 0.0 && secs <= 3600.0) {
+                    if !(secs >= MIN_CONNECT_TIMEOUT.as_secs_f64() && secs <= 3600.0) {
                         return Err(Error::config(
-                            "connect_timeout must be between 0 and 3600 seconds",
+                            "connect_timeout must be between 0.01 and 3600 seconds",
                         ));
                     }
                     connect_timeout = Some(Duration::from_secs_f64(secs));
@@ -133,7 +159,16 @@ impl PgConfig {
                         _ => return Err(Error::config("auto_migrate must be true or false")),
                     })
                 }
-                _ => rest.push((k.into_owned(), v.into_owned())),
+                k if SQLX_PARAMS.contains(&k) || k.starts_with("options[") => {
+                    rest.push((k.to_owned(), v.into_owned()))
+                }
+                k => {
+                    return Err(Error::config(format!(
+                        "unknown URL parameter {k:?} (lockkit's: prefix, schema, \
+                         connect_timeout, auto_migrate; sqlx's: {})",
+                        SQLX_PARAMS.join(", ")
+                    )));
+                }
             }
         }
         let mut stripped = parsed.clone();
@@ -203,9 +238,24 @@ impl PgConfig {
         &self.schema
     }
 
-    /// sqlx's connection options (host, port, user, TLS…).
-    pub fn get_connect_options(&self) -> &PgConnectOptions {
-        &self.connect
+    /// The server's host name (or socket directory).
+    pub fn get_host(&self) -> &str {
+        self.connect.get_host()
+    }
+
+    /// The server's port.
+    pub fn get_port(&self) -> u16 {
+        self.connect.get_port()
+    }
+
+    /// The user name.
+    pub fn get_username(&self) -> &str {
+        self.connect.get_username()
+    }
+
+    /// The database, if set.
+    pub fn get_database(&self) -> Option<&str> {
+        self.connect.get_database()
     }
 
     /// Checks the prefix, the schema name and the timeout.
@@ -213,12 +263,13 @@ impl PgConfig {
     /// # Errors
     /// [`Error::InvalidConfig`] if the prefix is empty, longer than 64 bytes, or contains `/` or a
     /// control character; if the schema is not a plain lower-case SQL identifier
-    /// (`[a-z_][a-z0-9_]*`, at most 63 bytes); or if the connect timeout is zero.
+    /// (`[a-z_][a-z0-9_]*`, at most 63 bytes); or if the connect timeout is shorter than
+    /// [`MIN_CONNECT_TIMEOUT`].
     pub fn validate(&self) -> Result<()> {
         validate_prefix(&self.prefix)?;
         validate_schema(&self.schema)?;
-        if self.connect_timeout.is_zero() {
-            return Err(Error::config("connect_timeout is zero"));
+        if self.connect_timeout < MIN_CONNECT_TIMEOUT {
+            return Err(Error::config("connect_timeout is shorter than 10 ms"));
         }
         Ok(())
     }
@@ -297,6 +348,9 @@ mod tests {
             "postgres://h/db?schema=Bad",
             "postgres://h/db?schema=a;drop",
             "postgres://h/db?connect_timeout=0",
+            "postgres://h/db?connect_timeout=0.000001",
+            "postgres://h/db?ssl_mode=require",
+            "postgres://h/db?sslmod=require",
             "postgres://h/db?auto_migrate=maybe",
             "postgres://h:notaport/db",
         ] {

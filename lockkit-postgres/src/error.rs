@@ -12,8 +12,10 @@ pub(crate) fn from_sqlx(e: sqlx::Error) -> Error {
         sqlx::Error::Configuration(_) => {
             Error::config_with("invalid PostgreSQL connection options", e)
         }
+        // TLS refused by the server or a certificate that does not verify: retrying will
+        // not help.
+        sqlx::Error::Tls(_) => Error::config_with("TLS connection failed", e),
         sqlx::Error::Io(_)
-        | sqlx::Error::Tls(_)
         | sqlx::Error::PoolTimedOut
         | sqlx::Error::PoolClosed
         | sqlx::Error::WorkerCrashed => unavailable(e),

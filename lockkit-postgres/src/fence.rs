@@ -14,11 +14,11 @@ use crate::error::{Msg, from_sqlx};
 /// with 34"), done by PostgreSQL in the caller's transaction: the same statement that writes the
 /// data compares and stores the token, so no later holder can slip in between.
 ///
-/// [`update`](Self::update) runs
+/// [`update`](Self::update) runs one statement that locks the rows matching your filter
+/// (`SELECT … FOR UPDATE`), checks that none of them stores a newer token, and only then runs
 ///
 /// ```sql
-/// UPDATE {table} SET {set}, {token_column} = $t
-///  WHERE ({filter}) AND ({token_column} IS NULL OR {token_column} <= $t)
+/// UPDATE {table} SET {set}, {token_column} = $t WHERE ({filter})
 /// ```
 ///
 /// where `$t` is the lease's token, bound after your own arguments. Rows whose token is `NULL`
@@ -48,13 +48,17 @@ use crate::error::{Msg, from_sqlx};
 #[derive(Debug, Clone)]
 pub struct PgFence {
     table: String,
-    token_column: String,
+    /// `table`, folded to lower case and quoted, for the SQL text.
+    table_sql: String,
+    /// The token column, folded to lower case and quoted, for the SQL text.
+    column_sql: String,
 }
 
 impl PgFence {
     /// A fence on `table` (`name` or `schema.name`) whose token column is `token_column`
     /// (a `bigint`). Both must be plain SQL identifiers (`[A-Za-z_][A-Za-z0-9_]*`); they are
-    /// put into the SQL text as written (unquoted, so PostgreSQL folds them to lower case).
+    /// folded to lower case (as PostgreSQL does with unquoted names) and quoted, so reserved
+    /// words such as `user` work.
     ///
     /// # Errors
     /// [`Error::InvalidConfig`] if a name is not a plain identifier.
@@ -70,22 +74,27 @@ impl PgFence {
                 "fence token column must be a plain SQL identifier",
             ));
         }
+        // Folding to lower case is what PostgreSQL does with unquoted names; quoting then lets
+        // reserved words (`user`, `order`) through.
+        let q = |p: &str| crate::lock::quote_ident(&p.to_ascii_lowercase());
         Ok(Self {
             table: table.to_owned(),
-            token_column: token_column.to_owned(),
+            table_sql: parts.iter().map(|p| q(p)).collect::<Vec<_>>().join("."),
+            column_sql: q(token_column),
         })
     }
 
-    /// Runs `UPDATE {table} SET {set} … WHERE ({filter})` on the rows whose stored token is not
-    /// newer than `token`, stores `token` in them, and returns how many rows were updated.
+    /// Runs `UPDATE {table} SET {set} … WHERE ({filter})` if none of the rows matching `filter`
+    /// stores a token newer than `token`, stores `token` in them, and returns how many rows were
+    /// updated. All or nothing: if any matching row is newer, no row is changed.
     ///
     /// `set` and `filter` are SQL fragments written by you (never user input), using `$1…$n`
     /// for the values in `args`. `conn` is usually your transaction (`&mut tx`): the update
     /// commits or rolls back with it.
     ///
     /// # Errors
-    /// - [`Error::StaleToken`] if rows match `filter` but every one of them carries a newer
-    ///   token (`current` is the newest); nothing was changed.
+    /// - [`Error::StaleToken`] if any row matching `filter` carries a newer token (`current`
+    ///   is the newest); nothing was changed.
     /// - [`Error::Backend`] for an SQL error (the transaction is then aborted, as usual), or
     ///   [`Error::Unavailable`] if the connection broke.
     ///
@@ -105,40 +114,35 @@ impl PgFence {
         let t = i64::try_from(token.get())
             .map_err(|_| Error::config("fencing token does not fit a bigint"))?;
         let n = args.len() + 1;
-        let (table, col) = (&self.table, &self.token_column);
+        let (table, col) = (&self.table_sql, &self.column_sql);
+        // One statement, all or nothing: lock the matching rows, check that none carries a
+        // newer token, and update them only if so.
         let sql = format!(
-            "UPDATE {table} SET {set}, {col} = ${n} \
-             WHERE ({filter}) AND ({col} IS NULL OR {col} <= ${n})"
+            "WITH m AS (SELECT {col} AS t FROM {table} WHERE ({filter}) FOR UPDATE), \
+                  c AS (SELECT count(*) AS n, max(t) AS newest, \
+                               coalesce(bool_and(t IS NULL OR t <= ${n}), true) AS ok FROM m), \
+                  u AS (UPDATE {table} SET {set}, {col} = ${n} \
+                        WHERE ({filter}) AND (SELECT ok FROM c) RETURNING 1) \
+             SELECT (SELECT count(*) FROM u), c.ok, c.newest FROM c"
         );
-        let mut update_args = args.clone();
-        update_args
-            .add(t)
+        let mut all = args;
+        all.add(t)
             .map_err(|e| Error::config_with("cannot encode the fencing token", e))?;
-        let done = sqlx::query_with(&sql, update_args)
-            .execute(&mut *conn)
+        let (done, ok, newest): (i64, bool, Option<i64>) = sqlx::query_as_with(&sql, all)
+            .fetch_one(&mut *conn)
             .await
-            .map_err(from_sqlx)?
-            .rows_affected();
-        if done > 0 {
-            return Ok(done);
+            .map_err(from_sqlx)?;
+        if ok {
+            return Ok(u64::try_from(done).unwrap_or(0));
         }
-        let newest: Option<i64> = sqlx::query_scalar_with(
-            &format!("SELECT max({col}) FROM {table} WHERE ({filter})"),
-            args,
-        )
-        .fetch_one(&mut *conn)
-        .await
-        .map_err(from_sqlx)?;
-        match newest {
-            Some(current) => Err(Error::StaleToken {
-                resource: self.table.clone(),
-                token,
-                current: FencingToken::new(u64::try_from(current).map_err(|_| {
-                    crate::error::backend(Msg("negative token in the fenced table".into()))
-                })?),
-            }),
-            None => Ok(0),
-        }
+        let current = newest.unwrap_or(i64::MAX);
+        Err(Error::StaleToken {
+            resource: self.table.clone(),
+            token,
+            current: FencingToken::new(u64::try_from(current).map_err(|_| {
+                crate::error::backend(Msg("negative token in the fenced table".into()))
+            })?),
+        })
     }
 
     /// The table this fence guards.

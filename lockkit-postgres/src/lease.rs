@@ -2,13 +2,13 @@
 
 use std::any::Any;
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use lockkit_core::{Error, Instant, LeaseOps, Result};
+use lockkit_core::{Error, Instant, LeaseOps, LeaseState, LeaseTracker, Result};
 
-use crate::lock::{Conn, Inner, ttl_ms};
+use crate::lock::{Conn, Inner, SESSION_CHECK, ttl_ms};
 
 /// The server side of one PostgreSQL lease: the dedicated connection whose session holds the
 /// advisory lock.
@@ -18,6 +18,10 @@ use crate::lock::{Conn, Inner, ttl_ms};
 ///   (same `pg_backend_pid()`).
 /// - **Release** runs `pg_advisory_unlock(key)`; the connection, now holding nothing, is kept for
 ///   later acquires.
+/// - **Session watch.** While the lease is held, a background task asks the server every
+///   [`SESSION_CHECK`] (1 s, on another connection) whether the session still exists, and
+///   marks the lease lost at once when it does not (server restart, `pg_terminate_backend`,
+///   crash of the backend): see the crate docs for the exact detection window.
 /// - Any error on the connection means the session is gone or unusable: the connection is
 ///   closed (the server frees the lock when the session ends, at the latest one TTL after the
 ///   last renewal) and the call returns [`Error::NotHeld`]. The lock is never taken again.
@@ -30,7 +34,9 @@ pub struct PgLease {
     key: i64,
     pid: i32,
     ttl: Duration,
+    tracker: LeaseTracker,
     conn: tokio::sync::Mutex<Option<Conn>>,
+    watch: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl fmt::Debug for PgLease {
@@ -44,14 +50,35 @@ impl fmt::Debug for PgLease {
 }
 
 impl PgLease {
-    pub(crate) fn new(inner: Arc<Inner>, name: &str, key: i64, ttl: Duration, conn: Conn) -> Self {
+    pub(crate) fn new(
+        inner: Arc<Inner>,
+        name: &str,
+        key: i64,
+        tracker: LeaseTracker,
+        conn: Conn,
+    ) -> Self {
+        let watch = tokio::runtime::Handle::try_current().ok().map(|rt| {
+            rt.spawn(watch_session(
+                Arc::downgrade(&inner),
+                conn.pid,
+                tracker.clone(),
+            ))
+        });
         Self {
             inner,
             name: name.to_owned(),
             key,
             pid: conn.pid,
-            ttl,
+            ttl: tracker.ttl(),
+            tracker,
             conn: tokio::sync::Mutex::new(Some(conn)),
+            watch,
+        }
+    }
+
+    fn stop_watch(&self) {
+        if let Some(w) = &self.watch {
+            w.abort();
         }
     }
 
@@ -79,23 +106,28 @@ impl LeaseOps for PgLease {
     ///
     /// # Errors
     /// [`Error::NotHeld`] if the session is gone (killed by its idle timeout or an
-    /// administrator, server restart, broken connection) or is not the one that was granted
-    /// the lock.
+    /// administrator, server restart, broken connection), is not the one that was granted
+    /// the lock, or the lease was already lost on the client side when the renewal was
+    /// acknowledged (the connection is then closed, which frees the lock).
     ///
     /// # Cancel safety
-    /// Cancel safe: the statement either reached the server (and restarted the timer) or not;
-    /// the connection finishes the pending exchange before its next statement.
+    /// Cancel safe: the connection is owned by the renewal while it runs, and a dropped renewal
+    /// closes it. A renewal statement still in flight then cannot keep the session alive past
+    /// its TTL: the server ends the session when it reads the close, which frees the lock.
     async fn renew(&self, ttl: Duration) -> Result<()> {
         let mut guard = self.conn.lock().await;
-        let Some(c) = guard.as_mut() else {
+        // Owned by this future from here on: dropping the future closes the connection.
+        let Some(mut c) = guard.take() else {
             return Err(self.not_held());
         };
+        if self.tracker.state() == LeaseState::Lost {
+            return Err(self.not_held());
+        }
         let ms = ttl_ms(ttl);
         let sent = Instant::now();
-        // A renewal that takes a whole TTL is useless: the server ends an idle session then,
-        // and the client-side deadline has passed. Give up and close the connection.
-        let res = tokio::time::timeout(
-            ttl,
+        // A renewal that outlives the lease is useless: give up at the deadline and close.
+        let res = tokio::time::timeout_at(
+            self.tracker.valid_until(),
             sqlx::query_scalar::<_, i32>(
                 "SELECT pg_backend_pid() FROM (SELECT set_config('idle_session_timeout', $1, false)) s",
             )
@@ -105,20 +137,24 @@ impl LeaseOps for PgLease {
         .await
         .unwrap_or_else(|_| Err(sqlx::Error::Io(std::io::ErrorKind::TimedOut.into())));
         match res {
+            Ok(_) if self.tracker.state() == LeaseState::Lost => {
+                // Acknowledged after the holder was told the lease is lost: closing the
+                // connection gives the lock back.
+                Err(self.not_held())
+            }
             Ok(pid) if pid == self.pid => {
                 c.last_sent = sent;
                 c.idle_ms = ms;
+                *guard = Some(c);
                 Ok(())
             }
             Ok(pid) => {
                 tracing::warn!(lock = %self.name, expected = self.pid, got = pid,
                     "renew reached another server session (connection pooler?); lease lost");
-                *guard = None;
                 Err(self.not_held())
             }
             Err(e) => {
                 tracing::debug!(lock = %self.name, error = %e, "renew failed: session gone");
-                *guard = None;
                 Err(self.not_held())
             }
         }
@@ -127,29 +163,34 @@ impl LeaseOps for PgLease {
     /// Unlocks with `pg_advisory_unlock(key)`; see [`PgLease`].
     ///
     /// # Errors
-    /// [`Error::NotHeld`] if the session is gone or did not hold the lock;
-    /// [`Error::Unavailable`] if the server did not answer within the TTL (the connection is
-    /// closed, so the server frees the lock when it sees the close or after the TTL).
+    /// [`Error::NotHeld`] if the session is gone or did not hold the lock, if the lease is
+    /// already lost on the client side (the connection is closed at once, without a request),
+    /// or if the server did not answer before the lease's deadline (the connection is closed,
+    /// so the server frees the lock when it sees the close or after the TTL).
     ///
     /// # Cancel safety
     /// Cancel safe: if the future is dropped, the connection is closed, which ends the session
     /// and frees the lock.
     async fn release(&self) -> Result<()> {
+        self.stop_watch();
         let mut guard = self.conn.lock().await;
         let Some(mut c) = guard.take() else {
             return Err(self.not_held());
         };
         drop(guard);
+        if self.tracker.state() == LeaseState::Lost {
+            // Closing the connection (dropping `c`) ends the session, if it still exists.
+            return Err(self.not_held());
+        }
         let sent = Instant::now();
         let unlock = sqlx::query_scalar::<_, bool>("SELECT pg_advisory_unlock($1)")
             .bind(self.key)
             .fetch_one(&mut c.conn);
-        let Ok(res) = tokio::time::timeout(self.ttl, unlock).await else {
-            // No answer within a TTL: close the connection (the server frees the lock when it
-            // sees the close, or when the session's idle timeout fires).
-            return Err(crate::error::unavailable(crate::error::Msg(
-                "the server did not answer the unlock within the TTL".into(),
-            )));
+        let Ok(res) = tokio::time::timeout_at(self.tracker.valid_until(), unlock).await else {
+            // No answer before the deadline: close the connection (the server frees the lock
+            // when it sees the close, or when the session's idle timeout fires).
+            tracing::debug!(lock = %self.name, "no answer to the unlock before the deadline");
+            return Err(self.not_held());
         };
         match res {
             Ok(true) => {
@@ -175,6 +216,7 @@ impl Drop for PgLease {
     /// release-on-drop off) keeps its session open until the server's idle timeout ends it, so
     /// the lock stays held for the TTL as documented, not longer.
     fn drop(&mut self) {
+        self.stop_watch();
         let Some(c) = self.conn.get_mut().take() else {
             return;
         };
@@ -184,6 +226,28 @@ impl Drop for PgLease {
                 tokio::time::sleep_until(until).await;
                 drop(c);
             });
+        }
+    }
+}
+
+/// Checks every [`SESSION_CHECK`] (on another connection) that the session `pid` still exists,
+/// and marks the lease lost as soon as it does not. Ends when the lease is lost.
+async fn watch_session(inner: Weak<Inner>, pid: i32, tracker: LeaseTracker) {
+    loop {
+        tokio::select! {
+            () = tracker.lost() => return,
+            () = tokio::time::sleep(SESSION_CHECK) => {}
+        }
+        let Some(inner) = inner.upgrade() else {
+            return;
+        };
+        if inner.session_exists(pid).await == Some(false) {
+            tracing::warn!(
+                backend_pid = pid,
+                "the lease's server session ended; lease lost"
+            );
+            tracker.mark_lost();
+            return;
         }
     }
 }

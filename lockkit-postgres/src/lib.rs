@@ -62,21 +62,47 @@
 //!   and `client_connection_check_interval = 250 ms`
 //!   (<https://www.postgresql.org/docs/current/runtime-config-connection.html#GUC-CLIENT-CONNECTION-CHECK-INTERVAL>),
 //!   so a waiter whose client went away leaves the lock queue promptly.
+//! - **Session watch.** A session can also end while its holder is fine: server restart or
+//!   crash, `pg_terminate_backend`, a killed backend. The server then frees the lock at once and
+//!   may grant it to another client, but the socket is not read between statements, so the
+//!   holder would only learn it at its next renewal (TTL/3 with keepalive, never without). So
+//!   every held lease checks every [`SESSION_CHECK`] (1 s), on another connection, that its
+//!   session still exists in `pg_stat_activity`, and is marked lost as soon as it does not.
+//!   **Detection window:** the holder's [`lost()`](lockkit_core::Lease::lost) fires at most
+//!   `SESSION_CHECK` + 2 × connect timeout after the server can be asked again (after
+//!   `pg_terminate_backend`: about 1 s; after a restart: about 1 s after the server accepts
+//!   connections). Within that window two clients may both believe they hold the lock: writes
+//!   must be fenced by the token (a server restart or kill is not a pause the TTL covers).
 //! - **Renew** runs one statement on the session (restarting the idle timer) and checks the
 //!   backend pid is unchanged. If the session is gone (idle timeout, `pg_terminate_backend`,
 //!   server restart, broken connection), renew and release return
 //!   [`Error::NotHeld`](lockkit_core::Error::NotHeld) and the lease is lost; the lock is never
 //!   re-taken.
 //! - **Release** is `pg_advisory_unlock(key)`.
-//! - **Waiting** happens in the server's lock queue: `pg_advisory_lock(key)` with
+//! - **Waiting** happens in the server's lock queue: `SELECT pg_advisory_lock(key)` with
 //!   [`lock_timeout`](https://www.postgresql.org/docs/current/runtime-config-client.html#GUC-LOCK-TIMEOUT)
-//!   set to the time left; no polling. Dropping a waiting acquire closes its connection, which
-//!   ends the session and so its place in the queue and any lock granted meanwhile.
+//!   set to the time left; no polling. The waiting statement touches no table (the token is
+//!   bumped by a separate statement once the lock is granted), so it holds no table lock and
+//!   DDL on the fence table is never queued behind a waiter. Like any running statement it
+//!   does hold a snapshot (`backend_xmin` in `pg_stat_activity`) for as long as it waits, which
+//!   holds back VACUUM's cleanup horizon: prefer bounded waits over very long `Wait::Forever`
+//!   ones on busy databases. Every 3 s a waiting acquire checks on another connection that its
+//!   waiting session still exists, so a connection cut off without FIN or RST (which sqlx would
+//!   otherwise wait on forever) ends the wait with
+//!   [`Error::Unavailable`](lockkit_core::Error::Unavailable). Opening a connection counts
+//!   against the wait: a timed acquire returns
+//!   [`Error::Timeout`](lockkit_core::Error::Timeout) at its deadline even if the server does
+//!   not answer the connect, and a try-once (`Wait::No`) gets the connect timeout in all,
+//!   retries included. Dropping a waiting acquire closes its connection, which ends the session
+//!   and so its place in the queue and any lock granted meanwhile.
 //!
 //! ## Fencing tokens
 //! A token is a per-name counter in lockkit's table `{schema}.fence` (created by
-//! [`PgLock::migrate`], or on connect). The statement that takes the lock bumps the counter in
-//! the same autocommit statement, only when the lock was granted:
+//! [`PgLock::migrate`], or on connect), bumped only by the session that holds the lock. A
+//! try-acquire takes the lock and bumps the counter in one autocommit statement, only when the
+//! lock was granted; a waiting acquire runs the same `INSERT … ON CONFLICT` bump as a separate
+//! statement right after the grant (if it fails or is cancelled, the connection is closed, which
+//! frees the lock):
 //!
 //! ```sql
 //! WITH l AS MATERIALIZED (SELECT pg_try_advisory_lock($1) AS ok),
@@ -94,7 +120,8 @@
 //!
 //! ## Lock keys
 //! Names map to the advisory key space by [`lock_key`]: the first 8 bytes of SHA-256 of
-//! `"{prefix}/{name}"`. The fence row stores the full name, so a collision between two names is
+//! `"{prefix}/{name}"` (with the schema mixed in for a schema other than `lockkit`, see
+//! [`lock_key_in`], so two schemas on one database never share a lock). The fence row stores the full name, so a collision between two names is
 //! reported as an error instead of making them share a lock.
 //!
 //! ## Connection poolers
@@ -110,6 +137,7 @@
 //! |---|---|
 //! | kind | correctness lock, on one server |
 //! | lease expiry | idle_session_timeout = TTL, ms precision, slack ≤ 100 ms |
+//! | session ended by restart / kill | holder told within ~1 s ([`SESSION_CHECK`] + check) |
 //! | tokens | durable, strictly increasing per name, survive server restarts |
 //! | waiters | FIFO (PostgreSQL's lock queue) |
 //! | manual renewal | yes (`keepalive(false)`) |
@@ -132,10 +160,12 @@ mod fence;
 mod lease;
 mod lock;
 
-pub use config::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_PREFIX, DEFAULT_SCHEMA, PgConfig};
+pub use config::{
+    DEFAULT_CONNECT_TIMEOUT, DEFAULT_PREFIX, DEFAULT_SCHEMA, MIN_CONNECT_TIMEOUT, PgConfig,
+};
 pub use fence::PgFence;
 pub use lease::PgLease;
-pub use lock::{PgLock, lock_key};
+pub use lock::{PgLock, SESSION_CHECK, lock_key, lock_key_in};
 
 /// sqlx, as used by this crate (for [`PgFence`]'s arguments and [`PgConfig::new`]'s options).
 pub use sqlx;

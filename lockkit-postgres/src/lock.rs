@@ -1,6 +1,7 @@
 //! [`PgLock`]: acquiring advisory locks as leases, with tokens from lockkit's fence table.
 
 use std::fmt;
+use std::future::Future;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -24,6 +25,13 @@ const CLIENT_CHECK_MS: &str = "250";
 /// its own and closes the connection.
 const CLIENT_WAIT_GRACE: Duration = Duration::from_secs(2);
 
+/// How often a waiting acquire checks, on another connection, that its waiting session still
+/// exists (see `Inner::watched`).
+pub(crate) const WAIT_CHECK: Duration = Duration::from_secs(3);
+
+/// How often a held lease checks, on another connection, that its session still exists.
+pub const SESSION_CHECK: Duration = Duration::from_secs(1);
+
 /// The advisory lock key of lock `name` under `prefix`.
 ///
 /// The key is the first 8 bytes of the SHA-256 digest of the UTF-8 bytes of `"{prefix}/{name}"`,
@@ -33,6 +41,9 @@ const CLIENT_WAIT_GRACE: Duration = Duration::from_secs(2);
 /// (<https://www.postgresql.org/docs/current/functions-admin.html#FUNCTIONS-ADVISORY-LOCKS>), so
 /// `pg_locks` shows it split into `classid` (high 32 bits) and `objid` (low 32 bits) with
 /// `objsubid = 1`.
+///
+/// This is the key in lockkit's default schema ([`DEFAULT_SCHEMA`](crate::DEFAULT_SCHEMA)); see
+/// [`lock_key_in`] for other schemas.
 ///
 /// Two different names share a key with probability about 2⁻⁶⁴ per pair. lockkit detects it: the
 /// fence row of a key stores the full name, and an acquire whose name differs from the stored one
@@ -50,6 +61,29 @@ const CLIENT_WAIT_GRACE: Duration = Duration::from_secs(2);
 /// ```
 pub fn lock_key(prefix: &str, name: &str) -> i64 {
     key_of(&full_name(prefix, name))
+}
+
+/// The advisory lock key of lock `name` under `prefix` when lockkit's table lives in `schema`.
+///
+/// Advisory locks are database-wide while each schema has its own token counters, so two
+/// schemas must never share a key: a lock taken through schema `a` would otherwise exclude the
+/// same name in schema `b` while the tokens of the two counters interleave (and so could go
+/// backwards for the lock). For the default schema this is [`lock_key`]; for any other schema
+/// the key is derived from `"{schema}\0{prefix}/{name}"` (`\0` appears neither in a schema
+/// nor in a prefix), so the same name in two schemas is two different locks.
+///
+/// ```
+/// use lockkit_postgres::{lock_key, lock_key_in};
+/// assert_eq!(lock_key_in("lockkit", "app", "jobs"), lock_key("app", "jobs"));
+/// assert_ne!(lock_key_in("other", "app", "jobs"), lock_key("app", "jobs"));
+/// ```
+pub fn lock_key_in(schema: &str, prefix: &str, name: &str) -> i64 {
+    let full = full_name(prefix, name);
+    if schema == crate::DEFAULT_SCHEMA {
+        key_of(&full)
+    } else {
+        key_of(&format!("{schema}\0{full}"))
+    }
 }
 
 fn full_name(prefix: &str, name: &str) -> String {
@@ -82,7 +116,7 @@ pub(crate) struct Conn {
 /// SQL texts with lockkit's schema filled in.
 struct Sql {
     grant_try: String,
-    grant_wait: String,
+    bump: String,
     name_of: String,
     table_exists: String,
     migrate: String,
@@ -90,41 +124,59 @@ struct Sql {
 
 impl Sql {
     fn new(schema: &str) -> Self {
-        // One statement takes the lock and, only if it was granted, bumps the name's token in
-        // the same implicit transaction, which commits when the statement ends (autocommit):
-        // a returned token is committed, and a granted lock always comes with a fresh token.
-        // The CTE `l` is referenced twice, so it is evaluated exactly once.
-        let grant = |lock_expr: &str| {
-            format!(
-                "WITH l AS MATERIALIZED ({lock_expr}), \
-                 b AS (INSERT INTO {schema}.fence AS f (key, name, token) \
+        // validate_schema allows only [a-z_][a-z0-9_]*, so quoting changes nothing but lets
+        // reserved words (`select`, `user`) through.
+        let q = quote_ident(schema);
+        // The bump of the name's token, run only by the session that holds the lock: tokens of
+        // one name follow lock order. It returns no row if another name is stored under the key
+        // (a hash collision).
+        let bump = format!(
+            "INSERT INTO {q}.fence AS f (key, name, token) VALUES ($1, $2, 1) \
+             ON CONFLICT (key) DO UPDATE SET token = f.token + 1 \
+             WHERE f.name = excluded.name \
+             RETURNING f.token"
+        );
+        Self {
+            // A try-acquire takes the lock and, only if it was granted, bumps the token in the
+            // same implicit transaction, which commits when the statement ends (autocommit): a
+            // returned token is committed, and a granted lock always comes with a fresh token.
+            // The CTE `l` is referenced twice, so it is evaluated exactly once. It never waits,
+            // so it holds its snapshot and its lock on the fence table only for an instant.
+            grant_try: format!(
+                "WITH l AS MATERIALIZED (SELECT pg_try_advisory_lock($1) AS ok), \
+                 b AS (INSERT INTO {q}.fence AS f (key, name, token) \
                        SELECT $1, $2, 1 FROM l WHERE l.ok \
                        ON CONFLICT (key) DO UPDATE SET token = f.token + 1 \
                        WHERE f.name = excluded.name \
                        RETURNING f.token) \
                  SELECT l.ok, (SELECT token FROM b) FROM l"
-            )
-        };
-        Self {
-            grant_try: grant("SELECT pg_try_advisory_lock($1) AS ok"),
-            grant_wait: grant("SELECT true AS ok FROM pg_advisory_lock($1)"),
-            name_of: format!("SELECT name FROM {schema}.fence WHERE key = $1"),
-            table_exists: format!("SELECT to_regclass('{schema}.fence') IS NOT NULL"),
+            ),
+            bump,
+            name_of: format!("SELECT name FROM {q}.fence WHERE key = $1"),
+            table_exists: format!(
+                "SELECT to_regclass('{}.fence') IS NOT NULL",
+                q.replace('\'', "''")
+            ),
             migrate: format!(
                 "BEGIN; \
                  SELECT pg_advisory_xact_lock({mk}); \
-                 CREATE SCHEMA IF NOT EXISTS {schema}; \
-                 CREATE TABLE IF NOT EXISTS {schema}.fence ( \
+                 CREATE SCHEMA IF NOT EXISTS {q}; \
+                 CREATE TABLE IF NOT EXISTS {q}.fence ( \
                    key bigint PRIMARY KEY, \
                    name text NOT NULL, \
                    token bigint NOT NULL CHECK (token > 0)); \
-                 COMMENT ON TABLE {schema}.fence IS \
+                 COMMENT ON TABLE {q}.fence IS \
                    'lockkit: last fencing token granted per advisory lock key (name = prefix/name)'; \
                  COMMIT;",
                 mk = migrate_key()
             ),
         }
     }
+}
+
+/// `ident` as a quoted SQL identifier (`"…"`, inner quotes doubled).
+pub(crate) fn quote_ident(ident: &str) -> String {
+    format!("\"{}\"", ident.replace('"', "\"\""))
 }
 
 pub(crate) struct Inner {
@@ -242,28 +294,37 @@ impl Inner {
     /// dead. Every error path drops the connection it used (closing it frees anything it held),
     /// except the outcomes known to leave nothing held (`Held`, a key collision after its
     /// explicit unlock, a deadline that passed before the wait started), which keep it.
+    ///
+    /// A timed wait gets no more than its deadline to obtain a connection (else
+    /// [`Error::Timeout`]) and its deadline plus a grace period in all; a try-once is bounded
+    /// by the caller ([`PgLock::acquire`] gives it the connect timeout in all).
     async fn attempt(&self, req: &Request<'_>) -> Result<Granted> {
         let mut may_retry = true;
         loop {
-            let (mut c, reused) = self.checkout().await?;
-            // A server that stops answering must not hang the acquire: a try-once gets the
-            // connect timeout, a timed wait its deadline plus a grace period. On expiry the
-            // connection is dropped (closed), which ends the session and whatever it held.
-            let limit = match req.opts.wait {
-                Wait::No => Some(Instant::now() + self.config.connect_timeout),
-                Wait::Timeout(_) => req.deadline.map(|d| d + CLIENT_WAIT_GRACE),
-                Wait::Forever => None,
-            };
-            let once = self.try_once(&mut c, req);
-            let res = match limit {
-                Some(l) => match tokio::time::timeout_at(l, once).await {
-                    Ok(r) => r,
-                    Err(_) if req.opts.wait == Wait::No => Err(unavailable(Msg(
-                        "the server did not answer the lock request in time".into(),
-                    ))),
-                    Err(_) => Ok(Outcome::Timeout { reusable: false }),
+            let timed = matches!(req.opts.wait, Wait::Timeout(_));
+            let (mut c, reused) = match req.deadline.filter(|_| timed) {
+                Some(d) => match tokio::time::timeout_at(d, self.checkout()).await {
+                    Ok(r) => r?,
+                    Err(_) => return Err(req.timeout()),
                 },
-                None => once.await,
+                None => self.checkout().await?,
+            };
+            // A server that stops answering must not hang the acquire: a timed wait gets its
+            // deadline plus a grace period, and every wait is watched (see `watched`). On
+            // expiry the connection is dropped (closed), which ends the session and whatever
+            // it held. A try-once is bounded by `acquire`.
+            let pid = c.pid;
+            let once = self.try_once(&mut c, req);
+            let res = match (req.opts.wait, req.deadline) {
+                (Wait::No, _) => once.await,
+                (_, Some(d)) => {
+                    let watched = self.watched(pid, once);
+                    match tokio::time::timeout_at(d + CLIENT_WAIT_GRACE, watched).await {
+                        Ok(r) => r.and_then(|r| r),
+                        Err(_) => Ok(Outcome::Timeout { reusable: false }),
+                    }
+                }
+                (_, None) => self.watched(pid, once).await.and_then(|r| r),
             };
             match res {
                 Ok(Outcome::Granted { token, sent }) => {
@@ -283,10 +344,7 @@ impl Inner {
                     if reusable {
                         self.put_idle(c);
                     }
-                    return Err(Error::Timeout {
-                        name: req.name.to_owned(),
-                        waited: req.start.elapsed(),
-                    });
+                    return Err(req.timeout());
                 }
                 Ok(Outcome::Collision(e)) => {
                     self.put_idle(c);
@@ -302,6 +360,47 @@ impl Inner {
                 }
                 Err(e) => return Err(e),
             }
+        }
+    }
+
+    /// Whether the session `pid` still exists on the server, asked on another connection
+    /// within the connect timeout. `false` also when the server cannot be asked.
+    async fn session_alive(&self, pid: i32) -> bool {
+        self.session_exists(pid).await == Some(true)
+    }
+
+    /// Whether the session `pid` still exists on the server, asked on another connection
+    /// within the connect timeout; `None` if the server could not be asked.
+    pub(crate) async fn session_exists(&self, pid: i32) -> Option<bool> {
+        let check = async {
+            let query = "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)";
+            let (mut c, reused) = self.checkout().await?;
+            c.last_sent = Instant::now();
+            let res = sqlx::query_scalar(query)
+                .bind(pid)
+                .fetch_one(&mut c.conn)
+                .await;
+            let alive: bool = match res {
+                Ok(a) => a,
+                Err(_) if reused => {
+                    // A dead cached connection (the server restarted): so are the others.
+                    self.idle().clear();
+                    c = self.open().await?;
+                    c.last_sent = Instant::now();
+                    sqlx::query_scalar(query)
+                        .bind(pid)
+                        .fetch_one(&mut c.conn)
+                        .await
+                        .map_err(from_sqlx)?
+                }
+                Err(e) => return Err(from_sqlx(e)),
+            };
+            self.put_idle(c);
+            Ok::<_, Error>(alive)
+        };
+        match tokio::time::timeout(self.config.connect_timeout, check).await {
+            Ok(Ok(alive)) => Some(alive),
+            _ => None,
         }
     }
 
@@ -359,28 +458,16 @@ impl Inner {
             .execute(&mut c.conn)
             .await
             .map_err(from_sqlx)?;
+        // The wait is a statement that touches no table, so a waiting session holds no
+        // snapshot and no table lock (it would hold back VACUUM and queue DDL on the fence
+        // table, and every acquire behind that DDL). The token is bumped afterwards, while the
+        // lock is held.
         c.last_sent = Instant::now();
-        let wait = sqlx::query_as::<_, (bool, Option<i64>)>(&self.sql.grant_wait)
+        let wait = sqlx::query("SELECT pg_advisory_lock($1)")
             .bind(req.key)
-            .bind(req.full)
-            .fetch_one(&mut c.conn);
-        let res = match req.deadline {
-            Some(d) => match tokio::time::timeout_at(d + CLIENT_WAIT_GRACE, wait).await {
-                Ok(r) => r,
-                // The server did not answer: the connection is dropped by the caller, which
-                // ends the session and anything it was granted meanwhile.
-                Err(_) => return Ok(Outcome::Timeout { reusable: false }),
-            },
-            None => wait.await,
-        };
-        let token = match res {
-            Ok((true, Some(t))) => t,
-            Ok((true, None)) => return self.collision(c, req).await,
-            Ok((false, _)) => {
-                return Err(backend(Msg(
-                    "pg_advisory_lock returned without the lock".into()
-                )));
-            }
+            .execute(&mut c.conn);
+        match wait.await {
+            Ok(_) => {}
             // lock_not_available: lock_timeout ran out. Usually in the queue, but the timeout
             // can also fire just as the lock is granted: its SIGINT then cancels the rest of
             // the statement, and the session-level lock stays held (an error does not release
@@ -391,17 +478,47 @@ impl Inner {
                 return Ok(Outcome::Timeout { reusable: false });
             }
             Err(e) => return Err(from_sqlx(e)),
-        };
-        // The server started the TTL when it sent the grant, which may be long after the wait
-        // statement was sent. A statement sent now restarts the idle timer, so its send time is
-        // a safe start for the client-side deadline.
+        }
+        // Granted. The bump restarts the session's idle timer (which the server started when
+        // it sent the grant), so its send time is a safe start for the client-side deadline.
+        // If this future is dropped or the bump fails, the caller drops the connection, which
+        // ends the session and frees the lock.
         let sent = Instant::now();
-        sqlx::query("SELECT 1")
-            .execute(&mut c.conn)
+        let token: Option<i64> = sqlx::query_scalar(&self.sql.bump)
+            .bind(req.key)
+            .bind(req.full)
+            .fetch_optional(&mut c.conn)
             .await
             .map_err(|e| unavailable(Msg(format!("session lost right after the grant: {e}"))))?;
         c.last_sent = sent;
-        Ok(Outcome::Granted { token, sent })
+        match token {
+            Some(token) => Ok(Outcome::Granted { token, sent }),
+            None => self.collision(c, req).await,
+        }
+    }
+
+    /// Runs `wait` (a statement waiting in the server's lock queue on session `pid`), checking
+    /// every [`WAIT_CHECK`] on another connection that the session still exists. A connection
+    /// that died without a FIN or RST (network partition, crashed host) would otherwise leave
+    /// the client waiting for a reply forever: the server ends such a session through its TCP
+    /// keepalive / `tcp_user_timeout` (about 16 s), and a cut-off client cannot open the check
+    /// connection. Either way the wait ends with [`Error::Unavailable`] (the caller drops the
+    /// connection).
+    async fn watched<T>(&self, pid: i32, wait: impl Future<Output = T>) -> Result<T> {
+        tokio::pin!(wait);
+        loop {
+            tokio::select! {
+                biased;
+                r = &mut wait => return Ok(r),
+                () = tokio::time::sleep(WAIT_CHECK) => {
+                    if !self.session_alive(pid).await {
+                        return Err(unavailable(Msg(
+                            "the waiting session is gone or the server stopped answering".into(),
+                        )));
+                    }
+                }
+            }
+        }
     }
 
     async fn collision(&self, c: &mut Conn, req: &Request<'_>) -> Result<Outcome> {
@@ -474,6 +591,15 @@ enum Outcome {
     Held,
     Timeout { reusable: bool },
     Collision(Error),
+}
+
+impl Request<'_> {
+    fn timeout(&self) -> Error {
+        Error::Timeout {
+            name: self.name.to_owned(),
+            waited: self.start.elapsed(),
+        }
+    }
 }
 
 struct Granted {
@@ -580,9 +706,11 @@ impl PgLock {
         &self.inner.config
     }
 
-    /// The advisory lock key of `name` in this lock's namespace ([`lock_key`] with the prefix).
+    /// The advisory lock key of `name` in this lock's namespace ([`lock_key_in`] with the
+    /// schema and prefix).
     pub fn key(&self, name: &str) -> i64 {
-        lock_key(&self.inner.config.prefix, name)
+        let c = &self.inner.config;
+        lock_key_in(&c.schema, &c.prefix, name)
     }
 }
 
@@ -592,7 +720,11 @@ impl Lock for PgLock {
     ///
     /// A try-acquire is one statement: `pg_try_advisory_lock` and, if granted, the bump of the
     /// name's token in `{schema}.fence`. A waiting acquire then waits in the server's lock queue
-    /// (`pg_advisory_lock` with `lock_timeout` set to the time left), which is FIFO.
+    /// (`SELECT pg_advisory_lock(key)` with `lock_timeout` set to the time left), which is
+    /// FIFO, and bumps the token after the grant. The wait is checked every 3 s on another
+    /// connection (a cut-off connection ends it with [`Error::Unavailable`]). Opening a
+    /// connection counts against the wait: a timed acquire returns [`Error::Timeout`] at its
+    /// deadline; a try-once gets the connect timeout in all, retries included.
     ///
     /// # Errors
     /// As [`Lock::acquire`]; [`Error::Backend`] also reports an advisory lock key collision
@@ -612,12 +744,24 @@ impl Lock for PgLock {
         let req = Request {
             name,
             full: &full,
-            key: key_of(&full),
+            key: lock_key_in(&self.inner.config.schema, &self.inner.config.prefix, name),
             opts: &opts,
             start,
             deadline: wait_deadline(opts.wait, start),
         };
-        let granted = retry_transient(&opts, req.deadline, || self.inner.attempt(&req)).await?;
+        let attempts = retry_transient(&opts, req.deadline, || self.inner.attempt(&req));
+        let granted = if opts.wait == Wait::No {
+            // A try-once gets the connect timeout in all, retries included; dropping the
+            // attempt closes its connection.
+            let t = self.inner.config.connect_timeout;
+            tokio::time::timeout(t, attempts).await.map_err(|_| {
+                unavailable(Msg(format!(
+                    "no answer from the server within the connect timeout ({t:?})"
+                )))
+            })??
+        } else {
+            attempts.await?
+        };
         let token = u64::try_from(granted.token)
             .map_err(|_| backend(Msg("negative fencing token in the fence table".into())))?;
         let tracker = LeaseTracker::new(granted.sent, opts.ttl);
@@ -625,7 +769,7 @@ impl Lock for PgLock {
             self.inner.clone(),
             name,
             req.key,
-            opts.ttl,
+            tracker.clone(),
             granted.conn,
         ));
         Ok(Lease::new(
@@ -646,8 +790,12 @@ impl Lock for PgLock {
         g.expiry_slack = Duration::from_millis(100);
         g.notes = "one PostgreSQL 14+ server: a lease is a session advisory lock on a dedicated \
                    connection that idle_session_timeout (= TTL) ends unless renewed; tokens are \
-                   committed (synchronous_commit=on) in {schema}.fence; advisory locks are not \
-                   replicated, so a failover to a standby may grant a held lock again";
+                   committed (synchronous_commit=on) in {schema}.fence; a session ended by a \
+                   server restart or pg_terminate_backend frees the lock at once, and the \
+                   holder is told within SESSION_CHECK (1 s) + 2 x connect timeout of the \
+                   server being reachable again (another client may hold the lock meanwhile: \
+                   fence writes); advisory locks are not replicated, so a failover to a \
+                   standby may grant a held lock again";
         g
     }
 }

@@ -3,6 +3,7 @@
 //! paused holders, killed sessions, server restarts and cancelled waits.
 
 mod failures;
+mod review;
 mod server;
 
 use std::time::Duration;

@@ -39,12 +39,20 @@
 //!   failed, timed-out or dropped acquire deletes its node; a node that cannot be deleted goes
 //!   with its session. Nothing ever deletes a node another acquire created.
 //! - **Lease = session.** A lease's TTL is its session's timeout (one session per TTL per
-//!   [`ZkLock`]); TTLs the server will not negotiate are refused, never silently changed.
+//!   [`ZkLock`], at most [`MAX_SESSIONS`] at once, closed one to two TTLs after its last lease);
+//!   TTLs the server will not negotiate are refused, never silently changed.
 //!   Session states drive lease states: `Disconnected` → Suspect; `Expired`/`Closed` → Lost. The
-//!   client also computes the deadline itself: every TTL/3 it sends a round trip, each answer
-//!   confirms the session's leases with the request's **send** time, and without answers a lease
-//!   is Lost at send time + TTL − margin, before the server can expire the session, without
-//!   waiting for the server to say so. A new session never revives a lease of an old one.
+//!   client also computes the deadline itself: every TTL/3 it sends a
+//!   [`sync`](https://zookeeper.apache.org/doc/r3.8.0/zookeeperProgrammers.html#ch_zkGuarantees),
+//!   each answer confirms the session's leases with the request's **send** time, and without
+//!   answers a lease is Lost at send time + TTL − margin, before the server can expire the
+//!   session, without waiting for the server to say so. A new session never revives a lease of
+//!   an old one. The heartbeat is a `sync`, not a read, because only the leader expires
+//!   sessions: a follower cut off from the leader goes on answering reads for `syncLimit`
+//!   ticks, long after the leader expired the session and granted the lock to someone else,
+//!   whereas a `sync` is answered only through the leader, after it checked the session. A
+//!   grant likewise starts the lease at the send time of a leader-ordered request (the create,
+//!   the session's last heartbeat, or a `sync`).
 //! - **Fencing token = the holder node's `czxid`**: the zxid of its creation. Zxids grow with
 //!   every transaction of the ensemble (epoch in the high 32 bits, so also across leader
 //!   changes and restarts), and unlike sequence numbers they keep growing when the lock's
@@ -62,6 +70,16 @@
 //!   cannot be paused per lease.
 //! - A leaked lease is freed by this client at its deadline, not by the server (its session is
 //!   shared and stays alive); see [`ZkLock`].
+//! - Residual window of the heartbeat: the leader learns of a session's activity on a follower
+//!   from the follower's pings (every `tickTime / 2`). If the follower is cut off within half a
+//!   tick after a heartbeat reached it, the leader may time the session out from an earlier
+//!   activity report (at most about TTL/3 earlier) while the client counts from that heartbeat.
+//!   Connecting to the leader, or to a standalone server, has no such window.
+//! - Authentication: with `user:password`, lock nodes and fenced data nodes are creator-only;
+//!   the shared prefix and lock container nodes are open to everyone, so clients with other or
+//!   no credentials can queue on the same locks. ZooKeeper's `digest` scheme never refuses a
+//!   password: a wrong one is another identity, and an ACL refusing it is
+//!   [`Backend`](lockkit_core::Error::Backend) "no permission", not `Auth`.
 //! - Expiry granularity: the server expires sessions on tick boundaries, up to one `tickTime`
 //!   (default 2 s, [`EXPIRY_SLACK`]) after the timeout.
 //! - Tokens survive restarts only if the server's transaction log is fsynced (`forceSync=yes`,

@@ -52,11 +52,6 @@ async fn main() {
     let args = Args::parse();
     if let Err(e) = run(args).await {
         eprintln!("error: {e}");
-        let mut src = std::error::Error::source(&e);
-        while let Some(s) = src {
-            eprintln!("  caused by: {s}");
-            src = s.source();
-        }
         std::process::exit(1);
     }
 }

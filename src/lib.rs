@@ -36,12 +36,29 @@
 //! token: keep the highest token seen and reject lower ones ([`MemoryFence`], and each backend's
 //! fence for data stored in it).
 //!
-//! The wrong way and the right way:
+//! The wrong way and the right way, for a table you own (`fence_token BIGINT` next to the data):
 //! ```text
 //! let lease = locks.acquire("job", opts).await?;
-//! storage.put(data).await?;                       // WRONG: a paused holder overwrites the new one
-//! storage.put_if_token_at_least(lease.token(), data).await?; // RIGHT: the stale write is rejected
+//! // WRONG: a holder that paused past its TTL overwrites the new holder's data.
+//! UPDATE reports SET body = $1 WHERE id = $2
+//! // RIGHT: the resource keeps the highest token and rejects older ones (0 rows = stale).
+//! UPDATE reports SET body = $1, fence_token = $3 WHERE id = $2 AND fence_token <= $3   -- $3 = lease.token().get()
 //! ```
+//! Ready-made fences: [`MemoryFence`] in process, and for data kept in the lock's own backend,
+//! `lockkit::etcd::EtcdFence` (a txn compare on the holder key), `lockkit::zk::ZkFence` (a
+//! multi-op check on the holder node) and `lockkit::postgres::PgFence` (the conditional UPDATE
+//! above, in your transaction).
+//!
+//! ## What each backend guarantees
+//! Each backend declares it in [`Lock::guarantees`]; the contract suite checks it.
+//!
+//! | backend | kind | tokens survive server restart | safe across failover | FIFO waiters |
+//! |---|---|---|---|---|
+//! | memory | correctness, one process | no | — | yes |
+//! | Redis (single node) | **efficiency** | yes (floored at server `TIME`) | **no** | no |
+//! | etcd | correctness (Raft) | yes | yes | yes |
+//! | ZooKeeper | correctness (ZAB) | yes | yes | yes |
+//! | PostgreSQL | correctness, one server | yes | **no** (advisory locks are not replicated) | yes |
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations)]
 #![deny(rustdoc::broken_intra_doc_links)]
@@ -53,15 +70,19 @@ pub use lockkit_core::*;
 
 #[cfg(feature = "etcd")]
 #[cfg_attr(docsrs, doc(cfg(feature = "etcd")))]
+#[doc(inline)]
 pub use lockkit_etcd as etcd;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+#[doc(inline)]
 pub use lockkit_postgres as postgres;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+#[doc(inline)]
 pub use lockkit_redis as redis;
 #[cfg(feature = "zk")]
 #[cfg_attr(docsrs, doc(cfg(feature = "zk")))]
+#[doc(inline)]
 pub use lockkit_zk as zk;
 
 /// Connects to the lock service named by `url` and returns it as `Arc<dyn Lock>`.

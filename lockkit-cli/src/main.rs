@@ -11,9 +11,10 @@
 //! is killed at once: it must not run on past its lease. Pass the token to whatever the command
 //! writes, so the storage can reject a stale writer.
 //!
-//! Exit status: the command's own; 75 if the lock was not acquired (held with `--wait 0`, or the
-//! wait timed out); 70 if the lease was lost while the command ran; 64 on bad arguments; 69 if
-//! the lock service is unavailable.
+//! Exit status: the command's own; 75 if the lock is held (with `--wait 0`) or the wait timed
+//! out; 70 if the lease was lost while the command ran; 64 on bad arguments or configuration;
+//! 69 if the lock service is unavailable or refused the credentials; 127 if the command cannot
+//! be started.
 #![forbid(unsafe_code)]
 
 use std::process::ExitCode;
@@ -71,11 +72,6 @@ fn parse_wait(s: &str) -> Result<Wait, String> {
 
 fn fail(e: &Error) -> ExitCode {
     eprintln!("lockkit: {e}");
-    let mut src = std::error::Error::source(e);
-    while let Some(s) = src {
-        eprintln!("  caused by: {s}");
-        src = s.source();
-    }
     ExitCode::from(match e {
         Error::Held { .. } | Error::Timeout { .. } => 75,
         Error::LeaseLost { .. } | Error::NotHeld { .. } => 70,
@@ -121,13 +117,21 @@ async fn run(
     let (program, args) = command
         .split_first()
         .ok_or_else(|| Error::config("no command given"))?;
-    let mut child = tokio::process::Command::new(program)
+    let child = tokio::process::Command::new(program)
         .args(args)
         .env("LOCKKIT_FENCING_TOKEN", lease.token().to_string())
         .env("LOCKKIT_LOCK", name)
         .kill_on_drop(true)
         .spawn()
-        .map_err(|e| Error::config_with(format!("cannot start {program:?}"), e))?;
+        .map_err(|e| Error::config_with(format!("cannot start {program:?}"), e));
+    let mut child = match child {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("lockkit: {e}");
+            let _ = lease.release().await;
+            return Ok(ExitCode::from(127));
+        }
+    };
     tokio::select! {
         status = child.wait() => {
             let status = status.map_err(|e| Error::config_with("waiting for the command", e))?;

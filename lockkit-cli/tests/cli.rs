@@ -100,3 +100,13 @@ fn held_lock_exits_75() {
         .expect("run lockkit");
     assert_eq!(third.code(), Some(0));
 }
+
+#[test]
+fn a_command_that_cannot_start_exits_127() {
+    let out = lockkit()
+        .args(["run", "--backend", "memory://", "job", "--", "/nonexistent/program"])
+        .output()
+        .expect("run lockkit");
+    assert_eq!(out.status.code(), Some(127));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot start"));
+}

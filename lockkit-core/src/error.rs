@@ -13,7 +13,9 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// Everything that can go wrong when acquiring, renewing, releasing or fencing.
 ///
 /// Variants are matchable in tests; client-library errors are kept as [`source`](std::error::Error::source)
-/// so `{:#}` / error reporters show the root cause. Use [`Error::is_retryable`] to tell a transient
+/// and, for [`Auth`](Error::Auth), [`Unavailable`](Error::Unavailable) and
+/// [`Backend`](Error::Backend), also shown in the message (as object_store does), so a plain
+/// `{}` already says what went wrong. Use [`Error::is_retryable`] to tell a transient
 /// failure (worth a retry with backoff) from a permanent one.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -92,7 +94,7 @@ pub enum Error {
     },
 
     /// The server refused the credentials.
-    #[error("{backend}: authentication failed")]
+    #[error("{backend}: authentication failed: {source}")]
     Auth {
         /// Which backend.
         backend: &'static str,
@@ -102,7 +104,7 @@ pub enum Error {
     },
 
     /// The server could not be reached or did not answer in time. Transient: worth a retry.
-    #[error("{backend}: server unavailable")]
+    #[error("{backend}: server unavailable: {source}")]
     Unavailable {
         /// Which backend.
         backend: &'static str,
@@ -112,7 +114,7 @@ pub enum Error {
     },
 
     /// Any other error reported by the backend's client library. Treated as permanent.
-    #[error("{backend}: backend error")]
+    #[error("{backend}: {source}")]
     Backend {
         /// Which backend.
         backend: &'static str,

@@ -53,7 +53,7 @@ start_redis() {
     --daemonize no --logfile "$dir/redis.log" >/dev/null 2>&1 &
   echo $! > "$dir/redis.pid"
   wait_for redis 100 redis-cli -p "$p" ping
-  echo "LOCKKIT_REDIS_URL=redis://127.0.0.1:$p" >> "$dir/env"
+  echo "export LOCKKIT_REDIS_URL=redis://127.0.0.1:$p" >> "$dir/env"
 }
 
 start_etcd() {
@@ -69,7 +69,7 @@ start_etcd() {
     --logger zap --log-outputs stderr --log-level warn > "$dir/etcd.log" 2>&1 &
   echo $! > "$dir/etcd.pid"
   wait_for etcd 150 env ETCDCTL_API=3 etcdctl --endpoints="http://127.0.0.1:$c" endpoint health
-  echo "LOCKKIT_ETCD_URL=etcd://127.0.0.1:$c" >> "$dir/env"
+  echo "export LOCKKIT_ETCD_URL=etcd://127.0.0.1:$c" >> "$dir/env"
 }
 
 start_zk() {
@@ -90,7 +90,7 @@ CFG
     /usr/share/zookeeper/bin/zkServer.sh start-foreground "$dir/zoo.cfg" > "$dir/zk.log" 2>&1 &
   echo $! > "$dir/zk.pid"
   wait_for zk 300 bash -c "[ \"\$(echo ruok | timeout 2 nc -w 2 -q 1 127.0.0.1 $p)\" = imok ]"
-  echo "LOCKKIT_ZK_URL=zk://127.0.0.1:$p" >> "$dir/env"
+  echo "export LOCKKIT_ZK_URL=zk://127.0.0.1:$p" >> "$dir/env"
 }
 
 start_postgres() {
@@ -103,7 +103,7 @@ start_postgres() {
   ln -sf "$r/postgres.log" "$dir/postgres.log"
   echo "$p" > "$dir/postgres.port"
   wait_for postgres 100 pg_isready -h 127.0.0.1 -p "$p"
-  echo "LOCKKIT_POSTGRES_URL=postgres://postgres@127.0.0.1:$p/postgres" >> "$dir/env"
+  echo "export LOCKKIT_POSTGRES_URL=postgres://postgres@127.0.0.1:$p/postgres" >> "$dir/env"
 }
 
 stop_postgres() {

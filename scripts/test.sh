@@ -28,3 +28,5 @@ for url in memory:// "$LOCKKIT_REDIS_URL" "$LOCKKIT_ETCD_URL" "$LOCKKIT_ZK_URL" 
   grep -q "REJECTED A's write" <<<"$out" || { echo "$out"; echo "demo on ${url%%:*}: stale write not rejected"; fail; }
   echo "fencing demo on ${url%%://*}: stale write rejected"
 done
+
+echo "scripts/test.sh: all tests passed; the fencing demo rejected the stale write on every backend"

@@ -5,7 +5,13 @@
 //!    name's token in `lockkit.fence`, then `pg_advisory_unlock` (2 round trips, one commit);
 //! 4. lockkit try-once acquire + release (keepalive on, TTL 10 s): the row;
 //! 5. the same with `keepalive(false)`, which shows the cost of the core's per-lease keepalive
-//!    task (a spawn and an abort, i.e. cross-thread wake-ups) apart from the backend's.
+//!    task (a spawn and an abort, i.e. cross-thread wake-ups) apart from the backend's. Both
+//!    rows 4 and 5 also spawn and abort the lease's session-watch task (which checks every
+//!    second that the session still exists; a lease released within a second never queries).
+//!
+//! Only try-once acquires are measured: an uncontended waiting acquire sends the same grant
+//! statement; a contended one waits in `SELECT pg_advisory_lock` and bumps the token in a
+//! separate statement after the grant (as many round trips as before that change).
 //!
 //! The rows are measured **interleaved** (20 rounds, each running every row for iters/20
 //! samples after a warm-up), so a load change on a shared machine hits all rows alike and the

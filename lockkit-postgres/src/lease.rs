@@ -2,6 +2,7 @@
 
 use std::any::Any;
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -36,7 +37,30 @@ pub struct PgLease {
     ttl: Duration,
     tracker: LeaseTracker,
     conn: tokio::sync::Mutex<Option<Conn>>,
+    /// Set when a renewal was dropped while its statement was in flight (which closed the
+    /// connection).
+    renew_dropped: AtomicBool,
     watch: Option<tokio::task::JoinHandle<()>>,
+}
+
+/// Sets `flag` when dropped while armed.
+struct DropFlag<'a> {
+    flag: &'a AtomicBool,
+    armed: bool,
+}
+
+impl DropFlag<'_> {
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for DropFlag<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.flag.store(true, Ordering::Release);
+        }
+    }
 }
 
 impl fmt::Debug for PgLease {
@@ -72,6 +96,7 @@ impl PgLease {
             ttl: tracker.ttl(),
             tracker,
             conn: tokio::sync::Mutex::new(Some(conn)),
+            renew_dropped: AtomicBool::new(false),
             watch,
         }
     }
@@ -125,6 +150,11 @@ impl LeaseOps for PgLease {
         }
         let ms = ttl_ms(ttl);
         let sent = Instant::now();
+        // Records a renewal dropped mid-flight (its connection is closed with it), for release.
+        let in_flight = DropFlag {
+            flag: &self.renew_dropped,
+            armed: true,
+        };
         // A renewal that outlives the lease is useless: give up at the deadline and close.
         let res = tokio::time::timeout_at(
             self.tracker.valid_until(),
@@ -136,6 +166,7 @@ impl LeaseOps for PgLease {
         )
         .await
         .unwrap_or_else(|_| Err(sqlx::Error::Io(std::io::ErrorKind::TimedOut.into())));
+        in_flight.disarm();
         match res {
             Ok(_) if self.tracker.state() == LeaseState::Lost => {
                 // Acknowledged after the holder was told the lease is lost: closing the
@@ -168,6 +199,10 @@ impl LeaseOps for PgLease {
     /// or if the server did not answer before the lease's deadline (the connection is closed,
     /// so the server frees the lock when it sees the close or after the TTL).
     ///
+    /// If a renewal was dropped mid-flight just before (the core stops keepalive before it
+    /// releases), its connection is already closed, which frees the lock when the server reads
+    /// the close: release then returns `Ok(())` without a request.
+    ///
     /// # Cancel safety
     /// Cancel safe: if the future is dropped, the connection is closed, which ends the session
     /// and frees the lock.
@@ -175,6 +210,14 @@ impl LeaseOps for PgLease {
         self.stop_watch();
         let mut guard = self.conn.lock().await;
         let Some(mut c) = guard.take() else {
+            // A keepalive renewal in flight when the lease was released (the core stops
+            // keepalive first) was dropped and closed the connection: the server ends the
+            // session when it reads the close, which frees the lock.
+            if self.renew_dropped.load(Ordering::Acquire)
+                && self.tracker.state() != LeaseState::Lost
+            {
+                return Ok(());
+            }
             return Err(self.not_held());
         };
         drop(guard);

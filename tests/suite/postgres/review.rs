@@ -490,3 +490,37 @@ async fn config_mistakes_are_typed_and_reserved_words_work() {
         .await
         .unwrap();
 }
+
+/// Follow-up of finding 6: a release right after a renewal was dropped mid-flight (what the
+/// core does when it stops keepalive to release) returns `Ok` (the renewal closed the
+/// connection, which frees the lock), not `NotHeld`, and the lock is free once the server
+/// reads the close.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_after_a_dropped_renewal_is_ok() {
+    let url = with_prefix(&base_url(), &fresh_prefix());
+    let (a, b) = (
+        PgLock::connect(&url).await.unwrap(),
+        PgLock::connect(&url).await.unwrap(),
+    );
+    let ttl = Duration::from_secs(8);
+    let lease = a
+        .acquire("rd", AcquireOptions::new().ttl(ttl).keepalive(false))
+        .await
+        .unwrap();
+    let pid = pid_of(&lease);
+    kill(pid, "STOP");
+    tokio::select! {
+        r = lease.ops().renew(ttl) => panic!("renewal answered by a stopped backend: {r:?}"),
+        () = tokio::time::sleep(Duration::from_millis(200)) => {}
+    }
+    let t = Instant::now();
+    let res = lease.release().await;
+    kill(pid, "CONT");
+    assert!(res.is_ok(), "release after a dropped renewal: {res:?}");
+    assert!(t.elapsed() < Duration::from_secs(1));
+    let next = b
+        .acquire_timeout("rd", ttl, Duration::from_secs(4))
+        .await
+        .expect("the lock was not freed by the closed connection");
+    next.release().await.unwrap();
+}

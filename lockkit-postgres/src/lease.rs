@@ -2,14 +2,14 @@
 
 use std::any::Any;
 use std::fmt;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use lockkit_core::{Error, Instant, LeaseOps, LeaseState, LeaseTracker, Result};
 
-use crate::lock::{Conn, Inner, SESSION_CHECK, ttl_ms};
+use crate::lock::{Conn, Inner, ttl_ms};
 
 /// The server side of one PostgreSQL lease: the dedicated connection whose session holds the
 /// advisory lock.
@@ -19,9 +19,10 @@ use crate::lock::{Conn, Inner, SESSION_CHECK, ttl_ms};
 ///   (same `pg_backend_pid()`).
 /// - **Release** runs `pg_advisory_unlock(key)`; the connection, now holding nothing, is kept for
 ///   later acquires.
-/// - **Session watch.** While the lease is held, a background task asks the server every
-///   [`SESSION_CHECK`] (1 s, on another connection) whether the session still exists, and
-///   marks the lease lost at once when it does not (server restart, `pg_terminate_backend`,
+/// - **Session watch.** While the lease is held, its [`PgLock`](crate::PgLock)'s watch task asks
+///   the server every [`SESSION_CHECK`](crate::SESSION_CHECK) (1 s, one query on another connection for all the
+///   leases of that `PgLock`) whether the session still exists, and marks the lease lost at
+///   once when it does not (server restart, `pg_terminate_backend`,
 ///   crash of the backend): see the crate docs for the exact detection window.
 /// - Any error on the connection means the session is gone or unusable: the connection is
 ///   closed (the server frees the lock when the session ends, at the latest one TTL after the
@@ -40,7 +41,8 @@ pub struct PgLease {
     /// Set when a renewal was dropped while its statement was in flight (which closed the
     /// connection).
     renew_dropped: AtomicBool,
-    watch: Option<tokio::task::JoinHandle<()>>,
+    /// Id in the `PgLock`'s session watch.
+    watch: u64,
 }
 
 /// Sets `flag` when dropped while armed.
@@ -81,13 +83,7 @@ impl PgLease {
         tracker: LeaseTracker,
         conn: Conn,
     ) -> Self {
-        let watch = tokio::runtime::Handle::try_current().ok().map(|rt| {
-            rt.spawn(watch_session(
-                Arc::downgrade(&inner),
-                conn.pid,
-                tracker.clone(),
-            ))
-        });
+        let watch = inner.watch(conn.pid, tracker.clone());
         Self {
             inner,
             name: name.to_owned(),
@@ -102,9 +98,7 @@ impl PgLease {
     }
 
     fn stop_watch(&self) {
-        if let Some(w) = &self.watch {
-            w.abort();
-        }
+        self.inner.unwatch(self.watch);
     }
 
     /// The advisory lock key (see [`lock_key`](crate::lock_key)).
@@ -269,28 +263,6 @@ impl Drop for PgLease {
                 tokio::time::sleep_until(until).await;
                 drop(c);
             });
-        }
-    }
-}
-
-/// Checks every [`SESSION_CHECK`] (on another connection) that the session `pid` still exists,
-/// and marks the lease lost as soon as it does not. Ends when the lease is lost.
-async fn watch_session(inner: Weak<Inner>, pid: i32, tracker: LeaseTracker) {
-    loop {
-        tokio::select! {
-            () = tracker.lost() => return,
-            () = tokio::time::sleep(SESSION_CHECK) => {}
-        }
-        let Some(inner) = inner.upgrade() else {
-            return;
-        };
-        if inner.session_exists(pid).await == Some(false) {
-            tracing::warn!(
-                backend_pid = pid,
-                "the lease's server session ended; lease lost"
-            );
-            tracker.mark_lost();
-            return;
         }
     }
 }

@@ -1,14 +1,15 @@
 //! [`PgLock`]: acquiring advisory locks as leases, with tokens from lockkit's fence table.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use lockkit_core::{
-    AcquireOptions, Error, FencingToken, Guarantees, Instant, Lease, LeaseTracker, Lock, LockKind,
-    Result, Wait, retry_transient, validate_name, wait_deadline,
+    AcquireOptions, Error, FencingToken, Guarantees, Instant, Lease, LeaseState, LeaseTracker,
+    Lock, LockKind, Result, Wait, retry_transient, validate_name, wait_deadline,
 };
 use sha2::{Digest, Sha256};
 use sqlx::{Connection, PgConnection};
@@ -183,6 +184,54 @@ pub(crate) struct Inner {
     pub(crate) config: PgConfig,
     sql: Sql,
     idle: Mutex<Vec<Conn>>,
+    watch: Mutex<Watch>,
+}
+
+/// The held leases of one [`PgLock`] whose sessions the watch task checks.
+#[derive(Default)]
+pub(crate) struct Watch {
+    next_id: u64,
+    leases: HashMap<u64, (i32, LeaseTracker)>,
+    /// Whether the watch task runs (it ends when no lease is left).
+    running: bool,
+}
+
+/// The session watch of one [`PgLock`]: every [`SESSION_CHECK`], one query for all its held
+/// leases; a lease whose session no longer exists is marked lost. Ends when no lease is left
+/// or the `PgLock` (and its leases) are gone.
+async fn watch_loop(inner: Weak<Inner>) {
+    loop {
+        tokio::time::sleep(SESSION_CHECK).await;
+        let Some(inner) = inner.upgrade() else {
+            return;
+        };
+        let watched: Vec<(u64, i32, LeaseTracker)> = {
+            let mut w = inner.watch_list();
+            w.leases.retain(|_, (_, t)| t.state() != LeaseState::Lost);
+            if w.leases.is_empty() {
+                w.running = false;
+                return;
+            }
+            w.leases
+                .iter()
+                .map(|(id, (pid, t))| (*id, *pid, t.clone()))
+                .collect()
+        };
+        let pids: Vec<i32> = watched.iter().map(|(_, pid, _)| *pid).collect();
+        let Some(gone) = inner.sessions_gone(&pids).await else {
+            continue;
+        };
+        for (id, pid, tracker) in watched {
+            if gone.contains(&pid) {
+                tracing::warn!(
+                    backend_pid = pid,
+                    "the lease's server session ended; lease lost"
+                );
+                tracker.mark_lost();
+                inner.unwatch(id);
+            }
+        }
+    }
 }
 
 impl Inner {
@@ -366,42 +415,70 @@ impl Inner {
     /// Whether the session `pid` still exists on the server, asked on another connection
     /// within the connect timeout. `false` also when the server cannot be asked.
     async fn session_alive(&self, pid: i32) -> bool {
-        self.session_exists(pid).await == Some(true)
+        self.sessions_gone(&[pid])
+            .await
+            .is_some_and(|g| g.is_empty())
     }
 
-    /// Whether the session `pid` still exists on the server, asked on another connection
-    /// within the connect timeout; `None` if the server could not be asked.
-    pub(crate) async fn session_exists(&self, pid: i32) -> Option<bool> {
+    /// Which of the sessions `pids` no longer exist on the server (one query on another
+    /// connection, within the connect timeout); `None` if the server could not be asked.
+    async fn sessions_gone(&self, pids: &[i32]) -> Option<Vec<i32>> {
+        let query = "SELECT p FROM unnest($1::int4[]) AS p \
+                     WHERE NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.pid = p)";
         let check = async {
-            let query = "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)";
             let (mut c, reused) = self.checkout().await?;
             c.last_sent = Instant::now();
             let res = sqlx::query_scalar(query)
-                .bind(pid)
-                .fetch_one(&mut c.conn)
+                .bind(pids)
+                .fetch_all(&mut c.conn)
                 .await;
-            let alive: bool = match res {
-                Ok(a) => a,
+            let gone: Vec<i32> = match res {
+                Ok(g) => g,
                 Err(_) if reused => {
                     // A dead cached connection (the server restarted): so are the others.
                     self.idle().clear();
                     c = self.open().await?;
                     c.last_sent = Instant::now();
                     sqlx::query_scalar(query)
-                        .bind(pid)
-                        .fetch_one(&mut c.conn)
+                        .bind(pids)
+                        .fetch_all(&mut c.conn)
                         .await
                         .map_err(from_sqlx)?
                 }
                 Err(e) => return Err(from_sqlx(e)),
             };
             self.put_idle(c);
-            Ok::<_, Error>(alive)
+            Ok::<_, Error>(gone)
         };
         match tokio::time::timeout(self.config.connect_timeout, check).await {
-            Ok(Ok(alive)) => Some(alive),
+            Ok(Ok(gone)) => Some(gone),
             _ => None,
         }
+    }
+
+    fn watch_list(&self) -> MutexGuard<'_, Watch> {
+        self.watch.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Starts watching the session `pid` of a held lease (see [`SESSION_CHECK`]): the lease is
+    /// marked lost when the session no longer exists. Returns the id for [`unwatch`](Self::unwatch).
+    pub(crate) fn watch(self: &Arc<Self>, pid: i32, tracker: LeaseTracker) -> u64 {
+        let mut w = self.watch_list();
+        w.next_id += 1;
+        let id = w.next_id;
+        w.leases.insert(id, (pid, tracker));
+        if !w.running {
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                w.running = true;
+                rt.spawn(watch_loop(Arc::downgrade(self)));
+            }
+        }
+        id
+    }
+
+    /// Stops watching lease `id`.
+    pub(crate) fn unwatch(&self, id: u64) {
+        self.watch_list().leases.remove(&id);
     }
 
     async fn try_once(&self, c: &mut Conn, req: &Request<'_>) -> Result<Outcome> {
@@ -664,6 +741,7 @@ impl PgLock {
             sql: Sql::new(&config.schema),
             config,
             idle: Mutex::new(Vec::new()),
+            watch: Mutex::new(Watch::default()),
         });
         let mut c = inner.open().await?;
         if inner.config.auto_migrate && !inner.table_exists(&mut c).await? {

@@ -389,6 +389,8 @@ async fn killed_session_is_noticed_within_the_check_interval() {
         .acquire("k2", AcquireOptions::new().ttl(ttl).keepalive(false))
         .await
         .unwrap();
+    // Watched by the same query, and must not be touched.
+    let bystander = locks.try_acquire("k3", ttl).await.unwrap();
     let mut db = admin(&base_url()).await;
     for lease in [&auto, &manual] {
         let killed = Instant::now();
@@ -406,6 +408,11 @@ async fn killed_session_is_noticed_within_the_check_interval() {
     for lease in [auto, manual] {
         assert!(matches!(lease.release().await, Err(Error::NotHeld { .. })));
     }
+    assert_eq!(bystander.state(), lockkit::LeaseState::Held);
+    bystander
+        .release()
+        .await
+        .expect("the bystander lease was disturbed");
 }
 
 /// Finding 1, server restart: a lease held across a crash-restart is lost within

@@ -66,8 +66,9 @@
 //!   crash, `pg_terminate_backend`, a killed backend. The server then frees the lock at once and
 //!   may grant it to another client, but the socket is not read between statements, so the
 //!   holder would only learn it at its next renewal (TTL/3 with keepalive, never without). So
-//!   every held lease checks every [`SESSION_CHECK`] (1 s), on another connection, that its
-//!   session still exists in `pg_stat_activity`, and is marked lost as soon as it does not.
+//!   each [`PgLock`] checks every [`SESSION_CHECK`] (1 s), with one query on another
+//!   connection, that the sessions of all its held leases still exist in `pg_stat_activity`,
+//!   and marks a lease lost as soon as its session does not.
 //!   **Detection window:** the holder's [`lost()`](lockkit_core::Lease::lost) fires at most
 //!   `SESSION_CHECK` + 2 × connect timeout after the server can be asked again (after
 //!   `pg_terminate_backend`: about 1 s; after a restart: about 1 s after the server accepts

@@ -104,7 +104,14 @@ fn held_lock_exits_75() {
 #[test]
 fn a_command_that_cannot_start_exits_127() {
     let out = lockkit()
-        .args(["run", "--backend", "memory://", "job", "--", "/nonexistent/program"])
+        .args([
+            "run",
+            "--backend",
+            "memory://",
+            "job",
+            "--",
+            "/nonexistent/program",
+        ])
         .output()
         .expect("run lockkit");
     assert_eq!(out.status.code(), Some(127));

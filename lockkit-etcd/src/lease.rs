@@ -68,6 +68,70 @@ pub(crate) async fn keep_alive_once(
     }
 }
 
+/// Keepalive attempts of one lease in flight at once, at most.
+const MAX_HEDGED: usize = 8;
+
+/// Keepalives of lease `id` until one is answered or `until` passes: a new attempt starts every
+/// `hedge_every` while earlier ones are still in flight (at most [`MAX_HEDGED`] at once), and sooner after
+/// an attempt failed. Returns the answer and the send time of the attempt that got it.
+///
+/// The client picks the endpoint of each new request at random (tonic's balancer sees every
+/// connection as equally loaded), so one attempt stuck on a frozen member must not hold up the
+/// others: a hedged attempt most likely goes to a member that answers.
+pub(crate) async fn keep_alive_hedged(
+    client: &Client,
+    id: i64,
+    until: Instant,
+    hedge_every: Duration,
+) -> (Instant, Result<KeepAlive>) {
+    let mut attempts = tokio::task::JoinSet::new();
+    let mut last_err = None;
+    let mut next_start = Instant::now();
+    let mut first_sent = None;
+    loop {
+        let now = Instant::now();
+        if now >= until {
+            let err = last_err.unwrap_or_else(|| error::timeout("a lease keepalive"));
+            return (first_sent.unwrap_or(now), Err(err));
+        }
+        if now >= next_start && attempts.len() < MAX_HEDGED {
+            let client = client.clone();
+            let limit = until.saturating_duration_since(now);
+            first_sent.get_or_insert(now);
+            attempts.spawn(async move { (now, keep_alive_once(&client, id, limit).await) });
+            next_start = now + hedge_every;
+        }
+        let wake = if attempts.len() < MAX_HEDGED {
+            next_start.min(until)
+        } else {
+            until
+        };
+        tokio::select! {
+            joined = attempts.join_next(), if !attempts.is_empty() => match joined {
+                Some(Ok((sent, Ok(answer)))) => return (sent, Ok(answer)),
+                Some(Ok((_, Err(e)))) => {
+                    last_err = Some(e);
+                    next_start = next_start.min(Instant::now() + (hedge_every / 4).max(Duration::from_millis(20)));
+                }
+                Some(Err(_)) | None => {}
+            },
+            _ = tokio::time::sleep_until(wake) => {}
+        }
+    }
+}
+
+/// How long one keepalive attempt of the session lease may go unanswered before the task sends
+/// another next to it: TTL/20 (at least 50 ms, at most the request timeout), so that many
+/// attempts fit in the time between the regular keepalive (at TTL/3) and the deadline. With one
+/// of three members frozen, each attempt is stuck with probability 1/3, so the chance that all
+/// [`MAX_HEDGED`] are is about 1/6500.
+pub(crate) fn keepalive_attempt_limit(ttl: Duration, request_timeout: Duration) -> Duration {
+    (ttl / 20)
+        .max(Duration::from_millis(50))
+        .min(request_timeout)
+        .max(Duration::from_millis(1))
+}
+
 /// Settings the keepalive task needs from its session.
 #[derive(Clone)]
 pub(crate) struct TaskCtx {
@@ -301,6 +365,7 @@ pub(crate) async fn keepalive_task(shared: Arc<SharedLease>, mut ctx: TaskCtx) {
     let ttl = shared.ttl;
     let interval = ttl / 3;
     let retry = (ttl / 12).max(Duration::from_millis(5));
+    let attempt_limit = keepalive_attempt_limit(ttl, ctx.request_timeout);
     let linger = ctx.linger.unwrap_or(ttl);
     let mut next = shared.master.confirmed_at() + interval;
     let mut session_closed = false;
@@ -365,14 +430,11 @@ pub(crate) async fn keepalive_task(shared: Arc<SharedLease>, mut ctx: TaskCtx) {
             next = now + interval.min(retry * 4);
             continue;
         }
-        let sent = now;
-        let limit = shared
-            .master
-            .valid_until()
-            .saturating_duration_since(now)
-            .min(ctx.request_timeout)
-            .max(Duration::from_millis(1));
-        match keep_alive_once(&ctx.client, shared.id, limit).await {
+        // Hedged attempts: one keepalive sent to a frozen member must not hang until the
+        // lease's deadline while other members would answer.
+        let until = shared.master.valid_until().min(now + ctx.request_timeout);
+        let (sent, answer) = keep_alive_hedged(&ctx.client, shared.id, until, attempt_limit).await;
+        match answer {
             Ok(KeepAlive::Alive) => {
                 if !shared.confirm(sent) {
                     next = Instant::now();

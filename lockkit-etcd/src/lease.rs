@@ -456,6 +456,51 @@ pub(crate) async fn keepalive_task(shared: Arc<SharedLease>, mut ctx: TaskCtx) {
     }
 }
 
+/// Deletes `key` (only if its create revision is still `rev`, when given), retrying with backoff
+/// (50 ms doubling up to 2 s) until etcd confirms the delete or `shared` is lost on the client
+/// side (then the etcd lease, no longer renewed, takes the key with it within its TTL). Never
+/// gives up while the lease lives: a key left on a lease that other locks keep alive would block
+/// its lock for as long as they do. Returns whether the delete was confirmed.
+pub(crate) async fn delete_while_lease_lives(
+    client: &Client,
+    key: &[u8],
+    rev: Option<i64>,
+    limit: Duration,
+    shared: &SharedLease,
+) -> bool {
+    let mut kv = client.kv_client();
+    let mut delay = Duration::from_millis(50);
+    let lost = shared.master.lost();
+    tokio::pin!(lost);
+    loop {
+        if shared.master.state() == LeaseState::Lost {
+            return false;
+        }
+        let del = TxnOp::delete(key.to_vec(), None::<DeleteOptions>);
+        let txn = match rev {
+            Some(rev) => Txn::new()
+                .when([Compare::create_revision(
+                    key.to_vec(),
+                    CompareOp::Equal,
+                    rev,
+                )])
+                .and_then([del]),
+            None => Txn::new().and_then([del]),
+        };
+        match timed(limit, "a key delete", kv.txn(txn)).await {
+            Ok(_) => return true,
+            Err(e) => {
+                tracing::debug!(error = %e, key = %String::from_utf8_lossy(key), "deleting a lock key failed; retrying while its lease lives");
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => {}
+            _ = &mut lost => return false,
+        }
+        delay = (delay * 2).min(Duration::from_secs(2));
+    }
+}
+
 /// How a granted lock's key is attached.
 pub(crate) enum Binding {
     /// On the session lease, kept alive by its task; `tracker_id` is this lock's registration.
@@ -657,27 +702,17 @@ impl Drop for EtcdLease {
             return;
         };
         let start_at = if attempted { None } else { deadline };
-        let mut kv = self.client.kv_client();
+        let client = self.client.clone();
         let (key, rev, limit) = (self.key.clone(), self.create_revision, self.request_timeout);
         let (name, slot) = (self.name.clone(), self.slot);
         rt.spawn(async move {
             if let Some(at) = start_at {
                 tokio::time::sleep_until(at).await;
             }
-            let mut delay = Duration::from_millis(50);
-            for _ in 0..12 {
-                let txn = Txn::new()
-                    .when([Compare::create_revision(key.clone(), CompareOp::Equal, rev)])
-                    .and_then([TxnOp::delete(key.clone(), None::<DeleteOptions>)]);
-                if timed(limit, "a lock release", kv.txn(txn)).await.is_ok() {
-                    reservation.shared.free_slot(&name, slot);
-                    return;
-                }
-                tokio::time::sleep(delay).await;
-                delay = (delay * 2).min(Duration::from_secs(2));
+            let shared = &reservation.shared;
+            if delete_while_lease_lives(&client, &key, Some(rev), limit, shared).await {
+                shared.free_slot(&name, slot);
             }
-            // Still unreachable: let the lease end by its TTL, taking the key with it.
-            reservation.shared.keep_leaked_key();
         });
     }
 }

@@ -20,8 +20,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use etcd_client::{
-    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, KvClient, PutOptions,
-    SortOrder, SortTarget, Txn, TxnOp, TxnOpResponse, WatchFilterType, WatchOptions,
+    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, PutOptions, SortOrder,
+    SortTarget, Txn, TxnOp, TxnOpResponse, WatchFilterType, WatchOptions,
 };
 use lockkit_core::{
     AcquireOptions, Error, FencingToken, Guarantees, Instant, Lease, LeaseState, Lock, LockKind,
@@ -32,7 +32,8 @@ use tokio::sync::watch;
 use crate::config::EtcdConfig;
 use crate::error::{self, BACKEND, from_client, is_lease_not_found};
 use crate::lease::{
-    Binding, EtcdLease, Reservation, SharedLease, TaskCtx, keepalive_task, timed, ttl_secs,
+    Binding, EtcdLease, Reservation, SharedLease, TaskCtx, delete_while_lease_lives,
+    keepalive_task, timed, ttl_secs,
 };
 
 type LeaseTable = Arc<Mutex<HashMap<Duration, Arc<SharedLease>>>>;
@@ -446,7 +447,7 @@ impl EtcdLock {
         // Armed before the first request that may create the key: from here on, dropping the
         // acquire (or failing) deletes the key, and only then frees its slot.
         let mut guard = KeyGuard {
-            kv: self.inner.client.kv_client(),
+            client: self.inner.client.clone(),
             key: Some(key.clone()),
             reservation: Some(reservation),
             limit: self.request_timeout(),
@@ -572,7 +573,7 @@ impl Drop for AbortOnDrop {
 /// Deletes an acquire's key unless disarmed: at once with [`delete_now`](Self::delete_now), or
 /// in a background task when dropped (the acquire was cancelled or failed).
 struct KeyGuard {
-    kv: KvClient,
+    client: Client,
     key: Option<Vec<u8>>,
     reservation: Option<Reservation>,
     limit: Duration,
@@ -601,7 +602,7 @@ impl KeyGuard {
             let res = timed(
                 self.limit,
                 "a key delete",
-                self.kv.delete(key.clone(), None),
+                self.client.kv_client().delete(key.clone(), None),
             )
             .await;
             if res.is_ok() {
@@ -623,26 +624,16 @@ impl Drop for KeyGuard {
             }
             return;
         };
-        let mut kv = self.kv.clone();
+        let Some(reservation) = reservation else {
+            return;
+        };
+        let client = self.client.clone();
         let (limit, name, slot) = (self.limit, std::mem::take(&mut self.name), self.slot);
+        // Keeps the reservation (so the lease and the slot) until the key is gone.
         rt.spawn(async move {
-            let mut delay = Duration::from_millis(50);
-            for _ in 0..6 {
-                if timed(limit, "a key delete", kv.delete(key.clone(), None))
-                    .await
-                    .is_ok()
-                {
-                    if let Some(r) = &reservation {
-                        r.shared.free_slot(&name, slot);
-                    }
-                    return;
-                }
-                tokio::time::sleep(delay).await;
-                delay = (delay * 2).min(Duration::from_secs(2));
-            }
-            tracing::warn!(key = %String::from_utf8_lossy(&key), "could not delete an abandoned lock key; it ends with its lease");
-            if let Some(r) = &reservation {
-                r.shared.close_to_newcomers();
+            let shared = &reservation.shared;
+            if delete_while_lease_lives(&client, &key, None, limit, shared).await {
+                shared.free_slot(&name, slot);
             }
         });
     }

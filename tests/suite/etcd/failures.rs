@@ -555,3 +555,46 @@ async fn leaked_lock_on_a_shared_lease_ends_at_its_deadline() {
     next.release().await.unwrap();
     keeper.release().await.unwrap();
 }
+
+/// A waiter cancelled while etcd is down (its key cannot be deleted then) must not leave its
+/// key behind once etcd is back, even though its client keeps the session lease alive with
+/// another lock: the cleanup keeps retrying for as long as the lease lives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiter_cancelled_during_an_outage_leaves_no_key() {
+    let data = support::fresh_data_dir();
+    let (cp, pp) = (free_port(), free_port());
+    let mut m = support::start_single(data.path(), cp, pp).await;
+    let url = format!("etcd://{}", m.endpoint());
+    let a = EtcdLock::connect(&url).await.unwrap();
+    let b = EtcdLock::connect(&url).await.unwrap();
+    let ttl = Duration::from_secs(30);
+    // Keeps a's session lease in use (and renewed) throughout.
+    let a_x = a.try_acquire("x", ttl).await.unwrap();
+    let b_y = b.try_acquire("y", ttl).await.unwrap();
+    let mut watch = PrefixWatch::new(a.client(), &a.name_prefix("y")).await;
+    let (waiter, _key) = queue_waiter(&a, "y", ttl, &mut watch).await;
+    drop(watch);
+    m.proc.kill();
+    // Cancelled while etcd is down: the cleanup's first attempts fail.
+    waiter.abort();
+    let _ = waiter.await;
+    // Longer than the old cleanup's retries (about 3 s).
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let _m = support::start_single(data.path(), cp, pp).await;
+    // If this release fails (the client is still reconnecting), its drop deletes the key in
+    // the background.
+    let _ = b_y.release().await;
+    // y is free: nobody else is queued, the abandoned key must be gone.
+    let again = b
+        .acquire(
+            "y",
+            AcquireOptions::new()
+                .ttl(ttl)
+                .wait(Wait::Timeout(TOLERANCE * 5)),
+        )
+        .await
+        .expect("the abandoned waiter's key was deleted");
+    assert_ne!(a_x.state(), LeaseState::Lost);
+    again.release().await.unwrap();
+    a_x.release().await.unwrap();
+}

@@ -4,7 +4,7 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
-use lockkit_core::{Error, Result};
+use lockkit_core::{Error, MAX_TTL, Result};
 use percent_encoding::percent_decode_str;
 
 /// The default key prefix: `lockkit`.
@@ -178,14 +178,14 @@ impl EtcdConfig {
 
     /// How long [`EtcdLock::connect_with`](crate::EtcdLock::connect_with) may take in total
     /// (TCP connect, authentication, first request) before it fails with
-    /// [`Error::Unavailable`]. Default 3 s.
+    /// [`Error::Unavailable`]. Default 3 s; at most 24 h.
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
         self.connect_timeout = timeout;
         self
     }
 
     /// The longest any single request may take before it counts as [`Error::Unavailable`]
-    /// (and is retried per the acquire's retry policy). Default 5 s.
+    /// (and is retried per the acquire's retry policy). Default 5 s; at most 24 h.
     pub fn request_timeout(mut self, timeout: Duration) -> Self {
         self.request_timeout = timeout;
         self
@@ -193,7 +193,9 @@ impl EtcdConfig {
 
     /// How long a session lease is kept alive after the last lock on it was released, so that
     /// the next acquire with the same TTL reuses it instead of granting a new one. Default
-    /// (`None`): one TTL of that lease. `Some(Duration::ZERO)`: revoke at once.
+    /// (`None`): one TTL of that lease. `Some(Duration::ZERO)`: revoke at once. At most
+    /// [`MAX_TTL`] (24 h); [`EtcdLock::connect_with`](crate::EtcdLock::connect_with) refuses
+    /// longer with [`Error::InvalidConfig`].
     pub fn lease_linger(mut self, linger: Option<Duration>) -> Self {
         self.lease_linger = linger;
         self
@@ -235,6 +237,12 @@ impl EtcdConfig {
         validate_prefix(&self.prefix)?;
         if self.connect_timeout.is_zero() || self.request_timeout.is_zero() {
             return Err(Error::config("etcd timeouts must be positive"));
+        }
+        if self.connect_timeout > MAX_TTL || self.request_timeout > MAX_TTL {
+            return Err(Error::config("etcd timeouts must be at most 24 hours"));
+        }
+        if self.lease_linger.is_some_and(|l| l > MAX_TTL) {
+            return Err(Error::config("etcd lease linger must be at most 24 hours"));
         }
         if self.endpoints.is_empty() {
             return Err(Error::config("no etcd endpoints given"));

@@ -393,7 +393,9 @@ pub(crate) async fn keepalive_task(shared: Arc<SharedLease>, mut ctx: TaskCtx) {
             let idle = st.users == 0
                 && (session_closed
                     || st.no_reuse
-                    || st.idle_since.is_some_and(|t| now >= t + linger));
+                    || st
+                        .idle_since
+                        .is_some_and(|t| t.checked_add(linger).is_some_and(|end| now >= end)));
             if idle || lost {
                 st.retired = true;
                 Some(!st.no_revoke && !ctx.paused.load(Ordering::SeqCst))
@@ -432,7 +434,10 @@ pub(crate) async fn keepalive_task(shared: Arc<SharedLease>, mut ctx: TaskCtx) {
         }
         // Hedged attempts: one keepalive sent to a frozen member must not hang until the
         // lease's deadline while other members would answer.
-        let until = shared.master.valid_until().min(now + ctx.request_timeout);
+        let until = shared
+            .master
+            .valid_until()
+            .min(now.checked_add(ctx.request_timeout).unwrap_or(now));
         let (sent, answer) = keep_alive_hedged(&ctx.client, shared.id, until, attempt_limit).await;
         match answer {
             Ok(KeepAlive::Alive) => {

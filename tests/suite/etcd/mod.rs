@@ -96,3 +96,43 @@ async fn unreachable_is_unavailable_quickly() {
     assert!(start.elapsed() < Duration::from_secs(3));
     silent.abort();
 }
+
+/// Out-of-range durations in the config are refused at connect (they used to overflow an
+/// instant in a background task, which then lost every lock on its lease).
+#[tokio::test]
+async fn huge_durations_are_invalid_config() {
+    use lockkit::etcd::{EtcdConfig, EtcdLock};
+    let url = server_url("LOCKKIT_ETCD_URL");
+    let base = || EtcdConfig::from_url(&url).expect("valid URL");
+    for (what, cfg) in [
+        ("linger", base().lease_linger(Some(Duration::MAX))),
+        ("request timeout", base().request_timeout(Duration::MAX)),
+        ("connect timeout", base().connect_timeout(Duration::MAX)),
+    ] {
+        match EtcdLock::connect_with(cfg).await {
+            Err(Error::InvalidConfig { .. }) => {}
+            other => panic!("{what}: expected InvalidConfig, got {other:?}"),
+        }
+    }
+    // The longest accepted linger works: a released lock's lease lingers, nothing panics.
+    let locks = EtcdLock::connect_with(base().lease_linger(Some(lockkit::MAX_TTL)))
+        .await
+        .expect("24 h linger is valid");
+    use lockkit::LockExt;
+    let name = format!("linger-{}", crate::common::fresh_prefix());
+    let lease = locks
+        .try_acquire(&name, Duration::from_secs(2))
+        .await
+        .unwrap();
+    lease.release().await.unwrap();
+    // The keepalive task ticks (every TTL/3) while the lease is idle and lingering...
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // ...and still renews it for the next lock on it, past its TTL.
+    let again = locks
+        .try_acquire(&name, Duration::from_secs(2))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_ne!(again.state(), lockkit::LeaseState::Lost);
+    again.release().await.unwrap();
+}

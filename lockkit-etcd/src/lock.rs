@@ -454,6 +454,13 @@ impl EtcdLock {
             name: name.to_owned(),
             slot,
         };
+        // A private lease is revoked if the acquire fails or is cancelled (which also deletes
+        // its key).
+        let mut private_revoke = (!opts.keepalive).then(|| RevokeOnDrop {
+            client: self.inner.client.clone(),
+            shared: Some(shared.clone()),
+            limit: self.request_timeout(),
+        });
         // A private lease is kept alive by a task while its acquire waits, and no longer.
         let private_keepalive = (!opts.keepalive).then(|| {
             AbortOnDrop(
@@ -520,8 +527,11 @@ impl EtcdLock {
                 name: name.to_owned(),
             });
         };
-        // From here on a private lease is renewed by hand only.
+        // From here on a private lease is renewed by hand only, and belongs to the lock.
         drop(private_keepalive);
+        if let Some(r) = private_revoke.as_mut() {
+            r.shared = None;
+        }
         let reservation = guard.disarm();
         let binding = match reservation {
             Some(reservation) if opts.keepalive => Binding::Shared {
@@ -567,6 +577,47 @@ struct AbortOnDrop(tokio::task::AbortHandle);
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
         self.0.abort();
+    }
+}
+
+/// Revokes the private lease of a failed or cancelled `keepalive(false)` acquire, in a
+/// background task that retries until etcd confirms or the lease's deadline passes (then it has
+/// expired anyway). Disarmed (`shared: None`) once the lock is granted.
+struct RevokeOnDrop {
+    client: Client,
+    shared: Option<Arc<SharedLease>>,
+    limit: Duration,
+}
+
+impl Drop for RevokeOnDrop {
+    fn drop(&mut self) {
+        let Some(shared) = self.shared.take() else {
+            return;
+        };
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (client, limit) = (self.client.clone(), self.limit);
+        rt.spawn(async move {
+            let mut lc = client.lease_client();
+            let mut delay = Duration::from_millis(50);
+            loop {
+                match timed(limit, "a lease revoke", lc.revoke(shared.id)).await {
+                    Ok(_) => break,
+                    // "lease not found" (already expired) and other definite answers.
+                    Err(e) if !e.is_retryable() => break,
+                    Err(e) => {
+                        tracing::debug!(error = %e, "revoking a private etcd lease failed; retrying");
+                    }
+                }
+                if Instant::now() + delay >= shared.master.valid_until() {
+                    break;
+                }
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(2));
+            }
+            shared.mark_lost();
+        });
     }
 }
 

@@ -598,3 +598,67 @@ async fn waiter_cancelled_during_an_outage_leaves_no_key() {
     again.release().await.unwrap();
     a_x.release().await.unwrap();
 }
+
+/// `keepalive(false)` acquires that fail (held, timed out) or are cancelled while waiting
+/// revoke their private lease: no lease of theirs is left on the server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_manual_acquires_revoke_their_lease() {
+    let data = support::fresh_data_dir();
+    let m = support::start_single(data.path(), free_port(), free_port()).await;
+    let url = format!("etcd://{}", m.endpoint());
+    let a = EtcdLock::connect(&url).await.unwrap();
+    let b = EtcdLock::connect(&url).await.unwrap();
+    let held = a.try_acquire("k", Duration::from_secs(30)).await.unwrap();
+    // A TTL nothing else on this server uses, to tell the private leases apart.
+    let ttl = Duration::from_secs(17);
+    let manual = |wait| AcquireOptions::new().ttl(ttl).keepalive(false).wait(wait);
+    for _ in 0..3 {
+        match b.acquire("k", manual(Wait::No)).await {
+            Err(Error::Held { .. }) => {}
+            r => panic!("expected Held, got {r:?}"),
+        }
+        match b
+            .acquire("k", manual(Wait::Timeout(Duration::from_millis(200))))
+            .await
+        {
+            Err(Error::Timeout { .. }) => {}
+            r => panic!("expected Timeout, got {r:?}"),
+        }
+        let waiting = b.acquire("k", manual(Wait::Forever));
+        assert!(
+            tokio::time::timeout(Duration::from_millis(300), waiting)
+                .await
+                .is_err()
+        );
+    }
+    // The revokes run in the background: wait (bounded) until none of those leases is left.
+    let client = a.client().clone();
+    let deadline = Instant::now() + TOLERANCE * 2;
+    loop {
+        let mut lc = client.lease_client();
+        let ids: Vec<i64> = lc
+            .leases()
+            .await
+            .unwrap()
+            .leases()
+            .iter()
+            .map(|l| l.id())
+            .collect();
+        let mut left = 0;
+        for id in ids {
+            let t = lc.time_to_live(id, None).await.unwrap();
+            if t.granted_ttl() == 17 {
+                left += 1;
+            }
+        }
+        if left == 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{left} private leases of failed acquires are still alive"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    held.release().await.unwrap();
+}

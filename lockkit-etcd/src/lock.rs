@@ -36,6 +36,14 @@ use crate::lease::{
     keepalive_task, timed, ttl_secs,
 };
 
+/// The least time a timed acquire gets (capped by the request timeout), even with a shorter
+/// wait: enough for the round trips of a free lock.
+const MIN_ATTEMPT: Duration = Duration::from_millis(100);
+
+/// How long past its deadline a timed acquire may take to clean up (delete its key) before it
+/// returns anyway, leaving the cleanup to a background task.
+const CLEANUP_GRACE: Duration = Duration::from_millis(250);
+
 type LeaseTable = Arc<Mutex<HashMap<Duration, Arc<SharedLease>>>>;
 
 struct Session {
@@ -697,17 +705,44 @@ impl Lock for EtcdLock {
         opts.validate()?;
         let start = Instant::now();
         let deadline = wait_deadline(opts.wait, start);
-        // A lease that expired just before we attached a key to it: take a fresh one, twice
-        // at most.
-        for _ in 0..3 {
-            if let Some(lease) = self.acquire_once(name, &opts, start, deadline).await? {
-                return Ok(lease);
+        let run = async {
+            // A lease that expired just before we attached a key to it: take a fresh one, twice
+            // at most.
+            for _ in 0..3 {
+                if let Some(lease) = self.acquire_once(name, &opts, start, deadline).await? {
+                    return Ok(lease);
+                }
             }
+            Err(Error::Unavailable {
+                backend: BACKEND,
+                source: "etcd expired every lease granted for this acquire".into(),
+            })
+        };
+        // A hanging etcd must not stretch the caller's wait: a timed acquire ends at its
+        // deadline, a try-acquire after one request timeout, whatever request is in flight
+        // (dropping the attempt cleans up as a cancelled acquire does).
+        match opts.wait {
+            Wait::Forever => run.await,
+            Wait::Timeout(_) => {
+                // Past the deadline by a grace period, so that an acquire that timed out on
+                // its own still deletes its key before it returns.
+                let limit = deadline
+                    .unwrap_or(start)
+                    .max(start + MIN_ATTEMPT.min(self.request_timeout()))
+                    + CLEANUP_GRACE.min(self.request_timeout());
+                match tokio::time::timeout_at(limit, run).await {
+                    Ok(r) => r,
+                    Err(_) => Err(Error::Timeout {
+                        name: name.to_owned(),
+                        waited: start.elapsed(),
+                    }),
+                }
+            }
+            Wait::No => match tokio::time::timeout(self.request_timeout(), run).await {
+                Ok(r) => r,
+                Err(_) => Err(error::timeout("a try-acquire")),
+            },
         }
-        Err(Error::Unavailable {
-            backend: BACKEND,
-            source: "etcd expired every lease granted for this acquire".into(),
-        })
     }
 
     /// Correctness lock: consensus-backed, durable tokens, FIFO waiters, manual renewal.

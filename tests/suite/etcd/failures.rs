@@ -662,3 +662,52 @@ async fn failed_manual_acquires_revoke_their_lease() {
     }
     held.release().await.unwrap();
 }
+
+/// With etcd hanging (every byte held by a blackholed proxy), a timed acquire ends with
+/// `Timeout` at about its deadline, and a try-acquire with `Unavailable` after about one request
+/// timeout, not after several request timeouts and retries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn short_waits_are_bounded_when_etcd_hangs() {
+    let url = shared_url();
+    let prefix = fresh_prefix();
+    let proxy = Proxy::start(url.trim_start_matches("etcd://").to_owned()).await;
+    let a = EtcdLock::connect(&format!(
+        "etcd://{}?prefix={prefix}&request_timeout_ms=3000",
+        proxy.endpoint()
+    ))
+    .await
+    .expect("connect through proxy");
+    proxy.blackhole(true);
+    let ttl = Duration::from_secs(5);
+    let start = Instant::now();
+    let opts = AcquireOptions::new()
+        .ttl(ttl)
+        .wait(Wait::Timeout(Duration::from_millis(300)));
+    match a.acquire("hang", opts).await {
+        Err(Error::Timeout { .. }) => {}
+        r => panic!("expected Timeout, got {r:?}"),
+    }
+    assert!(start.elapsed() < Duration::from_millis(300) + TOLERANCE / 2);
+    let start = Instant::now();
+    let opts = AcquireOptions::new().ttl(ttl).wait(Wait::No);
+    match a.acquire("hang", opts).await {
+        Err(e @ Error::Unavailable { .. }) => assert!(e.is_retryable()),
+        r => panic!("expected Unavailable, got {r:?}"),
+    }
+    assert!(
+        start.elapsed() < Duration::from_secs(3) + TOLERANCE,
+        "try-acquire took {:?}",
+        start.elapsed()
+    );
+    proxy.blackhole(false);
+    let lease = a
+        .acquire(
+            "hang",
+            AcquireOptions::new()
+                .ttl(ttl)
+                .wait(Wait::Timeout(TOLERANCE * 3)),
+        )
+        .await
+        .expect("acquire once etcd answers");
+    lease.release().await.unwrap();
+}

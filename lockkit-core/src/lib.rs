@@ -47,8 +47,8 @@ pub use lease::{Lease, LeaseOps, LeaseState, LeaseTracker, drift_margin};
 pub use lock::{Guarantees, Lock, LockExt, LockKind, retry_transient, wait_deadline};
 pub use memory::MemoryLock;
 pub use options::{
-    AcquireOptions, DEFAULT_TTL, MAX_NAME_BYTES, MAX_RETRY_DELAY, MAX_TTL, MIN_TTL, RetryPolicy,
-    Wait, validate_name, validate_ttl,
+    AcquireOptions, DEFAULT_TTL, MAX_NAME_BYTES, MAX_PREFIX_BYTES, MAX_RETRY_DELAY, MAX_TTL,
+    MIN_TTL, RetryPolicy, Wait, validate_name, validate_prefix, validate_ttl,
 };
 pub use token::FencingToken;
 

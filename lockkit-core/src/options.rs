@@ -198,6 +198,32 @@ pub fn validate_ttl(ttl: Duration) -> Result<()> {
     Ok(())
 }
 
+/// The longest key prefix (namespace) a backend accepts, in bytes of UTF-8: 64.
+pub const MAX_PREFIX_BYTES: usize = 64;
+
+/// Checks a key prefix (the namespace every backend puts its keys under, the `prefix` URL
+/// parameter): 1 to [`MAX_PREFIX_BYTES`] bytes, no `/`, not `.` or `..`, no control characters.
+/// Backends may add rules of their own (Redis also refuses `:`).
+///
+/// # Errors
+/// [`Error::InvalidConfig`] with the reason.
+pub fn validate_prefix(prefix: &str) -> Result<()> {
+    let reason = if prefix.is_empty() {
+        "is empty"
+    } else if prefix.len() > MAX_PREFIX_BYTES {
+        "is longer than 64 bytes"
+    } else if prefix.contains('/') {
+        "contains '/'"
+    } else if prefix == "." || prefix == ".." {
+        "is '.' or '..'"
+    } else if prefix.chars().any(char::is_control) {
+        "contains a control character"
+    } else {
+        return Ok(());
+    };
+    Err(Error::config(format!("key prefix {reason}")))
+}
+
 /// Checks a lock name. The same rules hold on every backend, so a name that works on one works on
 /// all:
 ///
@@ -253,6 +279,19 @@ mod tests {
             assert!(
                 matches!(validate_name(bad), Err(Error::InvalidName { .. })),
                 "{bad:?} accepted"
+            );
+        }
+    }
+
+    #[test]
+    fn prefixes() {
+        for ok in ["lockkit", "app-1", "ünï", &"p".repeat(64)] {
+            validate_prefix(ok).unwrap();
+        }
+        for bad in ["", "a/b", "..", "x\0", &"p".repeat(65)] {
+            assert!(
+                matches!(validate_prefix(bad), Err(Error::InvalidConfig { .. })),
+                "{bad:?}"
             );
         }
     }

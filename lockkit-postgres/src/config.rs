@@ -266,29 +266,13 @@ impl PgConfig {
     /// (`[a-z_][a-z0-9_]*`, at most 63 bytes); or if the connect timeout is shorter than
     /// [`MIN_CONNECT_TIMEOUT`].
     pub fn validate(&self) -> Result<()> {
-        validate_prefix(&self.prefix)?;
+        lockkit_core::validate_prefix(&self.prefix)?;
         validate_schema(&self.schema)?;
         if self.connect_timeout < MIN_CONNECT_TIMEOUT {
             return Err(Error::config("connect_timeout is shorter than 10 ms"));
         }
         Ok(())
     }
-}
-
-fn validate_prefix(p: &str) -> Result<()> {
-    if p.is_empty() {
-        return Err(Error::config("prefix is empty"));
-    }
-    if p.len() > 64 {
-        return Err(Error::config("prefix is longer than 64 bytes"));
-    }
-    if p.contains('/') {
-        return Err(Error::config("prefix contains '/'"));
-    }
-    if p.chars().any(char::is_control) {
-        return Err(Error::config("prefix contains a control character"));
-    }
-    Ok(())
 }
 
 /// A schema name lockkit can put into SQL text unquoted: a plain lower-case identifier.

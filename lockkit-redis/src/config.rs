@@ -12,8 +12,7 @@ use crate::error::from_redis;
 /// The key prefix used when none is given: `lockkit`.
 pub const DEFAULT_PREFIX: &str = "lockkit";
 
-/// The longest key prefix, in bytes: 64.
-pub const MAX_PREFIX_BYTES: usize = 64;
+pub use lockkit_core::MAX_PREFIX_BYTES;
 
 /// How long [`RedisLock::connect`](crate::RedisLock::connect) waits for the server by default: 5 s.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -380,28 +379,18 @@ fn parse_ms(key: &str, v: &str) -> Result<Duration> {
     }
 }
 
-/// Checks a key prefix: 1 to [`MAX_PREFIX_BYTES`] bytes, no `:`, no `/`, no control characters.
+/// Checks a key prefix: the rules of [`lockkit_core::validate_prefix`] (1 to
+/// [`MAX_PREFIX_BYTES`] bytes, no `/`, no control characters), and no `:`.
 ///
 /// # Errors
 /// [`Error::InvalidConfig`] with the reason.
 pub fn validate_prefix(prefix: &str) -> Result<()> {
-    let reason = if prefix.is_empty() {
-        Some("is empty")
-    } else if prefix.len() > MAX_PREFIX_BYTES {
-        Some("is longer than 64 bytes")
-    } else if prefix.contains(':') {
-        Some("contains ':' (it separates the prefix from the rest of the key)")
-    } else if prefix.contains('/') {
-        Some("contains '/'")
-    } else if prefix.chars().any(char::is_control) {
-        Some("contains a control character")
-    } else {
-        None
-    };
-    match reason {
-        None => Ok(()),
-        Some(r) => Err(Error::config(format!("key prefix {r}"))),
+    if prefix.contains(':') {
+        return Err(Error::config(
+            "key prefix contains ':' (it separates the prefix from the rest of the key)",
+        ));
     }
+    lockkit_core::validate_prefix(prefix)
 }
 
 #[cfg(test)]

@@ -274,21 +274,11 @@ impl ZkConfig {
             }
         }
         let p = &self.prefix;
-        let reason = if p.is_empty() {
-            Some("is empty")
-        } else if p.len() > 64 {
-            Some("is longer than 64 bytes")
-        } else if p.contains('/') {
-            Some("contains '/'")
-        } else if p.chars().any(char::is_control) || p.chars().any(forbidden_in_znode) {
-            Some("contains a control character or one ZooKeeper forbids in node names")
-        } else if p == "." || p == ".." || p == "zookeeper" {
-            Some("is '.', '..' or the reserved name 'zookeeper'")
-        } else {
-            None
-        };
-        if let Some(reason) = reason {
-            return Err(Error::config(format!("the key prefix {reason}")));
+        lockkit_core::validate_prefix(p)?;
+        if p.chars().any(forbidden_in_znode) || p == "zookeeper" {
+            return Err(Error::config(
+                "the key prefix contains a character ZooKeeper forbids in node names, or is the reserved name 'zookeeper'",
+            ));
         }
         if self.connect_timeout.is_zero() {
             return Err(Error::config("connect timeout is zero"));

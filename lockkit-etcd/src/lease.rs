@@ -38,6 +38,36 @@ pub(crate) async fn timed<T>(
     }
 }
 
+/// Runs the request `f` makes until it succeeds, fails with a non-transient error, or `total`
+/// has passed. Each attempt gets a third of `total` (at least 100 ms): with one member down or
+/// frozen, the client's balancer (which picks an endpoint per request) most likely sends the next
+/// attempt to a live member. Only for requests that are safe to repeat.
+pub(crate) async fn with_retries<T, F, Fut>(
+    total: Duration,
+    what: &'static str,
+    mut f: F,
+) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = std::result::Result<T, etcd_client::Error>>,
+{
+    let start = Instant::now();
+    let end = start.checked_add(total).unwrap_or(start);
+    let per = (total / 3).max(Duration::from_millis(100)).min(total);
+    let pause = Duration::from_millis(20);
+    loop {
+        let left = end.saturating_duration_since(Instant::now());
+        match timed(per.min(left).max(Duration::from_millis(1)), what, f()).await {
+            Ok(v) => return Ok(v),
+            Err(e) if e.is_retryable() && Instant::now() + pause < end => {
+                tracing::debug!(error = %e, what, "etcd request failed; retrying");
+                tokio::time::sleep(pause).await;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 /// Whole seconds for etcd: the TTL rounded up, at least 1.
 pub(crate) fn ttl_secs(ttl: Duration) -> i64 {
     let secs = ttl.as_secs() + u64::from(ttl.subsec_nanos() > 0);
@@ -588,8 +618,12 @@ impl EtcdLease {
             CompareOp::Equal,
             self.create_revision,
         )]);
-        let mut kv = self.client.kv_client();
-        let resp = timed(self.request_timeout, "a lock check", kv.txn(txn)).await?;
+        let kv = self.client.kv_client();
+        let resp = with_retries(self.request_timeout, "a lock check", || {
+            let (mut kv, txn) = (kv.clone(), txn.clone());
+            async move { kv.txn(txn).await }
+        })
+        .await?;
         Ok(resp.succeeded())
     }
 }
@@ -599,12 +633,17 @@ impl LeaseOps for EtcdLease {
     /// Dedicated lease: one `LeaseKeepAlive` round trip; the key lives exactly as long as its
     /// lease (release revokes it). Session lease: one keepalive of the shared lease (which also
     /// confirms the other locks on it) and one linearizable read that our key still exists.
-    async fn renew(&self, _ttl: Duration) -> Result<()> {
+    async fn renew(&self, ttl: Duration) -> Result<()> {
         if self.released.load(Ordering::SeqCst) {
             return Err(self.not_held());
         }
-        let sent = Instant::now();
-        match keep_alive_once(&self.client, self.lease_id, self.request_timeout).await? {
+        let until = Instant::now()
+            .checked_add(self.request_timeout)
+            .unwrap_or_else(Instant::now);
+        let hedge_every = keepalive_attempt_limit(ttl, self.request_timeout);
+        let (sent, answer) =
+            keep_alive_hedged(&self.client, self.lease_id, until, hedge_every).await;
+        match answer? {
             KeepAlive::Gone => {
                 if let Binding::Shared { reservation, .. } = &self.binding {
                     reservation.shared.mark_lost();
@@ -635,9 +674,13 @@ impl LeaseOps for EtcdLease {
                 self.create_revision,
             )])
             .and_then([TxnOp::delete(self.key.clone(), None::<DeleteOptions>)]);
-        let mut kv = self.client.kv_client();
+        let kv = self.client.kv_client();
         self.release_attempted.store(true, Ordering::SeqCst);
-        let resp = match timed(self.request_timeout, "a lock release", kv.txn(txn)).await {
+        let attempt = || {
+            let (mut kv, txn) = (kv.clone(), txn.clone());
+            async move { kv.txn(txn).await }
+        };
+        let resp = match with_retries(self.request_timeout, "a lock release", attempt).await {
             Ok(r) => r,
             Err(e) => {
                 // The key may outlive this call. Stop reusing the lease, so that it retires (and

@@ -33,7 +33,7 @@ use crate::config::EtcdConfig;
 use crate::error::{self, BACKEND, from_client, is_lease_not_found};
 use crate::lease::{
     Binding, EtcdLease, Reservation, SharedLease, TaskCtx, delete_while_lease_lives,
-    keepalive_task, timed, ttl_secs,
+    keepalive_task, timed, ttl_secs, with_retries,
 };
 
 /// The least time a timed acquire gets (capped by the request timeout), even with a shorter
@@ -134,7 +134,13 @@ impl EtcdLock {
             .saturating_sub(started.elapsed())
             .max(Duration::from_millis(1));
         let mut lc = client.lease_client();
-        let probe = timed(left, "the connect probe", lc.grant(1, None)).await?;
+        // Retried within the connect timeout: with one endpoint down, the next attempt likely
+        // goes to another.
+        let probe = with_retries(left, "the connect probe", || {
+            let mut lc = lc.clone();
+            async move { lc.grant(1, None).await }
+        })
+        .await?;
         if probe.ttl() <= 0 {
             return Err(error::protocol(format!(
                 "etcd refused the probe lease: {}",

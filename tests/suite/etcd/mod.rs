@@ -136,3 +136,31 @@ async fn huge_durations_are_invalid_config() {
     assert_ne!(again.state(), lockkit::LeaseState::Lost);
     again.release().await.unwrap();
 }
+
+/// With one of two endpoints dead (nothing listens), connect, acquire, renew and release all
+/// succeed: each request that lands on the dead endpoint is retried within its timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_dead_endpoint_is_tolerated() {
+    use lockkit::Lock;
+    use lockkit::etcd::EtcdLock;
+    let live = server_url("LOCKKIT_ETCD_URL");
+    let live = live.trim_start_matches("etcd://");
+    let dead = format!("127.0.0.1:{}", crate::common::free_port());
+    let url = format!(
+        "etcd://{dead},{live}?prefix={}",
+        crate::common::fresh_prefix()
+    );
+    for i in 0..8 {
+        let locks = EtcdLock::connect(&url)
+            .await
+            .unwrap_or_else(|e| panic!("connect {i} with one dead endpoint: {e:?}"));
+        let name = format!("dead-endpoint-{i}");
+        let opts = lockkit::AcquireOptions::new()
+            .ttl(Duration::from_secs(5))
+            .keepalive(i % 2 == 0)
+            .wait(lockkit::Wait::Timeout(Duration::from_secs(5)));
+        let lease = locks.acquire(&name, opts).await.expect("acquire");
+        lease.renew().await.expect("renew");
+        lease.release().await.expect("release");
+    }
+}

@@ -7,7 +7,8 @@
 //!    `{prefix}/{name}/`. The holder is the key with the lowest create revision.
 //! 2. A waiter reads the key immediately ahead of it (the largest create revision below its own:
 //!    `max_create_revision`, sorted by create revision, limit 1) and watches only that key for
-//!    its `DELETE` from the read's revision + 1. One release wakes one waiter; nobody polls.
+//!    its `DELETE` from the read's revision + 1. One release wakes one waiter. A waiter also
+//!    re-reads every TTL/2 (0.5 s to 5 s), in case its watch is stuck on a frozen member.
 //! 3. On every wake the waiter re-reads, in one linearizable transaction that also checks its
 //!    own key still exists with its create revision (so its lease is alive: etcd deletes a
 //!    lease's keys when the lease ends). A waiter whose key is gone gets [`Error::LeaseLost`].
@@ -43,6 +44,11 @@ const MIN_ATTEMPT: Duration = Duration::from_millis(100);
 /// How long past its deadline a timed acquire may take to clean up (delete its key) before it
 /// returns anyway, leaving the cleanup to a background task.
 const CLEANUP_GRACE: Duration = Duration::from_millis(250);
+
+/// A waiter re-reads the key ahead of it every TTL/2 within these bounds, in case its watch is
+/// stuck on a frozen member.
+const RECHECK_MIN: Duration = Duration::from_millis(500);
+const RECHECK_MAX: Duration = Duration::from_secs(5);
 
 type LeaseTable = Arc<Mutex<HashMap<Duration, Arc<SharedLease>>>>;
 
@@ -354,7 +360,11 @@ impl EtcdLock {
         let mut failures = 0usize;
         let mut delay = opts.retry.map(|r| r.min_delay).unwrap_or_default();
         loop {
-            match self.check_and_watch(name, name_prefix, key, my_rev).await {
+            let recheck = (opts.ttl / 2).clamp(RECHECK_MIN, RECHECK_MAX);
+            match self
+                .check_and_watch(name, name_prefix, key, my_rev, recheck)
+                .await
+            {
                 Ok(Turn::Mine) => return Ok(()),
                 Ok(Turn::Again) => failures = 0,
                 Err(e) if e.is_retryable() => {
@@ -377,6 +387,7 @@ impl EtcdLock {
         name_prefix: &[u8],
         key: &[u8],
         my_rev: i64,
+        recheck: Duration,
     ) -> Result<Turn> {
         let ahead = TxnOp::get(
             name_prefix.to_vec(),
@@ -396,8 +407,12 @@ impl EtcdLock {
                 my_rev,
             )])
             .and_then([ahead]);
-        let mut kv = self.inner.client.kv_client();
-        let resp = timed(self.request_timeout(), "a lock check", kv.txn(txn)).await?;
+        let kv = self.inner.client.kv_client();
+        let resp = with_retries(self.request_timeout(), "a lock check", || {
+            let (mut kv, txn) = (kv.clone(), txn.clone());
+            async move { kv.txn(txn).await }
+        })
+        .await?;
         if !resp.succeeded() {
             // Our key is gone: our lease lapsed (or someone deleted the key). Never a lease.
             return Err(Error::LeaseLost {
@@ -422,8 +437,14 @@ impl EtcdLock {
             wc.watch(ahead_key, Some(wopts)),
         )
         .await?;
+        // A watch served by a frozen member never reports anything (the client notices the dead
+        // connection only after its HTTP/2 keepalive, 15 s): read again every `recheck`.
+        let recheck_at = Instant::now() + recheck;
         loop {
-            let msg = stream.message().await.map_err(from_client)?;
+            let msg = match tokio::time::timeout_at(recheck_at, stream.message()).await {
+                Err(_) => return Ok(Turn::Again),
+                Ok(m) => m.map_err(from_client)?,
+            };
             let Some(msg) = msg else {
                 return Ok(Turn::Again);
             };

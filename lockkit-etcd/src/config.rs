@@ -142,7 +142,13 @@ impl EtcdConfig {
             }
             cfg.user = Some((user, decode(password, "password")?));
         }
+        let mut seen = std::collections::HashSet::new();
         for (k, v) in url::form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
+            if !seen.insert(k.clone()) {
+                return Err(Error::config(format!(
+                    "etcd URL parameter {k:?} is given more than once"
+                )));
+            }
             match &*k {
                 "prefix" => cfg.prefix = v.into_owned(),
                 "connect_timeout_ms" => cfg.connect_timeout = parse_ms(&k, &v)?,
@@ -324,6 +330,9 @@ fn normalize_endpoint(e: &str) -> Result<String> {
         .filter(|h| !h.is_empty())
         .ok_or_else(|| Error::config("etcd endpoint has no host"))?;
     let port = parsed.port().unwrap_or(DEFAULT_PORT);
+    if port == 0 {
+        return Err(Error::config("etcd endpoint port must not be 0"));
+    }
     Ok(format!("http://{host}:{port}"))
 }
 

@@ -87,6 +87,8 @@ pub(crate) fn from_client(e: EtcdError) -> Error {
             || m.contains("auth: revision in header is old")
     };
     let kind = match (&e, code_of(&e)) {
+        // Credentials were configured for a server that has authentication disabled.
+        (_, Some((_, m))) if m.contains("authentication is not enabled") => Kind::Config,
         (_, Some((Code::Unauthenticated | Code::PermissionDenied, _))) => Kind::Auth,
         (_, Some((_, m))) if auth_msg(&m) => Kind::Auth,
         (

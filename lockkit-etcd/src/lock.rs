@@ -106,13 +106,18 @@ impl EtcdLock {
 
     /// Connects with `config`. Authenticates if a user is configured, then grants (and revokes
     /// in the background) a 1 s probe lease, which proves the cluster answers writes and tells
-    /// the server's minimum lease TTL (see [`Guarantees::expiry_slack`]).
+    /// the server's minimum lease TTL (see [`Guarantees::expiry_slack`]), and reads (count only)
+    /// under the key prefix, which proves the client may. Each probe is retried on transient
+    /// errors within the connect timeout.
     ///
     /// # Errors
     /// - [`Error::InvalidConfig`] for bad settings.
     /// - [`Error::Unavailable`] if no endpoint answers within the connect timeout (3 s by
     ///   default) or the cluster has no leader.
-    /// - [`Error::Auth`] if etcd refuses the user name or password.
+    /// - [`Error::Auth`] if etcd refuses the user name or password, or has authentication
+    ///   enabled and none was given (or the user may not read under the prefix).
+    /// - [`Error::InvalidConfig`] also if credentials are given and etcd has authentication
+    ///   disabled.
     ///
     /// # Cancel safety
     /// As [`connect`](Self::connect).
@@ -154,6 +159,23 @@ impl EtcdLock {
             )));
         }
         let probe_id = probe.id();
+        // A lease grant needs no permission; a read under our prefix does. So a server with
+        // authentication enabled refuses a client without (valid) credentials here, with
+        // `Error::Auth`, rather than at its first acquire.
+        let left = limit
+            .saturating_sub(started.elapsed())
+            .max(Duration::from_millis(1));
+        let kv = client.kv_client();
+        let probe_key = format!("{}/", config.key_prefix()).into_bytes();
+        with_retries(left, "the connect probe", || {
+            let (mut kv, key) = (kv.clone(), probe_key.clone());
+            let opts = GetOptions::new()
+                .with_prefix()
+                .with_count_only()
+                .with_limit(1);
+            async move { kv.get(key, Some(opts)).await }
+        })
+        .await?;
         let revoke_limit = config.request_timeout_value();
         tokio::spawn(async move {
             let _ = timed(revoke_limit, "a lease revoke", lc.revoke(probe_id)).await;

@@ -324,7 +324,7 @@ async fn session_leases_are_shared_and_revoked() {
     }
 }
 
-/// A wrong password is `Error::Auth` at connect; the right one works.
+/// A wrong password, or none, is `Error::Auth` at connect; the right one works.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wrong_password_is_auth_error() {
     let data = support::fresh_data_dir();
@@ -341,6 +341,11 @@ async fn wrong_password_is_auth_error() {
         other => panic!("wrong password: {other:?}"),
     }
     assert!(start.elapsed() < TOLERANCE);
+    // No credentials at all: refused at connect, not at the first acquire.
+    match lockkit::connect(&format!("etcd://{ep}")).await {
+        Err(e @ Error::Auth { .. }) => assert!(!e.is_retryable()),
+        other => panic!("no credentials: {other:?}"),
+    }
     let locks = lockkit::connect(&format!("etcd://root:r00t-pw@{ep}?prefix=authd"))
         .await
         .expect("right password");

@@ -52,6 +52,8 @@ async fn malformed_urls_are_invalid_config() {
         "etcd://127.0.0.1:2379?nosuch=1",
         "etcd://127.0.0.1:2379?tls=true",
         "etcd://user:hunter2@127.0.0.1:99999",
+        "etcd://127.0.0.1:0",
+        "etcd://127.0.0.1:2379?prefix=a&prefix=b",
     ] {
         let start = std::time::Instant::now();
         match lockkit::connect(url).await {
@@ -162,5 +164,16 @@ async fn one_dead_endpoint_is_tolerated() {
         let lease = locks.acquire(&name, opts).await.expect("acquire");
         lease.renew().await.expect("renew");
         lease.release().await.expect("release");
+    }
+}
+
+/// Credentials for a server without authentication are a configuration error, at connect.
+#[tokio::test]
+async fn credentials_without_server_auth_are_invalid_config() {
+    let url = server_url("LOCKKIT_ETCD_URL");
+    let ep = url.trim_start_matches("etcd://");
+    match lockkit::connect(&format!("etcd://someone:s3cret-pw@{ep}")).await {
+        Err(Error::InvalidConfig { reason, .. }) => assert!(!reason.contains("s3cret-pw")),
+        other => panic!("expected InvalidConfig, got {other:?}"),
     }
 }

@@ -39,7 +39,7 @@ pub(crate) async fn timed<T>(
 }
 
 /// Runs the request `f` makes until it succeeds, fails with a non-transient error, or `total`
-/// has passed. Each attempt gets a third of `total` (at least 100 ms): with one member down or
+/// has passed. Each attempt gets a fifth of `total` (at least 100 ms): with one member down or
 /// frozen, the client's balancer (which picks an endpoint per request) most likely sends the next
 /// attempt to a live member. Only for requests that are safe to repeat.
 pub(crate) async fn with_retries<T, F, Fut>(
@@ -53,7 +53,7 @@ where
 {
     let start = Instant::now();
     let end = start.checked_add(total).unwrap_or(start);
-    let per = (total / 3).max(Duration::from_millis(100)).min(total);
+    let per = (total / 5).max(Duration::from_millis(100)).min(total);
     let pause = Duration::from_millis(20);
     loop {
         let left = end.saturating_duration_since(Instant::now());

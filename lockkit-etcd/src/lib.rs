@@ -43,11 +43,13 @@
 //!   every key ever created until compaction, and reads over a lock's prefix would otherwise slow
 //!   down with every acquire).
 //! - A waiter watches only the key immediately ahead of it (largest create revision below its
-//!   own) for its deletion; one release wakes one waiter. No polling.
+//!   own) for its deletion; one release wakes one waiter. It also re-reads every TTL/2 (0.5 s to
+//!   5 s), in case its watch is stuck on a frozen member.
 //! - When woken, the waiter re-checks in one linearizable read that its own key still exists
 //!   (so its lease is alive: etcd deletes a lease's keys when the lease ends) and that no key is
-//!   ahead. A waiter whose lease lapsed gets [`Error::LeaseLost`](lockkit_core::Error::LeaseLost),
-//!   never a lease.
+//!   ahead. A waiter whose lease lapsed never gets the lock on that key: it queues again with a
+//!   fresh lease (up to 5 leases per acquire, then
+//!   [`Error::Unavailable`](lockkit_core::Error::Unavailable)).
 //! - Release deletes the key only if it is still this grant's (compare on its create revision).
 //! - Dropping an acquire at any point deletes its key in the background; a timed-out acquire
 //!   deletes it before returning.

@@ -11,7 +11,9 @@
 //!    re-reads every TTL/2 (0.5 s to 5 s), in case its watch is stuck on a frozen member.
 //! 3. On every wake the waiter re-reads, in one linearizable transaction that also checks its
 //!    own key still exists with its create revision (so its lease is alive: etcd deletes a
-//!    lease's keys when the lease ends). A waiter whose key is gone gets [`Error::LeaseLost`].
+//!    lease's keys when the lease ends). A waiter whose key is gone (its lease ended) never gets
+//!    the lock on it: it deletes what is left and queues again with a fresh lease, a few times
+//!    at most, then fails with [`Error::Unavailable`].
 //! 4. The fencing token is the holder key's create revision.
 
 use std::collections::HashMap;
@@ -49,6 +51,10 @@ const CLEANUP_GRACE: Duration = Duration::from_millis(250);
 /// stuck on a frozen member.
 const RECHECK_MIN: Duration = Duration::from_millis(500);
 const RECHECK_MAX: Duration = Duration::from_secs(5);
+
+/// Leases one acquire may go through (each lost before the lock was granted) before it fails
+/// with [`Error::Unavailable`].
+const LEASE_ATTEMPTS: usize = 5;
 
 type LeaseTable = Arc<Mutex<HashMap<Duration, Arc<SharedLease>>>>;
 
@@ -562,9 +568,23 @@ impl EtcdLock {
                 _ = lost => Err(Error::LeaseLost { name: name.to_owned() }),
                 _ = timeout => Err(Error::Timeout { name: name.to_owned(), waited: start.elapsed() }),
             };
-            if let Err(e) = outcome {
-                guard.delete_now().await;
-                return Err(e);
+            match outcome {
+                Ok(()) => {}
+                // Our lease ended while we waited (an outage longer than the TTL, or it was
+                // revoked): the lock was never ours, so start over with a fresh lease (at the
+                // back of the queue) rather than fail the caller's wait.
+                Err(Error::LeaseLost { .. }) => {
+                    tracing::debug!(
+                        lock = name,
+                        "the lease of a waiting acquire ended; retrying with a new lease"
+                    );
+                    guard.delete_now().await;
+                    return Ok(None);
+                }
+                Err(e) => {
+                    guard.delete_now().await;
+                    return Err(e);
+                }
             }
         }
         // Granted. The tracker starts at the last acknowledged renewal of the etcd lease.
@@ -579,10 +599,9 @@ impl EtcdLock {
             None
         };
         let Some((tracker_id, tracker)) = binding_tracker else {
+            // Lost just as it was granted, before anyone was told: start over.
             guard.delete_now().await;
-            return Err(Error::LeaseLost {
-                name: name.to_owned(),
-            });
+            return Ok(None);
         };
         // From here on a private lease is renewed by hand only, and belongs to the lock.
         drop(private_keepalive);
@@ -755,9 +774,9 @@ impl Lock for EtcdLock {
         let start = Instant::now();
         let deadline = wait_deadline(opts.wait, start);
         let run = async {
-            // A lease that expired just before we attached a key to it: take a fresh one, twice
-            // at most.
-            for _ in 0..3 {
+            // A lease that expired just before we attached a key to it, or while we waited:
+            // take a fresh one, a few times at most.
+            for _ in 0..LEASE_ATTEMPTS {
                 if let Some(lease) = self.acquire_once(name, &opts, start, deadline).await? {
                     return Ok(lease);
                 }

@@ -140,7 +140,8 @@ async fn queue_waiter(
 }
 
 /// A waiter whose keepalives stop while it is queued loses its lease (its key is deleted by
-/// etcd); it gets `LeaseLost`, never the lock; the next client gets a larger token.
+/// etcd); it never gets the lock on that key (it may queue again with a fresh lease and get it
+/// on a new key); the next client gets a larger token.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn waiter_whose_lease_lapses_gets_no_lease() {
     let url = with_prefix(&shared_url(), &fresh_prefix());
@@ -156,19 +157,37 @@ async fn waiter_whose_lease_lapses_gets_no_lease() {
         .expect("acquire");
     let mut watch = PrefixWatch::new(h.client(), &h.name_prefix("q")).await;
     let ttl = Duration::from_secs(2);
-    let (waiter, _key) = queue_waiter(&w, "q", ttl, &mut watch).await;
+    let (waiter, key) = queue_waiter(&w, "q", ttl, &mut watch).await;
+    let old_rev = h
+        .client()
+        .kv_client()
+        .get(key.clone(), None)
+        .await
+        .unwrap()
+        .kvs()[0]
+        .create_revision();
     w.pause_keepalive_for_tests(true);
     let held_token = held.token();
     // etcd deletes the waiter's key when its lease expires.
-    watch.next(EventType::Delete, ttl + slack + TOLERANCE).await;
+    assert_eq!(
+        watch.next(EventType::Delete, ttl + slack + TOLERANCE).await,
+        key
+    );
     held.release().await.expect("release");
-    let res = tokio::time::timeout(TOLERANCE, waiter)
+    let res = tokio::time::timeout(TOLERANCE * 2, waiter)
         .await
         .expect("the waiter hung")
         .unwrap();
+    // It queued again with a fresh lease (so it may get the lock on a new key, with a larger
+    // token), never on its lapsed key.
     match res {
-        Err(Error::LeaseLost { .. }) => {}
-        other => panic!("a waiter with a lapsed lease got {other:?}"),
+        Ok(l) => {
+            assert!(l.token().get() > u64::try_from(old_rev).unwrap());
+            w.pause_keepalive_for_tests(false);
+            let _ = l.release().await;
+        }
+        Err(Error::LeaseLost { .. } | Error::Unavailable { .. }) => {}
+        Err(other) => panic!("a waiter with a lapsed lease got {other:?}"),
     }
     let next = c
         .acquire_timeout("q", ttl, TOLERANCE)
@@ -178,9 +197,16 @@ async fn waiter_whose_lease_lapses_gets_no_lease() {
     next.release().await.unwrap();
 }
 
+/// The store's current revision: every key created so far has a create revision at most this.
+async fn watch_rev_bound(client: &Client) -> u64 {
+    let resp = client.kv_client().get("\0", None).await.unwrap();
+    u64::try_from(resp.header().unwrap().revision()).unwrap()
+}
+
 /// The wake path: a queued waiter whose lease was revoked on the server (its client still
 /// thinks it is fine) is woken by the holder's release, finds its key gone in its linearizable
-/// re-check, and gets `LeaseLost`; a third client acquires with a larger token.
+/// re-check, and never gets the lock on it: it queues again with a fresh lease and gets the
+/// (now free) lock on a new key; a third client acquires with a larger token.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn revoked_waiter_is_refused_on_wake() {
     let url = with_prefix(&shared_url(), &fresh_prefix());
@@ -204,14 +230,23 @@ async fn revoked_waiter_is_refused_on_wake() {
     assert_eq!(watch.next(EventType::Delete, TOLERANCE).await, key);
     assert!(!waiter.is_finished());
     let waiter_key_rev = first; // the holder's token bounds every earlier grant
+    // Every key so far (the revoked one included) has a create revision at most this.
+    let old_key_max_rev = watch_rev_bound(h.client()).await;
     held.release().await.expect("release");
-    match tokio::time::timeout(TOLERANCE, waiter)
+    // Never the lock on its revoked key; it may queue again with a fresh lease and get the lock
+    // on a new key (a larger token than any earlier key's).
+    match tokio::time::timeout(TOLERANCE * 2, waiter)
         .await
         .expect("the woken waiter hung")
         .unwrap()
     {
-        Err(Error::LeaseLost { .. }) => {}
-        other => panic!("a waiter with a revoked lease got {other:?}"),
+        Ok(l) => {
+            assert!(l.token().get() > old_key_max_rev);
+            w.pause_keepalive_for_tests(false);
+            let _ = l.release().await;
+        }
+        // The lock is free: the acquire must not fail just because its first lease ended.
+        Err(other) => panic!("a waiter with a revoked lease got {other:?}"),
     }
     let next = c
         .acquire_timeout("q", Duration::from_secs(5), TOLERANCE)

@@ -277,26 +277,14 @@ fn parse_ms(key: &str, v: &str) -> Result<Duration> {
     }
 }
 
-/// Checks a key prefix: 1 to 64 bytes, no `/`, no control characters.
+/// Checks a key prefix with the rules every lockkit backend shares
+/// ([`lockkit_core::validate_prefix`]: 1 to 64 bytes, no `/`, not `.` or `..`, no control
+/// characters); etcd adds none (its keys are arbitrary bytes).
 ///
 /// # Errors
 /// [`Error::InvalidConfig`] naming the rule that was broken.
 pub fn validate_prefix(prefix: &str) -> Result<()> {
-    let reason = if prefix.is_empty() {
-        Some("prefix is empty")
-    } else if prefix.len() > 64 {
-        Some("prefix is longer than 64 bytes")
-    } else if prefix.contains('/') {
-        Some("prefix contains '/'")
-    } else if prefix.chars().any(char::is_control) {
-        Some("prefix contains a control character")
-    } else {
-        None
-    };
-    match reason {
-        Some(r) => Err(Error::config(format!("invalid etcd key prefix: {r}"))),
-        None => Ok(()),
-    }
+    lockkit_core::validate_prefix(prefix)
 }
 
 /// `host[:port]` or `http://host[:port]` → `http://host:port`.

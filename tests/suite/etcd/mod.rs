@@ -54,6 +54,7 @@ async fn malformed_urls_are_invalid_config() {
         "etcd://user:hunter2@127.0.0.1:99999",
         "etcd://127.0.0.1:0",
         "etcd://127.0.0.1:2379?prefix=a&prefix=b",
+        "etcd://127.0.0.1:2379?prefix=..",
     ] {
         let start = std::time::Instant::now();
         match lockkit::connect(url).await {

@@ -154,24 +154,9 @@ impl LeaseTracker {
     /// # Cancel safety
     /// Cancel safe: dropping it has no effect on the lease.
     pub fn lost(&self) -> impl Future<Output = ()> + Send + 'static {
-        let mut rx = self.tx.subscribe();
+        let lost = self.first_state(|s| s == LeaseState::Lost);
         async move {
-            loop {
-                let v = *rx.borrow_and_update();
-                if v.lost || Instant::now() >= v.valid_until {
-                    return;
-                }
-                tokio::select! {
-                    _ = tokio::time::sleep_until(v.valid_until) => {}
-                    changed = rx.changed() => {
-                        if changed.is_err() {
-                            // Nothing can renew the lease any more: it ends at its deadline.
-                            tokio::time::sleep_until(v.valid_until).await;
-                            return;
-                        }
-                    }
-                }
-            }
+            lost.await;
         }
     }
 
@@ -184,22 +169,38 @@ impl LeaseTracker {
     /// # Cancel safety
     /// Cancel safe: dropping it has no effect on the lease.
     pub fn at_risk(&self) -> impl Future<Output = LeaseState> + Send + 'static {
+        self.first_state(|s| s != LeaseState::Held)
+    }
+
+    /// Resolves with the first state for which `done` holds, waking on every change and at the
+    /// instants where the clock alone changes the state (TTL/2 after the last confirmation:
+    /// Suspect; the deadline: Lost). Once nothing can renew the lease any more (every tracker
+    /// dropped), it only follows the clock.
+    fn first_state(
+        &self,
+        done: fn(LeaseState) -> bool,
+    ) -> impl Future<Output = LeaseState> + Send + 'static {
         let mut rx = self.tx.subscribe();
         let ttl = self.ttl;
         async move {
+            let mut renewable = true;
             loop {
                 let v = *rx.borrow_and_update();
                 let state = state_at(&v, ttl, Instant::now());
-                if state != LeaseState::Held {
+                if done(state) {
                     return state;
                 }
+                let next = match state {
+                    LeaseState::Held => (v.confirmed_sent_at + ttl / 2).min(v.valid_until),
+                    _ => v.valid_until,
+                };
+                if !renewable {
+                    tokio::time::sleep_until(next).await;
+                    continue;
+                }
                 tokio::select! {
-                    _ = tokio::time::sleep_until(v.confirmed_sent_at + ttl / 2) => {}
-                    changed = rx.changed() => {
-                        if changed.is_err() {
-                            tokio::time::sleep_until(v.confirmed_sent_at + ttl / 2).await;
-                        }
-                    }
+                    _ = tokio::time::sleep_until(next) => {}
+                    changed = rx.changed() => renewable = changed.is_ok(),
                 }
             }
         }

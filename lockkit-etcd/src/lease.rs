@@ -165,7 +165,7 @@ pub(crate) fn keepalive_attempt_limit(ttl: Duration, request_timeout: Duration) 
 /// Settings the keepalive task needs from its session.
 #[derive(Clone)]
 pub(crate) struct TaskCtx {
-    pub(crate) client: Client,
+    pub(crate) client: Arc<Client>,
     pub(crate) request_timeout: Duration,
     pub(crate) linger: Option<Duration>,
     /// Test hook: while set, keepalives are not sent (as if the network dropped them).
@@ -550,7 +550,7 @@ pub(crate) enum Binding {
 /// The etcd side of one granted lock: its key, the key's create revision (the fencing token)
 /// and its lease.
 pub struct EtcdLease {
-    pub(crate) client: Client,
+    pub(crate) client: Arc<Client>,
     pub(crate) name: String,
     /// `{prefix}/{name}/` — every contender's key for this lock starts with it.
     pub(crate) name_prefix: Vec<u8>,

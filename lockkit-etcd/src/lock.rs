@@ -59,7 +59,8 @@ const LEASE_ATTEMPTS: usize = 5;
 type LeaseTable = Arc<Mutex<HashMap<Duration, Arc<SharedLease>>>>;
 
 struct Session {
-    client: Client,
+    /// Shared, not cloned per lock: a `Client` clone copies every gRPC service client.
+    client: Arc<Client>,
     config: EtcdConfig,
     /// Session leases by asked TTL.
     leases: LeaseTable,
@@ -189,7 +190,7 @@ impl EtcdLock {
         let (tx, rx) = watch::channel(());
         Ok(Self {
             inner: Arc::new(Session {
-                client,
+                client: Arc::new(client),
                 config,
                 leases: Arc::new(Mutex::new(HashMap::new())),
                 grant_lock: tokio::sync::Mutex::new(()),
@@ -298,6 +299,12 @@ impl EtcdLock {
     /// Creates (or, on a retry, finds) our key and reads the current holder, in one
     /// transaction. With `only_if_free` the key is created only if no key exists under the
     /// name, so a try-acquire of a held lock leaves nothing behind.
+    ///
+    /// A waiting acquire sends the try-acquire's transaction with the queueing one nested in
+    /// its `else` branch: when the name is free (the common, uncontended case) etcd only
+    /// checks that the prefix is empty and creates the key, skipping the holder read, which is
+    /// a range sorted by create revision. Nested transactions exist since etcd 3.3
+    /// (<https://etcd.io/docs/v3.4/learning/api/#transaction>).
     async fn enqueue(
         &self,
         name_prefix: &[u8],
@@ -320,20 +327,22 @@ impl EtcdLock {
             Vec::new(),
             Some(PutOptions::new().with_lease(lease_id)),
         );
-        let cond = if only_if_free {
-            Compare::create_revision(name_prefix.to_vec(), CompareOp::Equal, 0).with_prefix()
+        let free =
+            Compare::create_revision(name_prefix.to_vec(), CompareOp::Equal, 0).with_prefix();
+        // Our key exists (a retry after a lost reply): read it and the holder.
+        let found = [TxnOp::get(key.to_vec(), None), owner.clone()];
+        let txn = if only_if_free {
+            Txn::new().when([free]).and_then([put]).or_else(found)
         } else {
-            Compare::create_revision(key.to_vec(), CompareOp::Equal, 0)
+            let queue = Txn::new()
+                .when([Compare::create_revision(key.to_vec(), CompareOp::Equal, 0)])
+                .and_then([put.clone(), owner])
+                .or_else(found);
+            Txn::new()
+                .when([free])
+                .and_then([put])
+                .or_else([TxnOp::txn(queue)])
         };
-        let then = if only_if_free {
-            vec![put]
-        } else {
-            vec![put, owner.clone()]
-        };
-        let txn = Txn::new()
-            .when([cond])
-            .and_then(then)
-            .or_else([TxnOp::get(key.to_vec(), None), owner]);
         let mut kv = self.inner.client.kv_client();
         let resp = match tokio::time::timeout(self.request_timeout(), kv.txn(txn)).await {
             Err(_) => return Err(error::timeout("a lock request")),
@@ -341,27 +350,38 @@ impl EtcdLock {
             Ok(Err(e)) => return Err(from_client(e)),
             Ok(Ok(r)) => r,
         };
+        // The revision of the whole transaction: our key's create revision if it put it.
         let revision = resp.header().map(|h| h.revision()).unwrap_or(0);
-        let ops = resp.op_responses();
         if resp.succeeded() {
-            let owner = match ops.get(1) {
-                Some(TxnOpResponse::Get(g)) => g.kvs().first().map(|kv| kv.create_revision()),
-                _ => None,
-            };
+            // The name was free: ours is the only key, so we hold the lock.
             return Ok(Enqueued::Queued {
                 my_rev: revision,
-                owner_rev: owner.unwrap_or(revision),
+                owner_rev: revision,
             });
         }
-        let mine = match ops.first() {
+        let (succeeded, ops) = if only_if_free {
+            (false, resp.op_responses())
+        } else {
+            match resp.op_responses().into_iter().next() {
+                Some(TxnOpResponse::Txn(inner)) => (inner.succeeded(), inner.op_responses()),
+                _ => {
+                    return Err(error::protocol(
+                        "lock transaction: missing the nested queueing transaction",
+                    ));
+                }
+            }
+        };
+        let rev_of = |i: usize| match ops.get(i) {
             Some(TxnOpResponse::Get(g)) => g.kvs().first().map(|kv| kv.create_revision()),
             _ => None,
         };
-        let owner = match ops.get(1) {
-            Some(TxnOpResponse::Get(g)) => g.kvs().first().map(|kv| kv.create_revision()),
-            _ => None,
-        };
-        match (mine, owner) {
+        if succeeded {
+            return Ok(Enqueued::Queued {
+                my_rev: revision,
+                owner_rev: rev_of(1).unwrap_or(revision),
+            });
+        }
+        match (rev_of(0), rev_of(1)) {
             (Some(my_rev), Some(owner_rev)) => Ok(Enqueued::Queued { my_rev, owner_rev }),
             (Some(my_rev), None) => Ok(Enqueued::Queued {
                 my_rev,
@@ -660,7 +680,7 @@ impl Drop for AbortOnDrop {
 /// background task that retries until etcd confirms or the lease's deadline passes (then it has
 /// expired anyway). Disarmed (`shared: None`) once the lock is granted.
 struct RevokeOnDrop {
-    client: Client,
+    client: Arc<Client>,
     shared: Option<Arc<SharedLease>>,
     limit: Duration,
 }
@@ -700,7 +720,7 @@ impl Drop for RevokeOnDrop {
 /// Deletes an acquire's key unless disarmed: at once with [`delete_now`](Self::delete_now), or
 /// in a background task when dropped (the acquire was cancelled or failed).
 struct KeyGuard {
-    client: Client,
+    client: Arc<Client>,
     key: Option<Vec<u8>>,
     reservation: Option<Reservation>,
     limit: Duration,

@@ -139,6 +139,81 @@ async fn queue_waiter(
     (join, key)
 }
 
+/// A waiting acquire whose queueing request took effect but whose reply was lost retries,
+/// finds its own key (the nested transaction's "our key exists" branch) instead of creating a
+/// second one, and is granted on that key, in turn, after the holder releases.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiter_whose_enqueue_reply_is_lost_keeps_one_key() {
+    let url = shared_url();
+    let prefix = fresh_prefix();
+    let proxy = Proxy::start(url.trim_start_matches("etcd://").to_owned()).await;
+    let w = EtcdLock::connect(&format!(
+        "etcd://{}?prefix={prefix}&request_timeout_ms=500",
+        proxy.endpoint()
+    ))
+    .await
+    .expect("connect through proxy");
+    let h = EtcdLock::connect(&with_prefix(&url, &prefix))
+        .await
+        .expect("connect");
+    let ttl = Duration::from_secs(10);
+    let held = h.try_acquire("job", ttl).await.expect("acquire");
+    // Grant the waiter's session lease while replies still pass (same TTL: reused below).
+    w.try_acquire("warm-up", ttl)
+        .await
+        .expect("warm-up")
+        .release()
+        .await
+        .expect("release");
+    let name_prefix = format!("{prefix}/job/").into_bytes();
+    let mut watch = PrefixWatch::new(h.client(), &name_prefix).await;
+
+    proxy.hold_replies(true);
+    let join = {
+        let w = w.clone();
+        tokio::spawn(async move {
+            w.acquire(
+                "job",
+                AcquireOptions::new()
+                    .ttl(ttl)
+                    .wait(Wait::Timeout(Duration::from_secs(30))),
+            )
+            .await
+        })
+    };
+    let key = watch.next(EventType::Put, TOLERANCE * 2).await;
+    // The queueing transaction took effect; its reply is held. Once the client has given up on
+    // it (it resets the stream) and sent its retry, let replies through again.
+    let after_put = proxy.sent();
+    proxy.sent_more_than(after_put + 1).await;
+    proxy.hold_replies(false);
+
+    held.release().await.expect("release");
+    let lease = join
+        .await
+        .unwrap()
+        .expect("the waiter is granted after the holder");
+    assert_eq!(
+        etcd_of(&lease).key(),
+        key.as_slice(),
+        "granted on its first key"
+    );
+    assert_eq!(
+        lease.token().get(),
+        create_revision_of(h.client(), &key).await
+    );
+    assert_eq!(count_under(h.client(), &name_prefix).await, 1, "one key");
+    lease.release().await.expect("release");
+    assert_eq!(count_under(h.client(), &name_prefix).await, 0);
+}
+
+/// The create revision of `key` (which must exist).
+async fn create_revision_of(client: &Client, key: &[u8]) -> u64 {
+    let mut kv = client.kv_client();
+    let r = kv.get(key.to_vec(), None).await.expect("get");
+    u64::try_from(r.kvs().first().expect("key exists").create_revision()).unwrap()
+}
+
 /// A waiter whose keepalives stop while it is queued loses its lease (its key is deleted by
 /// etcd); it never gets the lock on that key (it may queue again with a fresh lease and get it
 /// on a new key); the next client gets a larger token.

@@ -165,10 +165,16 @@ pub fn etcdctl(endpoint: &str, args: &[&str]) -> String {
 }
 
 /// A TCP proxy to one etcd endpoint that a test can blackhole: while on, no byte passes in
-/// either direction (held, as in a partition), and connections stay open.
+/// either direction (held, as in a partition), and connections stay open. It can also hold
+/// only the replies (requests still reach etcd), and counts the chunks sent towards etcd.
 pub struct Proxy {
     pub port: u16,
-    blackhole: watch::Sender<bool>,
+    /// Holds client → etcd bytes.
+    up: watch::Sender<bool>,
+    /// Holds etcd → client bytes.
+    down: watch::Sender<bool>,
+    /// Chunks forwarded client → etcd so far.
+    sent: watch::Receiver<u64>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -182,11 +188,15 @@ impl Proxy {
     pub async fn start(upstream: String) -> Proxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
         let port = listener.local_addr().expect("proxy addr").port();
-        let (blackhole, rx) = watch::channel(false);
+        let (up, up_rx) = watch::channel(false);
+        let (down, down_rx) = watch::channel(false);
+        let (sent_tx, sent) = watch::channel(0u64);
+        let sent_tx = std::sync::Arc::new(sent_tx);
         let task = tokio::spawn(async move {
             let mut conns = tokio::task::JoinSet::new();
             while let Ok((client, _)) = listener.accept().await {
-                let (upstream, rx) = (upstream.clone(), rx.clone());
+                let (upstream, up_rx, down_rx) = (upstream.clone(), up_rx.clone(), down_rx.clone());
+                let sent_tx = sent_tx.clone();
                 conns.spawn(async move {
                     let Ok(server) = TcpStream::connect(&upstream).await else {
                         return;
@@ -195,13 +205,18 @@ impl Proxy {
                     let _ = server.set_nodelay(true);
                     let (cr, cw) = client.into_split();
                     let (sr, sw) = server.into_split();
-                    tokio::join!(pipe(cr, sw, rx.clone()), pipe(sr, cw, rx));
+                    tokio::join!(
+                        pipe(cr, sw, up_rx, Some(sent_tx)),
+                        pipe(sr, cw, down_rx, None)
+                    );
                 });
             }
         });
         Proxy {
             port,
-            blackhole,
+            up,
+            down,
+            sent,
             task,
         }
     }
@@ -211,7 +226,24 @@ impl Proxy {
     }
 
     pub fn blackhole(&self, on: bool) {
-        self.blackhole.send_replace(on);
+        self.up.send_replace(on);
+        self.down.send_replace(on);
+    }
+
+    /// Holds (or releases) etcd's replies only: requests still reach etcd and take effect.
+    pub fn hold_replies(&self, on: bool) {
+        self.down.send_replace(on);
+    }
+
+    /// Chunks forwarded towards etcd so far.
+    pub fn sent(&self) -> u64 {
+        *self.sent.borrow()
+    }
+
+    /// Waits until more than `after` chunks have been forwarded towards etcd.
+    pub async fn sent_more_than(&self, after: u64) {
+        let mut rx = self.sent.clone();
+        rx.wait_for(|n| *n > after).await.expect("proxy gone");
     }
 }
 
@@ -228,6 +260,7 @@ async fn pipe(
     mut r: tokio::net::tcp::OwnedReadHalf,
     mut w: tokio::net::tcp::OwnedWriteHalf,
     mut bh: watch::Receiver<bool>,
+    sent: Option<std::sync::Arc<watch::Sender<u64>>>,
 ) {
     let mut buf = vec![0u8; 64 * 1024];
     loop {
@@ -249,6 +282,9 @@ async fn pipe(
         }
         if w.write_all(&buf[..n]).await.is_err() {
             return;
+        }
+        if let Some(sent) = &sent {
+            sent.send_modify(|c| *c += 1);
         }
     }
 }

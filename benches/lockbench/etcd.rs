@@ -5,8 +5,12 @@
 //! (b) etcd's server-side lock service (v3lock `Lock` + `Unlock`) through etcd-client, with a
 //!     pre-granted lease;
 //! (c) lockkit (session lease already granted: the warm-up acquires grant it and it lingers),
-//!     waiting acquire (put + holder read in one transaction) and try-acquire (put only if the
-//!     name is free), each followed by a compare-and-delete release.
+//!     waiting acquire (put if the name is free, else queue and read the holder: one nested
+//!     transaction) and try-acquire (put only if the name is free), each followed by a
+//!     compare-and-delete release;
+//! (d) the two requests lockkit's try-acquire + release send, written by hand: what the
+//!     library itself adds on top of its round trips is (c) − (d);
+//! (e) (a) with the release made a compare-and-delete transaction (release only what you own).
 
 use std::time::Duration;
 
@@ -59,6 +63,8 @@ pub async fn run(iters: usize) -> Vec<Row> {
         "(b) etcd server-side Lock + Unlock (v3lock)",
         "(c) lockkit acquire + release (waiting acquire)",
         "(c) lockkit acquire + release (try-acquire)",
+        "(d) lockkit's try-acquire requests by hand",
+        "(e) by hand: put-if-absent txn + compare-delete txn",
     ];
     let one = |i: usize| {
         let (client, locks) = (&client, &locks);
@@ -99,6 +105,44 @@ pub async fn run(iters: usize) -> Vec<Row> {
                         .await
                         .expect("acquire");
                     l.release().await.expect("release");
+                }
+                4 => {
+                    let mut kv = client.kv_client();
+                    let pfx = format!("{floor_key}d/");
+                    let key = format!("{pfx}{lease:016x}-0");
+                    let txn = Txn::new()
+                        .when([Compare::create_revision(pfx.clone(), CompareOp::Equal, 0)
+                            .with_prefix()])
+                        .and_then([TxnOp::put(
+                            key.clone(),
+                            "",
+                            Some(PutOptions::new().with_lease(lease)),
+                        )]);
+                    let r = kv.txn(txn).await.expect("txn");
+                    assert!(r.succeeded());
+                    let rev = r.header().unwrap().revision();
+                    let txn = Txn::new()
+                        .when([Compare::create_revision(key.clone(), CompareOp::Equal, rev)])
+                        .and_then([TxnOp::delete(key.clone(), None)]);
+                    assert!(kv.txn(txn).await.expect("txn").succeeded());
+                }
+                5 => {
+                    let mut kv = client.kv_client();
+                    let key = format!("{floor_key}e");
+                    let txn = Txn::new()
+                        .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
+                        .and_then([TxnOp::put(
+                            key.clone(),
+                            "",
+                            Some(PutOptions::new().with_lease(lease)),
+                        )]);
+                    let r = kv.txn(txn).await.expect("txn");
+                    assert!(r.succeeded());
+                    let rev = r.header().unwrap().revision();
+                    let txn = Txn::new()
+                        .when([Compare::create_revision(key.clone(), CompareOp::Equal, rev)])
+                        .and_then([TxnOp::delete(key.clone(), None)]);
+                    assert!(kv.txn(txn).await.expect("txn").succeeded());
                 }
                 _ => {
                     let l = locks

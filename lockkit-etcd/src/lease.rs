@@ -19,11 +19,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
-use etcd_client::{Client, Compare, CompareOp, DeleteOptions, Txn, TxnOp};
+use etcd_client::{Client, Compare, CompareOp, DeleteOptions, GetOptions, Txn, TxnOp};
 use lockkit_core::{Error, Instant, LeaseOps, LeaseState, LeaseTracker, Result, async_trait};
 use tokio::sync::{Notify, watch};
 
-use crate::error::{self, from_client};
+use crate::error::{self, BACKEND, from_client};
 
 /// Runs `fut` with a timeout; on timeout returns [`Error::Unavailable`].
 pub(crate) async fn timed<T>(
@@ -76,25 +76,81 @@ pub(crate) fn ttl_secs(ttl: Duration) -> i64 {
 
 /// The answer to one keepalive.
 pub(crate) enum KeepAlive {
-    /// The server extended the lease.
-    Alive,
+    /// The server extended the lease. `term` is the raft term of the member that answered
+    /// (from the response header): the renewal counts only if a linearizable read then reports
+    /// the same term (see [`renewal_counts`]).
+    Alive { term: u64 },
     /// The lease does not exist any more (expired or revoked).
     Gone,
 }
 
-/// Sends one `LeaseKeepAlive` for `id` and waits for its answer (one round trip on a fresh
-/// stream, so the answer belongs to this request).
+/// Sends one `LeaseKeepAlive` for `id` and waits for its answer. Returns the send time of the
+/// request that was answered.
+///
+/// etcd-client's `keep_alive` opens the stream with a first keepalive and keeps that answer to
+/// itself, so the renewal that counts is a second one on the same stream, whose response
+/// header (with the answering member's raft term) we read: two round trips, every TTL/3.
 pub(crate) async fn keep_alive_once(
     client: &Client,
     id: i64,
     limit: Duration,
-) -> Result<KeepAlive> {
+) -> Result<(Instant, KeepAlive)> {
     let mut lc = client.lease_client();
-    match tokio::time::timeout(limit, lc.keep_alive(id)).await {
+    let exchange = async {
+        let (mut keeper, mut stream) = lc.keep_alive(id).await?;
+        let sent = Instant::now();
+        keeper.keep_alive().await?;
+        Ok::<_, etcd_client::Error>((sent, stream.message().await?))
+    };
+    match tokio::time::timeout(limit, exchange).await {
         Err(_) => Err(error::timeout("a lease keepalive")),
-        Ok(Ok((_keeper, _stream))) => Ok(KeepAlive::Alive),
-        Ok(Err(e)) if error::is_lease_not_found(&e) => Ok(KeepAlive::Gone),
+        Ok(Ok((sent, Some(resp)))) if resp.ttl() > 0 => {
+            let term = resp.header().map_or(0, |h| h.raft_term());
+            Ok((sent, KeepAlive::Alive { term }))
+        }
+        Ok(Ok((sent, Some(_)))) => Ok((sent, KeepAlive::Gone)),
+        Ok(Ok((_, None))) => Err(error::protocol("etcd closed the keepalive stream")),
+        Ok(Err(e)) if error::is_lease_not_found(&e) => Ok((Instant::now(), KeepAlive::Gone)),
         Ok(Err(e)) => Err(from_client(e)),
+    }
+}
+
+/// Whether an acknowledged keepalive from a member in raft term `ack_term` may move the lease's
+/// deadline, given the term `read_term` reported by a linearizable read sent after the
+/// acknowledgement arrived.
+///
+/// etcd 3.4 renews a lease in the lessor of whichever member believes it is the leader, without
+/// first confirming its leadership with a quorum. A leader that was paused (SIGSTOP, a long
+/// stall) answers keepalives on resuming, before it learns of the newer term, although the
+/// real leader never renewed the lease. A linearizable read goes through the current leader
+/// (ReadIndex, <https://etcd.io/docs/v3.4/learning/api_guarantees/>), so if it reports the
+/// same term, the member that answered was in the current term, and the renewal counts; a
+/// different term means "not known to count": the lease turns Suspect and is renewed again.
+pub(crate) fn renewal_counts(ack_term: u64, read_term: u64) -> bool {
+    ack_term != 0 && ack_term == read_term
+}
+
+/// The raft term reported by one linearizable read of `key` (count only).
+pub(crate) async fn linearizable_term(client: &Client, key: &[u8], limit: Duration) -> Result<u64> {
+    let kv = client.kv_client();
+    let resp = with_retries(limit, "a term check", || {
+        let mut kv = kv.clone();
+        let opts = GetOptions::new().with_count_only();
+        let key = key.to_vec();
+        async move { kv.get(key, Some(opts)).await }
+    })
+    .await?;
+    Ok(resp.header().map_or(0, |h| h.raft_term()))
+}
+
+/// The error for a keepalive answered by a member of an older raft term.
+pub(crate) fn stale_term(ack_term: u64, read_term: u64) -> Error {
+    Error::Unavailable {
+        backend: BACKEND,
+        source: format!(
+            "keepalive answered by an etcd member in raft term {ack_term}, but the cluster is in term {read_term}"
+        )
+        .into(),
     }
 }
 
@@ -128,7 +184,7 @@ pub(crate) async fn keep_alive_hedged(
             let client = client.clone();
             let limit = until.saturating_duration_since(now);
             first_sent.get_or_insert(now);
-            attempts.spawn(async move { (now, keep_alive_once(&client, id, limit).await) });
+            attempts.spawn(async move { keep_alive_once(&client, id, limit).await });
             next_start = now + hedge_every;
         }
         let wake = if attempts.len() < MAX_HEDGED {
@@ -138,8 +194,8 @@ pub(crate) async fn keep_alive_hedged(
         };
         tokio::select! {
             joined = attempts.join_next(), if !attempts.is_empty() => match joined {
-                Some(Ok((sent, Ok(answer)))) => return (sent, Ok(answer)),
-                Some(Ok((_, Err(e)))) => {
+                Some(Ok(Ok((sent, answer)))) => return (sent, Ok(answer)),
+                Some(Ok(Err(e))) => {
                     last_err = Some(e);
                     next_start = next_start.min(Instant::now() + (hedge_every / 4).max(Duration::from_millis(20)));
                 }
@@ -167,6 +223,9 @@ pub(crate) fn keepalive_attempt_limit(ttl: Duration, request_timeout: Duration) 
 pub(crate) struct TaskCtx {
     pub(crate) client: Arc<Client>,
     pub(crate) request_timeout: Duration,
+    /// A key under the session's prefix for the linearizable term check (readable by a user
+    /// whose permissions cover only that prefix).
+    pub(crate) probe_key: Vec<u8>,
     pub(crate) linger: Option<Duration>,
     /// Test hook: while set, keepalives are not sent (as if the network dropped them).
     pub(crate) paused: Arc<AtomicBool>,
@@ -469,8 +528,23 @@ pub(crate) async fn keepalive_task(shared: Arc<SharedLease>, mut ctx: TaskCtx) {
             .valid_until()
             .min(now.checked_add(ctx.request_timeout).unwrap_or(now));
         let (sent, answer) = keep_alive_hedged(&ctx.client, shared.id, until, attempt_limit).await;
+        let answer = match answer {
+            Ok(KeepAlive::Alive { term }) => {
+                let left = shared
+                    .master
+                    .valid_until()
+                    .saturating_duration_since(Instant::now())
+                    .min(ctx.request_timeout);
+                match linearizable_term(&ctx.client, &ctx.probe_key, left).await {
+                    Ok(current) if renewal_counts(term, current) => Ok(KeepAlive::Alive { term }),
+                    Ok(current) => Err(stale_term(term, current)),
+                    Err(e) => Err(e),
+                }
+            }
+            other => other,
+        };
         match answer {
-            Ok(KeepAlive::Alive) => {
+            Ok(KeepAlive::Alive { .. }) => {
                 if !shared.confirm(sent) {
                     next = Instant::now();
                     continue;
@@ -483,7 +557,7 @@ pub(crate) async fn keepalive_task(shared: Arc<SharedLease>, mut ctx: TaskCtx) {
                 next = Instant::now();
             }
             Err(e) => {
-                tracing::debug!(error = %e, "etcd keepalive failed; retrying");
+                tracing::warn!(error = %e, "etcd keepalive not confirmed; retrying");
                 shared.mark_suspect();
                 next = (Instant::now() + retry).min(shared.master.valid_until());
             }
@@ -611,8 +685,9 @@ impl EtcdLease {
         }
     }
 
-    /// One linearizable read: does our key still exist with our create revision?
-    async fn key_exists(&self) -> Result<bool> {
+    /// One linearizable read: does our key still exist with our create revision? Also returns
+    /// the raft term the read was served in.
+    async fn key_exists(&self) -> Result<(bool, u64)> {
         let txn = Txn::new().when([Compare::create_revision(
             self.key.clone(),
             CompareOp::Equal,
@@ -624,15 +699,24 @@ impl EtcdLease {
             async move { kv.txn(txn).await }
         })
         .await?;
-        Ok(resp.succeeded())
+        Ok((resp.succeeded(), resp.header().map_or(0, |h| h.raft_term())))
     }
 }
 
 #[async_trait]
 impl LeaseOps for EtcdLease {
-    /// Dedicated lease: one `LeaseKeepAlive` round trip; the key lives exactly as long as its
-    /// lease (release revokes it). Session lease: one keepalive of the shared lease (which also
-    /// confirms the other locks on it) and one linearizable read that our key still exists.
+    /// One `LeaseKeepAlive` exchange of this lock's etcd lease (two round trips on one stream:
+    /// etcd-client keeps the first answer to itself, and the second one carries the answering
+    /// member's raft term) — a session lease also confirms the other locks on it — then one
+    /// linearizable read that our key still exists. The renewal counts only if that read
+    /// reports the same raft term: etcd 3.4 lets a paused former leader renew leases in its own
+    /// lessor on resuming, before it learns of the newer term, while a linearizable read goes
+    /// through the current leader (<https://etcd.io/docs/v3.4/learning/api_guarantees/>).
+    ///
+    /// # Errors
+    /// [`Error::NotHeld`] if the lease or the key is gone; [`Error::Unavailable`] if etcd did
+    /// not answer in time or the answer came from a member of an older term (a paused former
+    /// leader): the renewal does not count.
     async fn renew(&self, ttl: Duration) -> Result<()> {
         if self.released.load(Ordering::SeqCst) {
             return Err(self.not_held());
@@ -643,25 +727,23 @@ impl LeaseOps for EtcdLease {
         let hedge_every = keepalive_attempt_limit(ttl, self.request_timeout);
         let (sent, answer) =
             keep_alive_hedged(&self.client, self.lease_id, until, hedge_every).await;
-        match answer? {
+        let term = match answer? {
             KeepAlive::Gone => {
                 if let Binding::Shared { reservation, .. } = &self.binding {
                     reservation.shared.mark_lost();
                 }
-                Err(self.not_held())
+                return Err(self.not_held());
             }
-            KeepAlive::Alive => match &self.binding {
-                Binding::Dedicated => Ok(()),
-                Binding::Shared { reservation, .. } => {
-                    reservation.shared.confirm(sent);
-                    if self.key_exists().await? {
-                        Ok(())
-                    } else {
-                        Err(self.not_held())
-                    }
-                }
-            },
+            KeepAlive::Alive { term } => term,
+        };
+        let (exists, current) = self.key_exists().await?;
+        if !renewal_counts(term, current) {
+            return Err(stale_term(term, current));
         }
+        if let Binding::Shared { reservation, .. } = &self.binding {
+            reservation.shared.confirm(sent);
+        }
+        if exists { Ok(()) } else { Err(self.not_held()) }
     }
 
     /// Deletes the key if it is still ours (compare on its create revision), in one

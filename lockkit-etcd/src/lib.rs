@@ -75,6 +75,14 @@
 //!   `send time of the last acknowledged keepalive + TTL − drift margin`; the lock turns
 //!   suspect when keepalives go unanswered and lost at that deadline, even if the TCP connection
 //!   looks fine. A keepalive answered with `TTL <= 0` marks every lock on the lease lost at once.
+//! - A keepalive counts only if a linearizable read sent after its answer reports the same raft
+//!   term as the member that answered it. etcd 3.4 renews a lease in the lessor of whichever
+//!   member believes it is the leader, without checking with a quorum first, so a paused former
+//!   leader can acknowledge keepalives on resuming that the real leader never saw. The read
+//!   goes through the current leader (ReadIndex,
+//!   <https://etcd.io/docs/v3.4/learning/api_guarantees/>), so a term mismatch means "not
+//!   confirmed": the locks turn suspect and the keepalive is retried. Each keepalive is
+//!   therefore three round trips every TTL/3.
 //! - When the last lock on a session lease is released, the lease lingers one TTL (configurable:
 //!   [`EtcdConfig::lease_linger`]) so back-to-back acquires reuse it, then it is revoked. When the
 //!   [`EtcdLock`] (all clones) is dropped, idle session leases are revoked at once; leases of
@@ -84,7 +92,8 @@
 //!   lease alive much longer). A lock whose release failed keeps retrying the delete in the
 //!   background, and its session lease takes no new locks.
 //! - `keepalive(false)` acquires get a lease of their own, renewed only by
-//!   [`Lease::renew`](lockkit_core::Lease::renew) (one `LeaseKeepAlive` round trip).
+//!   [`Lease::renew`](lockkit_core::Lease::renew) (a `LeaseKeepAlive` exchange and a
+//!   linearizable read of the lock's key, with the term check above).
 //! - etcd lease TTLs are whole seconds: a TTL is rounded up, and the server raises it to its
 //!   minimum (1.5 × election timeout, rounded up; 2 s with default settings). Client-side
 //!   deadlines use the TTL you asked for, so they are conservative; the server may free the lock

@@ -233,6 +233,7 @@ impl EtcdLock {
         TaskCtx {
             client: self.inner.client.clone(),
             request_timeout: self.inner.config.request_timeout_value(),
+            probe_key: format!("{}/", self.inner.config.key_prefix()).into_bytes(),
             linger: self.inner.config.lease_linger_value(),
             paused: self.inner.paused.clone(),
             closed: self.inner.closed_rx.clone(),

@@ -66,8 +66,8 @@ impl fmt::Debug for EtcdConfig {
 
 impl EtcdConfig {
     /// Settings for these endpoints (`host:port` or `http://host:port`), with the defaults: prefix
-    /// [`DEFAULT_PREFIX`], no authentication, 3 s connect timeout, 5 s request timeout, session
-    /// leases lingering one TTL.
+    /// [`DEFAULT_PREFIX`], no authentication, 3 s connect timeout, 5 s request timeout, no
+    /// keepalive for a session lease after its last lock is released ([`Self::lease_linger`]).
     ///
     /// Endpoints are checked when connecting ([`EtcdLock::connect_with`](crate::EtcdLock::connect_with)).
     pub fn new<I, S>(endpoints: I) -> Self
@@ -198,10 +198,15 @@ impl EtcdConfig {
     }
 
     /// How long a session lease is kept alive after the last lock on it was released, so that
-    /// the next acquire with the same TTL reuses it instead of granting a new one. Default
-    /// (`None`): one TTL of that lease. `Some(Duration::ZERO)`: revoke at once. At most
-    /// [`MAX_TTL`] (24 h); [`EtcdLock::connect_with`](crate::EtcdLock::connect_with) refuses
-    /// longer with [`Error::InvalidConfig`].
+    /// acquires with the same TTL reuse it instead of granting a new one.
+    ///
+    /// - Default (`None`): no keepalive is sent after the last release. The lease is revoked at
+    ///   its next keepalive tick (at most TTL/3 after its last renewal) instead of being
+    ///   renewed; acquires until then reuse it.
+    /// - `Some(Duration::ZERO)`: revoked at once when its last lock is released.
+    /// - `Some(d)`: kept alive for `d` after its last lock is released, then revoked. At most
+    ///   [`MAX_TTL`] (24 h); [`EtcdLock::connect_with`](crate::EtcdLock::connect_with) refuses
+    ///   longer with [`Error::InvalidConfig`].
     pub fn lease_linger(mut self, linger: Option<Duration>) -> Self {
         self.lease_linger = linger;
         self

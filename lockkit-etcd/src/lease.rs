@@ -455,10 +455,12 @@ pub(crate) async fn keepalive_task(shared: Arc<SharedLease>, mut ctx: TaskCtx) {
     let interval = ttl / 3;
     let retry = (ttl / 12).max(Duration::from_millis(5));
     let attempt_limit = keepalive_attempt_limit(ttl, ctx.request_timeout);
-    let linger = ctx.linger.unwrap_or(ttl);
+    // Default (no linger): a lease idle at a keepalive tick is retired instead of renewed, so
+    // no keepalive is sent after its last lock was released; acquires until then reuse it.
+    let linger = ctx.linger.unwrap_or(Duration::ZERO);
     let mut next = shared.master.confirmed_at() + interval;
     let mut session_closed = false;
-    if linger.is_zero() {
+    if ctx.linger == Some(Duration::ZERO) {
         shared.st().wake_when_idle = true;
     }
     loop {

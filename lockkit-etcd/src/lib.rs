@@ -83,8 +83,10 @@
 //!   <https://etcd.io/docs/v3.4/learning/api_guarantees/>), so a term mismatch means "not
 //!   confirmed": the locks turn suspect and the keepalive is retried. Each keepalive is
 //!   therefore three round trips every TTL/3.
-//! - When the last lock on a session lease is released, the lease lingers one TTL (configurable:
-//!   [`EtcdConfig::lease_linger`]) so back-to-back acquires reuse it, then it is revoked. When the
+//! - Keepalive stops when the last lock on a session lease is released: at its next tick (at
+//!   most TTL/3 after its last renewal) an idle lease is revoked instead of renewed, and
+//!   back-to-back acquires until then reuse it ([`EtcdConfig::lease_linger`] keeps it alive
+//!   longer, or revokes it at once). When the
 //!   [`EtcdLock`] (all clones) is dropped, idle session leases are revoked at once; leases of
 //!   locks still held keep being renewed until those are released or dropped.
 //! - A lock dropped without release and without release-on-drop ([`Lease::leak`](lockkit_core::Lease::leak))

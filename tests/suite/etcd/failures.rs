@@ -434,6 +434,41 @@ async fn session_leases_are_shared_and_revoked() {
     }
 }
 
+/// Keepalive stops when the last lock on a session lease is released (the client stays
+/// alive): the lease is never renewed again (its remaining TTL on the server only goes down;
+/// polled, as etcd has no signal for it) and is revoked at its next keepalive tick, within
+/// TTL/3 of its grant. An acquire right after a release reuses the lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_session_lease_is_not_renewed_after_last_release() {
+    let url = with_prefix(&shared_url(), &fresh_prefix());
+    let a = EtcdLock::connect(&url).await.unwrap();
+    let ttl = Duration::from_secs(6);
+    let first = a.try_acquire("x", ttl).await.unwrap();
+    let id = etcd_of(&first).lease_id();
+    first.release().await.unwrap();
+    let again = a.try_acquire("y", ttl).await.unwrap();
+    assert_eq!(etcd_of(&again).lease_id(), id, "reused while still fresh");
+    let last_renewal = again.tracker().confirmed_at();
+    again.release().await.unwrap();
+    let released = Instant::now();
+    let mut lc = a.client().lease_client();
+    let mut left = i64::MAX;
+    loop {
+        let now_left = lc.time_to_live(id, None).await.unwrap().ttl();
+        if now_left == -1 {
+            break;
+        }
+        assert!(now_left <= left, "renewed after its last lock was released");
+        left = now_left;
+        assert!(
+            Instant::now() < last_renewal + ttl / 3 + TOLERANCE,
+            "lease {id:x} not revoked {:?} after the last release",
+            released.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// A wrong password, or none, is `Error::Auth` at connect; the right one works.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wrong_password_is_auth_error() {

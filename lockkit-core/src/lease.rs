@@ -1,4 +1,9 @@
 //! Leases: what a successful acquire returns, its client-side state and its keepalive.
+//!
+//! Keepalive: a lease that core renews is first handed to its runtime's keepalive scheduler (one
+//! driver task per Tokio runtime, shared by all leases), which waits out the first TTL/3. Only a
+//! lease still held then gets a renewal task of its own (`keepalive_loop`), so the common acquire,
+//! short critical section, release spawns no task at all.
 
 use std::any::Any;
 use std::fmt;
@@ -8,9 +13,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use tokio::sync::watch;
-use tokio::task::AbortHandle;
 use tokio::time::Instant;
 
+use crate::keeper::{self, Registration};
 use crate::{AcquireOptions, Error, FencingToken, Result};
 
 /// What the holder can know about its lease, on the client's monotonic clock.
@@ -249,8 +254,8 @@ pub trait LeaseOps: Send + Sync + fmt::Debug + 'static {
     async fn release(&self) -> Result<()>;
 
     /// `true` if the backend keeps the lease's [`LeaseTracker`] confirmed by itself (a session
-    /// keepalive shared by many leases, as on etcd and ZooKeeper), so the core must not run a
-    /// keepalive task of its own. Default `false`.
+    /// keepalive shared by many leases, as on etcd and ZooKeeper), so the core must not schedule
+    /// renewals of its own. Default `false`.
     fn self_renewing(&self) -> bool {
         false
     }
@@ -277,7 +282,8 @@ pub struct Lease {
     token: FencingToken,
     tracker: LeaseTracker,
     ops: Arc<dyn LeaseOps>,
-    keepalive: Option<AbortHandle>,
+    /// Dropping it stops keepalive.
+    keepalive: Option<Registration>,
     release_on_drop: bool,
     done: bool,
 }
@@ -297,9 +303,12 @@ impl fmt::Debug for Lease {
 impl Lease {
     /// Assembles a lease; called by backends once the server granted the lock.
     ///
-    /// `tracker` must have been created with the send time of the granting request. Starts the
-    /// keepalive task when `opts.keepalive` is on and `ops` is not [`self_renewing`](LeaseOps::self_renewing)
-    /// (this needs a Tokio runtime, which every backend's acquire runs on).
+    /// `tracker` must have been created with the send time of the granting request. When
+    /// `opts.keepalive` is on and `ops` is not [`self_renewing`](LeaseOps::self_renewing), the
+    /// lease is scheduled for renewal at `tracker.confirmed_at() + TTL/3` (and every TTL/3 after
+    /// each acknowledged renewal) by the current Tokio runtime's keepalive scheduler; no task is
+    /// spawned until then. Outside a Tokio runtime (every backend's acquire runs on one) nothing
+    /// could renew the lease: it is not kept alive and expires at its deadline.
     pub fn new(
         name: impl Into<String>,
         token: FencingToken,
@@ -308,9 +317,15 @@ impl Lease {
         opts: &AcquireOptions,
     ) -> Self {
         let name = name.into();
-        let keepalive = (opts.keepalive && !ops.self_renewing()).then(|| {
-            tokio::spawn(keepalive_loop(name.clone(), tracker.clone(), ops.clone())).abort_handle()
-        });
+        let keepalive = if opts.keepalive && !ops.self_renewing() {
+            let reg = keeper::register(&name, &tracker, &ops);
+            if reg.is_none() {
+                tracing::warn!(lock = %name, "no Tokio runtime: the lease will not be kept alive");
+            }
+            reg
+        } else {
+            None
+        };
         Self {
             name,
             token,
@@ -463,9 +478,8 @@ impl Lease {
     }
 
     fn stop_keepalive(&mut self) {
-        if let Some(h) = self.keepalive.take() {
-            h.abort();
-        }
+        // Removes the lease from the scheduler's queue, or aborts its renewal task.
+        drop(self.keepalive.take());
     }
 }
 
@@ -510,11 +524,19 @@ async fn release_in_background(name: String, ops: Arc<dyn LeaseOps>, until: Inst
 
 /// Renews at about TTL/3 from the last acknowledged send time; a failed renewal is retried every
 /// TTL/12 until the deadline. Stops when the lease is lost or the task is aborted.
-async fn keepalive_loop(name: String, tracker: LeaseTracker, ops: Arc<dyn LeaseOps>) {
+///
+/// `first` is when the first renewal is due: the grant's `confirmed_at() + TTL/3`. The keepalive
+/// scheduler starts the loop at that instant.
+pub(crate) async fn keepalive_loop(
+    name: String,
+    tracker: LeaseTracker,
+    ops: Arc<dyn LeaseOps>,
+    first: Instant,
+) {
     let ttl = tracker.ttl();
     let interval = ttl / 3;
     let retry = (ttl / 12).max(Duration::from_millis(5));
-    let mut next = tracker.confirmed_at() + interval;
+    let mut next = first;
     loop {
         tokio::time::sleep_until(next).await;
         if tracker.state() == LeaseState::Lost {
@@ -595,6 +617,7 @@ mod tests {
         renew: std::sync::Mutex<std::collections::VecDeque<Step>>,
         renews: std::sync::atomic::AtomicUsize,
         releases: std::sync::atomic::AtomicUsize,
+        renewed_at: std::sync::Mutex<Vec<Instant>>,
     }
 
     #[derive(Debug, Clone, Copy)]
@@ -611,7 +634,12 @@ mod tests {
                 renew: std::sync::Mutex::new(steps.iter().copied().collect()),
                 renews: Default::default(),
                 releases: Default::default(),
+                renewed_at: Default::default(),
             })
+        }
+
+        fn renews(&self) -> usize {
+            self.renews.load(std::sync::atomic::Ordering::SeqCst)
         }
     }
 
@@ -620,6 +648,7 @@ mod tests {
         async fn renew(&self, _ttl: Duration) -> Result<()> {
             self.renews
                 .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            self.renewed_at.lock().unwrap().push(Instant::now());
             let step = self.renew.lock().unwrap().pop_front().unwrap_or(Step::Ok);
             match step {
                 Step::Ok => Ok(()),
@@ -773,5 +802,187 @@ mod tests {
         tokio::time::advance(Duration::from_secs(1)).await; // a slow reply
         let t = LeaseTracker::new(sent, ttl);
         assert_eq!(t.valid_until(), sent + ttl - drift_margin(ttl));
+    }
+
+    fn driver() -> Arc<keeper::Driver> {
+        keeper::test_support::current_driver().expect("this runtime's keepalive driver")
+    }
+
+    fn paused_runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .start_paused(true)
+            .build()
+            .unwrap()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn lease_released_before_its_first_renewal_is_never_renewed() {
+        let ops = Scripted::new(&[]);
+        let ttl = Duration::from_secs(3);
+        let lease = lease_with(ops.clone(), ttl, true);
+        assert_eq!(driver().queue_len(), 1);
+        tokio::time::sleep(ttl / 3 - Duration::from_millis(1)).await;
+        lease.release().await.unwrap();
+        assert_eq!(driver().queue_len(), 0);
+        tokio::time::sleep(ttl * 5).await;
+        assert_eq!(ops.renews(), 0);
+        assert_eq!(ops.releases.load(std::sync::atomic::Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn held_lease_is_renewed_every_ttl_third_from_its_grant() {
+        let ops = Scripted::new(&[]);
+        let ttl = Duration::from_secs(3);
+        let start = Instant::now();
+        let lease = lease_with(ops.clone(), ttl, true);
+        tokio::select! {
+            s = lease.at_risk() => panic!("lease turned {s:?} while renewed on schedule"),
+            _ = tokio::time::sleep(ttl * 4 + ttl / 6) => {}
+        }
+        assert_eq!(lease.state(), LeaseState::Held);
+        let expected: Vec<Instant> = (1..=12).map(|i| start + ttl / 3 * i).collect();
+        assert_eq!(*ops.renewed_at.lock().unwrap(), expected);
+        // The renewal task was started and left the queue; release stops it.
+        assert_eq!(driver().queue_len(), 0);
+        lease.release().await.unwrap();
+        tokio::time::sleep(ttl * 3).await;
+        assert_eq!(ops.renews(), 12);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn stopped_pending_leases_leave_the_queue() {
+        let ops = Scripted::new(&[]);
+        let ttl = Duration::from_secs(30);
+        let released = lease_with(ops.clone(), ttl, true);
+        let dropped = lease_with(ops.clone(), ttl, true);
+        let leaked = lease_with(ops.clone(), ttl, true);
+        let unkept = lease_with(ops.clone(), ttl, false);
+        let d = driver();
+        assert_eq!(d.queue_len(), 3);
+        released.release().await.unwrap();
+        assert_eq!(d.queue_len(), 2);
+        drop(dropped);
+        assert_eq!(d.queue_len(), 1);
+        leaked.leak();
+        assert_eq!(d.queue_len(), 0);
+        drop(unkept);
+        tokio::time::sleep(ttl * 2).await;
+        assert_eq!(ops.renews(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn registrations_do_not_wake_the_driver_and_an_idle_driver_sleeps() {
+        let ops = Scripted::new(&[]);
+        let ttl = Duration::from_secs(3);
+        lease_with(ops.clone(), ttl, true).release().await.unwrap();
+        tokio::task::yield_now().await; // the driver's first run
+        let d = driver();
+        let before = d.wakeups();
+        // A steady acquire/release loop for 2 s: only the 1 s idle ticks wake the driver.
+        for _ in 0..200 {
+            let lease = lease_with(ops.clone(), ttl, true);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            lease.release().await.unwrap();
+        }
+        let during = d.wakeups() - before;
+        assert!(
+            during <= 3,
+            "{during} wake-ups during 2 s of acquire/release"
+        );
+        // Idle: it ticks for a while, then sleeps until a registration needs it.
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        let idle = d.wakeups();
+        tokio::time::sleep(Duration::from_secs(600)).await;
+        assert_eq!(d.wakeups(), idle);
+        // ...and a new lease still gets renewed on time.
+        let start = Instant::now();
+        let lease = lease_with(ops.clone(), ttl, true);
+        tokio::time::sleep(ttl / 3 + ttl / 6).await;
+        assert_eq!(*ops.renewed_at.lock().unwrap(), [start + ttl / 3]);
+        assert_eq!(lease.state(), LeaseState::Held);
+        assert_eq!(ops.renews(), 1);
+    }
+
+    #[test]
+    fn leases_on_two_runtimes_are_each_renewed() {
+        let both = Arc::new(std::sync::Barrier::new(2));
+        let run = |both: Arc<std::sync::Barrier>| {
+            move || {
+                paused_runtime().block_on(async {
+                    let ops = Scripted::new(&[]);
+                    let ttl = Duration::from_secs(3);
+                    let lease = lease_with(ops.clone(), ttl, true);
+                    tokio::time::sleep(ttl + ttl / 6).await;
+                    assert_eq!(lease.state(), LeaseState::Held);
+                    assert_eq!(ops.renews(), 3);
+                    let d = driver();
+                    both.wait(); // both drivers alive at once: distinct addresses
+                    Arc::as_ptr(&d) as usize
+                })
+            }
+        };
+        let a = std::thread::spawn(run(both.clone()));
+        let b = std::thread::spawn(run(both));
+        assert_ne!(a.join().unwrap(), b.join().unwrap());
+    }
+
+    #[test]
+    fn driver_of_a_shut_down_runtime_is_replaced() {
+        let ttl = Duration::from_secs(3);
+        let ops_a = Scripted::new(&[]);
+        let rt_a = paused_runtime();
+        let (lease_a, driver_a) = rt_a.block_on(async {
+            let lease = lease_with(ops_a.clone(), ttl, true);
+            tokio::task::yield_now().await;
+            (lease, driver())
+        });
+        assert!(driver_a.is_alive());
+        assert_eq!(driver_a.queue_len(), 1);
+        drop(rt_a);
+        assert!(!driver_a.is_alive());
+        assert_eq!(driver_a.queue_len(), 0);
+        drop(lease_a); // outside any runtime: nothing to release on, no panic
+
+        let ops_b = Scripted::new(&[]);
+        paused_runtime().block_on(async {
+            let lease = lease_with(ops_b.clone(), ttl, true);
+            assert!(!Arc::ptr_eq(&driver(), &driver_a));
+            tokio::time::sleep(ttl + ttl / 6).await;
+            assert_eq!(lease.state(), LeaseState::Held);
+        });
+        assert_eq!(ops_b.renews(), 3);
+        assert_eq!(ops_a.renews(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn dead_driver_on_a_live_runtime_is_replaced() {
+        let ttl = Duration::from_secs(3);
+        let _first = lease_with(Scripted::new(&[]), ttl, true);
+        let dead = driver();
+        dead.abort_task();
+        for _ in 0..10 {
+            if !dead.is_alive() {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        assert!(!dead.is_alive());
+        let ops = Scripted::new(&[]);
+        let lease = lease_with(ops.clone(), ttl, true);
+        assert!(!Arc::ptr_eq(&driver(), &dead));
+        tokio::time::sleep(ttl + ttl / 6).await;
+        assert_eq!(lease.state(), LeaseState::Held);
+        assert_eq!(ops.renews(), 3);
+    }
+
+    #[test]
+    fn lease_outside_a_runtime_does_not_panic_and_is_not_kept_alive() {
+        let ops = Scripted::new(&[]);
+        let lease = lease_with(ops.clone(), Duration::from_secs(3), true);
+        assert_eq!(lease.state(), LeaseState::Held);
+        drop(lease);
+        assert_eq!(ops.renews(), 0);
+        assert_eq!(ops.releases.load(std::sync::atomic::Ordering::SeqCst), 0);
     }
 }

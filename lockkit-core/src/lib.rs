@@ -22,8 +22,8 @@
 //! ```
 //!
 //! Backends build on [`Lease::new`], [`LeaseTracker`] and [`LeaseOps`]: the core owns the
-//! deadlines, the loss signal, the keepalive task and release-on-drop, so every backend behaves
-//! the same.
+//! deadlines, the loss signal, keepalive (one shared scheduler per Tokio runtime) and
+//! release-on-drop, so every backend behaves the same.
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations)]
 #![deny(rustdoc::broken_intra_doc_links)]
@@ -31,6 +31,7 @@
 
 mod error;
 mod fence;
+mod keeper;
 mod lease;
 mod lock;
 mod memory;

@@ -299,13 +299,9 @@ impl EtcdLock {
 
     /// Creates (or, on a retry, finds) our key and reads the current holder, in one
     /// transaction. With `only_if_free` the key is created only if no key exists under the
-    /// name, so a try-acquire of a held lock leaves nothing behind.
-    ///
-    /// A waiting acquire sends the try-acquire's transaction with the queueing one nested in
-    /// its `else` branch: when the name is free (the common, uncontended case) etcd only
-    /// checks that the prefix is empty and creates the key, skipping the holder read, which is
-    /// a range sorted by create revision. Nested transactions exist since etcd 3.3
-    /// (<https://etcd.io/docs/v3.4/learning/api/#transaction>).
+    /// name, so a try-acquire of a held lock leaves nothing behind; a waiting acquire sends that
+    /// transaction first too (the uncontended case is then one small transaction) and queues
+    /// with a second one only if the name is taken.
     async fn enqueue(
         &self,
         name_prefix: &[u8],
@@ -328,22 +324,19 @@ impl EtcdLock {
             Vec::new(),
             Some(PutOptions::new().with_lease(lease_id)),
         );
-        let free =
-            Compare::create_revision(name_prefix.to_vec(), CompareOp::Equal, 0).with_prefix();
-        // Our key exists (a retry after a lost reply): read it and the holder.
-        let found = [TxnOp::get(key.to_vec(), None), owner.clone()];
-        let txn = if only_if_free {
-            Txn::new().when([free]).and_then([put]).or_else(found)
+        let (cond, then) = if only_if_free {
+            let free =
+                Compare::create_revision(name_prefix.to_vec(), CompareOp::Equal, 0).with_prefix();
+            (free, vec![put])
         } else {
-            let queue = Txn::new()
-                .when([Compare::create_revision(key.to_vec(), CompareOp::Equal, 0)])
-                .and_then([put.clone(), owner])
-                .or_else(found);
-            Txn::new()
-                .when([free])
-                .and_then([put])
-                .or_else([TxnOp::txn(queue)])
+            let absent = Compare::create_revision(key.to_vec(), CompareOp::Equal, 0);
+            (absent, vec![put, owner.clone()])
         };
+        // Our key exists (a retry after a lost reply): read it and the holder.
+        let txn = Txn::new()
+            .when([cond])
+            .and_then(then)
+            .or_else([TxnOp::get(key.to_vec(), None), owner]);
         let mut kv = self.inner.client.kv_client();
         let resp = match tokio::time::timeout(self.request_timeout(), kv.txn(txn)).await {
             Err(_) => return Err(error::timeout("a lock request")),
@@ -351,32 +344,16 @@ impl EtcdLock {
             Ok(Err(e)) => return Err(from_client(e)),
             Ok(Ok(r)) => r,
         };
-        // The revision of the whole transaction: our key's create revision if it put it.
+        // The revision of the transaction: our key's create revision if it put it.
         let revision = resp.header().map(|h| h.revision()).unwrap_or(0);
-        if resp.succeeded() {
-            // The name was free: ours is the only key, so we hold the lock.
-            return Ok(Enqueued::Queued {
-                my_rev: revision,
-                owner_rev: revision,
-            });
-        }
-        let (succeeded, ops) = if only_if_free {
-            (false, resp.op_responses())
-        } else {
-            match resp.op_responses().into_iter().next() {
-                Some(TxnOpResponse::Txn(inner)) => (inner.succeeded(), inner.op_responses()),
-                _ => {
-                    return Err(error::protocol(
-                        "lock transaction: missing the nested queueing transaction",
-                    ));
-                }
-            }
-        };
+        let ops = resp.op_responses();
         let rev_of = |i: usize| match ops.get(i) {
             Some(TxnOpResponse::Get(g)) => g.kvs().first().map(|kv| kv.create_revision()),
             _ => None,
         };
-        if succeeded {
+        if resp.succeeded() {
+            // Our key was put; the holder is the first key by create revision (ours if the
+            // transaction only put when the name was free, which reads no holder).
             return Ok(Enqueued::Queued {
                 my_rev: revision,
                 owner_rev: rev_of(1).unwrap_or(revision),
@@ -551,11 +528,16 @@ impl EtcdLock {
                 tokio::spawn(keepalive_task(shared.clone(), self.task_ctx())).abort_handle(),
             )
         });
-        let only_if_free = opts.wait == Wait::No;
-        let enq = retry_transient(opts, deadline, || {
-            self.enqueue(&name_prefix, &key, shared.id, only_if_free)
+        let mut enq = retry_transient(opts, deadline, || {
+            self.enqueue(&name_prefix, &key, shared.id, true)
         })
         .await?;
+        if matches!(enq, Enqueued::Held) && opts.wait != Wait::No {
+            enq = retry_transient(opts, deadline, || {
+                self.enqueue(&name_prefix, &key, shared.id, false)
+            })
+            .await?;
+        }
         let (my_rev, owner_rev) = match enq {
             Enqueued::LeaseGone => {
                 shared.mark_lost();

@@ -139,11 +139,11 @@ async fn queue_waiter(
     (join, key)
 }
 
-/// A waiting acquire whose queueing request took effect but whose reply was lost retries,
-/// finds its own key (the nested transaction's "our key exists" branch) instead of creating a
-/// second one, and is granted on that key, in turn, after the holder releases.
+/// An acquire whose request created its key but whose reply was lost retries, finds its own
+/// key (the transaction's "our key exists" branch) instead of creating a second one, and is
+/// granted on that key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn waiter_whose_enqueue_reply_is_lost_keeps_one_key() {
+async fn acquire_whose_reply_is_lost_keeps_one_key() {
     let url = shared_url();
     let prefix = fresh_prefix();
     let proxy = Proxy::start(url.trim_start_matches("etcd://").to_owned()).await;
@@ -153,12 +153,11 @@ async fn waiter_whose_enqueue_reply_is_lost_keeps_one_key() {
     ))
     .await
     .expect("connect through proxy");
-    let h = EtcdLock::connect(&with_prefix(&url, &prefix))
+    let direct = EtcdLock::connect(&with_prefix(&url, &prefix))
         .await
         .expect("connect");
     let ttl = Duration::from_secs(10);
-    let held = h.try_acquire("job", ttl).await.expect("acquire");
-    // Grant the waiter's session lease while replies still pass (same TTL: reused below).
+    // Grant the session lease while replies still pass (same TTL: reused below).
     w.try_acquire("warm-up", ttl)
         .await
         .expect("warm-up")
@@ -166,7 +165,7 @@ async fn waiter_whose_enqueue_reply_is_lost_keeps_one_key() {
         .await
         .expect("release");
     let name_prefix = format!("{prefix}/job/").into_bytes();
-    let mut watch = PrefixWatch::new(h.client(), &name_prefix).await;
+    let mut watch = PrefixWatch::new(direct.client(), &name_prefix).await;
 
     proxy.hold_replies(true);
     let join = {
@@ -182,17 +181,13 @@ async fn waiter_whose_enqueue_reply_is_lost_keeps_one_key() {
         })
     };
     let key = watch.next(EventType::Put, TOLERANCE * 2).await;
-    // The queueing transaction took effect; its reply is held. Once the client has given up on
-    // it (it resets the stream) and sent its retry, let replies through again.
+    // The transaction took effect; its reply is held. Once the client has given up on it (it
+    // resets the stream) and sent its retry, let replies through again.
     let after_put = proxy.sent();
     proxy.sent_more_than(after_put + 1).await;
     proxy.hold_replies(false);
 
-    held.release().await.expect("release");
-    let lease = join
-        .await
-        .unwrap()
-        .expect("the waiter is granted after the holder");
+    let lease = join.await.unwrap().expect("granted after the retry");
     assert_eq!(
         etcd_of(&lease).key(),
         key.as_slice(),
@@ -200,11 +195,15 @@ async fn waiter_whose_enqueue_reply_is_lost_keeps_one_key() {
     );
     assert_eq!(
         lease.token().get(),
-        create_revision_of(h.client(), &key).await
+        create_revision_of(direct.client(), &key).await
     );
-    assert_eq!(count_under(h.client(), &name_prefix).await, 1, "one key");
+    assert_eq!(
+        count_under(direct.client(), &name_prefix).await,
+        1,
+        "one key"
+    );
     lease.release().await.expect("release");
-    assert_eq!(count_under(h.client(), &name_prefix).await, 0);
+    assert_eq!(count_under(direct.client(), &name_prefix).await, 0);
 }
 
 /// The create revision of `key` (which must exist).

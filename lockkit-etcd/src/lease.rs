@@ -748,21 +748,26 @@ impl LeaseOps for EtcdLease {
         if exists { Ok(()) } else { Err(self.not_held()) }
     }
 
-    /// Deletes the key if it is still ours (compare on its create revision), in one
-    /// transaction. A dedicated lease is then revoked in the background.
+    /// Deletes this grant's key: one `DeleteRange`, as etcd's own `concurrency.Mutex.Unlock`
+    /// does. This is compare-and-delete by construction: the key is this grant's alone (its name
+    /// carries the etcd lease ID and a slot number that no other acquire of this client uses
+    /// until this key's deletion is confirmed; lease IDs are never reused), and etcd deletes it
+    /// when the lease ends, so the delete can only remove our own live key, and `deleted == 1`
+    /// says we still held the lock. A dedicated lease is then revoked in the background.
+    ///
+    /// # Errors
+    /// [`Error::NotHeld`] if the key was already gone (the lease ended); [`Error::Unavailable`]
+    /// if etcd did not confirm the delete within the request timeout (retried until then).
+    ///
+    /// # Cancel safety
+    /// If the future is dropped, the delete may or may not have happened; the lease's drop
+    /// deletes the key in the background (or its TTL ends it).
     async fn release(&self) -> Result<()> {
-        let txn = Txn::new()
-            .when([Compare::create_revision(
-                self.key.clone(),
-                CompareOp::Equal,
-                self.create_revision,
-            )])
-            .and_then([TxnOp::delete(self.key.clone(), None::<DeleteOptions>)]);
         let kv = self.client.kv_client();
         self.release_attempted.store(true, Ordering::SeqCst);
         let attempt = || {
-            let (mut kv, txn) = (kv.clone(), txn.clone());
-            async move { kv.txn(txn).await }
+            let (mut kv, key) = (kv.clone(), self.key.clone());
+            async move { kv.delete(key, None).await }
         };
         let resp = match with_retries(self.request_timeout, "a lock release", attempt).await {
             Ok(r) => r,
@@ -787,7 +792,7 @@ impl LeaseOps for EtcdLease {
                 let _ = timed(limit, "a lease revoke", lc.revoke(id)).await;
             });
         }
-        if resp.succeeded() {
+        if resp.deleted() > 0 {
             Ok(())
         } else {
             Err(self.not_held())

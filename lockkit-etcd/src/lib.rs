@@ -102,6 +102,16 @@
 //!   up to [`Guarantees::expiry_slack`](lockkit_core::Guarantees::expiry_slack) later
 //!   (`max(1 s, minimum TTL) + 0.5 s` for the leader's expiry sweep). After a leader change
 //!   etcd extends every lease by up to its TTL (no lease checkpointing in 3.4 by default).
+//! - Known etcd bug, not preventable by a client: in etcd 3.4 releases without the fix for
+//!   [etcd-io/etcd#15247](https://github.com/etcd-io/etcd/issues/15247) (fixed by
+//!   [#16822](https://github.com/etcd-io/etcd/pull/16822), backported to 3.4 in
+//!   [#17465](https://github.com/etcd-io/etcd/pull/17465); Debian's 3.4.23 lacks it), a leader
+//!   that was stalled (paused, starved of CPU or disk) may, on resuming, revoke leases it
+//!   considers expired by its own stale clock, and the new leader commits the revoke although
+//!   the client kept the lease alive through it. The lock is then freed before the holder's
+//!   deadline (in tests: up to a whole TTL early); the holder is told at its next keepalive
+//!   (within TTL/3 plus a round trip). Fenced writes ([`EtcdFence`], or a resource checking the
+//!   token) stay safe; the cluster test `frozen_leader_keeps_fenced_writes_safe` checks that.
 //!
 //! ## Performance
 //! An uncontended acquire + release is two round trips and two Raft writes, like the same steps

@@ -830,7 +830,9 @@ impl Lock for EtcdLock {
             self.inner.min_granted.max(Duration::from_secs(1)) + Duration::from_millis(500);
         g.notes = "etcd TTLs are whole seconds (rounded up, at least the server's minimum); \
                    tokens are create revisions and go back only if the cluster is restored \
-                   from an old snapshot";
+                   from an old snapshot; etcd 3.4 releases without the fix for \
+                   etcd-io/etcd#15247 (Debian's 3.4.23 included) may free a lock early when a \
+                   stalled former leader resumes: fence your writes";
         g
     }
 }

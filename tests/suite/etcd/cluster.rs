@@ -216,7 +216,7 @@ async fn leader_sigkill_during_fenced_increments() {
 /// One member of a 3-member cluster is frozen (SIGSTOP) for several TTLs while a client (with
 /// all three endpoints) holds locks on its session lease: keepalives that the client sends to
 /// the frozen member must time out quickly and go to a live member, so no lock is lost.
-/// Run with a frozen follower (see below for the leader).
+/// Run with a frozen follower (a frozen leader: `frozen_leader_keeps_fenced_writes_safe`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn frozen_member_does_not_lose_held_locks() {
     let members = support::start_cluster(3).await;
@@ -234,9 +234,8 @@ async fn frozen_member_does_not_lose_held_locks() {
         .await
         .expect("connect to the cluster");
     let ttl = Duration::from_secs(2);
-    // Only a frozen follower: with a frozen leader (and tests running in parallel on 2 cores)
-    // a run was seen where the client still held a lock by its own clock while the server had
-    // already freed it (another client got it). Not understood yet; see the etcd findings.
+    // Only a frozen follower: a frozen leader may revoke the lease early when it resumes
+    // (etcd-io/etcd#15247), see frozen_leader_keeps_fenced_writes_safe.
     for round in ["follower"] {
         let leader = support::leader_index(&members).await;
         let victim = if round == "leader" {

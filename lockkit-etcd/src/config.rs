@@ -213,17 +213,17 @@ impl EtcdConfig {
     }
 
     /// The endpoints as given.
-    pub fn endpoints(&self) -> &[String] {
+    pub fn get_endpoints(&self) -> &[String] {
         &self.endpoints
     }
 
     /// The key prefix.
-    pub fn key_prefix(&self) -> &str {
+    pub fn get_prefix(&self) -> &str {
         &self.prefix
     }
 
     /// The user name, if authentication is configured.
-    pub fn user_name(&self) -> Option<&str> {
+    pub fn get_username(&self) -> Option<&str> {
         self.user.as_ref().map(|(u, _)| u.as_str())
     }
 
@@ -348,13 +348,13 @@ mod tests {
             ]
         );
         assert_eq!(c.credentials().unwrap(), &("app".into(), "p@ss".into()));
-        assert_eq!(c.key_prefix(), "jobs");
+        assert_eq!(c.get_prefix(), "jobs");
         assert_eq!(c.request_timeout_value(), Duration::from_millis(250));
         let dbg = format!("{c:?}");
         assert!(!dbg.contains("p@ss") && !dbg.contains("p%40ss"), "{dbg}");
         let plain = EtcdConfig::from_url("etcd://h").unwrap();
         assert_eq!(plain.validate().unwrap(), vec!["http://h:2379"]);
-        assert_eq!(plain.key_prefix(), DEFAULT_PREFIX);
+        assert_eq!(plain.get_prefix(), DEFAULT_PREFIX);
     }
 
     #[test]

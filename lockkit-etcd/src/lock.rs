@@ -173,7 +173,7 @@ impl EtcdLock {
             .saturating_sub(started.elapsed())
             .max(Duration::from_millis(1));
         let kv = client.kv_client();
-        let probe_key = format!("{}/", config.key_prefix()).into_bytes();
+        let probe_key = format!("{}/", config.get_prefix()).into_bytes();
         with_retries(left, "the connect probe", || {
             let (mut kv, key) = (kv.clone(), probe_key.clone());
             let opts = GetOptions::new()
@@ -219,7 +219,7 @@ impl EtcdLock {
     /// prefix is a prefix of another name's keys (`a/` does not cover `ab/…`). No further
     /// escaping is needed: etcd keys are arbitrary bytes.
     pub fn name_prefix(&self, name: &str) -> Vec<u8> {
-        format!("{}/{}/", self.inner.config.key_prefix(), name).into_bytes()
+        format!("{}/{}/", self.inner.config.get_prefix(), name).into_bytes()
     }
 
     /// Test hook: stops (or resumes) every keepalive this client sends for its session leases,
@@ -233,7 +233,7 @@ impl EtcdLock {
         TaskCtx {
             client: self.inner.client.clone(),
             request_timeout: self.inner.config.request_timeout_value(),
-            probe_key: format!("{}/", self.inner.config.key_prefix()).into_bytes(),
+            probe_key: format!("{}/", self.inner.config.get_prefix()).into_bytes(),
             linger: self.inner.config.lease_linger_value(),
             paused: self.inner.paused.clone(),
             closed: self.inner.closed_rx.clone(),

@@ -40,7 +40,7 @@ const REDIS_CRATE_PARAMS: &[&str] = &["protocol"];
 ///     .prefix("billing")
 ///     .connect_timeout(Duration::from_secs(2));
 /// let from_url = RedisConfig::from_url("redis://:s3cret@127.0.0.1:6379/0?prefix=billing&connect_timeout_ms=2000")?;
-/// assert_eq!(by_hand.prefix_str(), from_url.prefix_str());
+/// assert_eq!(by_hand.get_prefix(), from_url.get_prefix());
 /// // Debug never shows the password.
 /// assert!(!format!("{by_hand:?}{from_url:?}").contains("s3cret"));
 /// # Ok::<(), lockkit_core::Error>(())
@@ -284,7 +284,7 @@ impl RedisConfig {
     }
 
     /// The key prefix.
-    pub fn prefix_str(&self) -> &str {
+    pub fn get_prefix(&self) -> &str {
         &self.prefix
     }
 

@@ -187,22 +187,22 @@ impl ZkConfig {
     }
 
     /// The servers, `host:port` each.
-    pub fn hosts(&self) -> &[String] {
+    pub fn get_hosts(&self) -> &[String] {
         &self.hosts
     }
 
     /// The chroot, if any.
-    pub fn chroot_value(&self) -> Option<&str> {
+    pub fn get_chroot(&self) -> Option<&str> {
         self.chroot.as_deref()
     }
 
     /// The key prefix.
-    pub fn key_prefix(&self) -> &str {
+    pub fn get_prefix(&self) -> &str {
         &self.prefix
     }
 
     /// The connect-timeout bound (duration).
-    pub fn connect_timeout_value(&self) -> Duration {
+    pub fn get_connect_timeout(&self) -> Duration {
         self.connect_timeout
     }
 
@@ -334,11 +334,11 @@ mod tests {
             "zk://u%40x:p%3Ass@h1:2181,h2:2182/apps/x?prefix=locks&connect_timeout_ms=1500",
         )
         .unwrap();
-        assert_eq!(cfg.hosts(), ["h1:2181", "h2:2182"]);
+        assert_eq!(cfg.get_hosts(), ["h1:2181", "h2:2182"]);
         assert_eq!(cfg.connect_string(), "h1:2181,h2:2182/apps/x");
-        assert_eq!(cfg.key_prefix(), "locks");
+        assert_eq!(cfg.get_prefix(), "locks");
         assert_eq!(cfg.digest_auth().unwrap(), b"u@x:p:ss".to_vec());
-        assert_eq!(cfg.connect_timeout_value(), Duration::from_millis(1500));
+        assert_eq!(cfg.get_connect_timeout(), Duration::from_millis(1500));
         let dbg = format!("{cfg:?}");
         assert!(!dbg.contains("p:ss") && !dbg.contains("p%3Ass"), "{dbg}");
     }
@@ -346,7 +346,7 @@ mod tests {
     #[test]
     fn defaults() {
         let cfg = ZkConfig::from_url("zk://127.0.0.1:2181").unwrap();
-        assert_eq!(cfg.key_prefix(), DEFAULT_PREFIX);
+        assert_eq!(cfg.get_prefix(), DEFAULT_PREFIX);
         assert_eq!(cfg.connect_string(), "127.0.0.1:2181");
         assert!(cfg.digest_auth().is_none());
         assert_eq!(

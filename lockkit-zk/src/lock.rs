@@ -112,7 +112,7 @@ impl ZkLock {
     pub async fn with_config(cfg: ZkConfig) -> Result<Self> {
         cfg.validate()?;
         let control = Session::open(&cfg, CONTROL_SESSION_TTL, false).await?;
-        let deadline = Some(Instant::now() + cfg.connect_timeout_value());
+        let deadline = Some(Instant::now() + cfg.get_connect_timeout());
         match control
             .retry_loss(deadline, || control.client.check_stat("/"))
             .await
@@ -121,7 +121,7 @@ impl ZkLock {
             Ok(None) => return Err(Error::config("the ZooKeeper chroot does not exist")),
             Err(e) => return Err(from_zk(e)),
         }
-        let prefix = format!("/{}", cfg.key_prefix());
+        let prefix = format!("/{}", cfg.get_prefix());
         match control
             .retry_loss(deadline, || control.client.list_children(&prefix))
             .await
@@ -161,7 +161,7 @@ impl ZkLock {
         validate_name(name)?;
         Ok(format!(
             "/{}/{}",
-            self.inner.cfg.key_prefix(),
+            self.inner.cfg.get_prefix(),
             encode_name(name)
         ))
     }
@@ -198,7 +198,7 @@ impl ZkLock {
     /// Runs `fut` for at most the connect timeout (the bound of one request round), else
     /// [`Error::Unavailable`].
     pub(crate) async fn bounded<T>(&self, fut: impl Future<Output = Result<T>>) -> Result<T> {
-        tokio::time::timeout(self.inner.cfg.connect_timeout_value(), fut)
+        tokio::time::timeout(self.inner.cfg.get_connect_timeout(), fut)
             .await
             .unwrap_or_else(|_| {
                 Err(unavailable(
@@ -259,7 +259,7 @@ impl ZkLock {
         if e == CHROOT_GONE {
             return Error::config(format!(
                 "the ZooKeeper chroot {} does not exist (any more): lock nodes cannot be created",
-                self.inner.cfg.chroot_value().unwrap_or("/")
+                self.inner.cfg.get_chroot().unwrap_or("/")
             ));
         }
         match (e, opts.wait) {
@@ -284,7 +284,7 @@ impl ZkLock {
         // timeout from the start: a free lock is granted even with `Wait::No` or a zero timeout
         // (only waiting for a holder is cut by the deadline), and a frozen server costs a
         // try-once acquire one connect timeout, not a session's life.
-        let floor = start + self.inner.cfg.connect_timeout_value();
+        let floor = start + self.inner.cfg.get_connect_timeout();
         let io_deadline = deadline.map(|d| d.max(floor));
         let session = match io_deadline {
             Some(d) => tokio::time::timeout_at(d, self.session(opts.ttl, true))
@@ -478,7 +478,7 @@ impl ZkLock {
         io_deadline: Option<Instant>,
     ) -> Result<(), zk::Error> {
         let mode = zk::CreateMode::Container.with_acls(shared_acls());
-        let prefix = format!("/{}", self.inner.cfg.key_prefix());
+        let prefix = format!("/{}", self.inner.cfg.get_prefix());
         for path in [prefix.as_str(), dir] {
             match session
                 .retry_loss(io_deadline, || session.client.create(path, &[], &mode))

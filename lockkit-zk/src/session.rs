@@ -103,7 +103,7 @@ impl Session {
         // this instant: its send time is the first proof of the session's life.
         let opened = Instant::now();
         let client =
-            match tokio::time::timeout(cfg.connect_timeout_value(), connector.connect(&cs)).await {
+            match tokio::time::timeout(cfg.get_connect_timeout(), connector.connect(&cs)).await {
                 Err(_) => return Err(unavailable("connecting to ZooKeeper timed out")),
                 Ok(Err(e @ zk::Error::BadArguments(_))) => {
                     return Err(Error::config_with("invalid ZooKeeper connect string", e));

@@ -1,5 +1,8 @@
-//! Test support: server URLs, harnesses, and private server processes.
+//! Test support: server URLs, harnesses, private server processes, and the TCP proxy that
+//! failure tests put between a client and its server.
 #![allow(dead_code)] // each backend module uses a part
+
+pub mod proxy;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

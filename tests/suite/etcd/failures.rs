@@ -8,7 +8,8 @@ use lockkit::etcd::{EtcdFence, EtcdLease, EtcdLock};
 use lockkit::{AcquireOptions, Error, Lease, LeaseState, Lock, LockExt, Wait};
 use tokio::time::Instant;
 
-use super::support::{self, PrefixWatch, Proxy};
+use super::support::{self, PrefixWatch};
+use crate::common::proxy::Proxy;
 use crate::common::{free_port, fresh_prefix, server_url, with_prefix};
 
 const TOLERANCE: Duration = Duration::from_secs(2);
@@ -43,7 +44,7 @@ async fn count_under(client: &Client, prefix: &[u8]) -> i64 {
 async fn holder_loss_behind_blackholed_proxy() {
     let url = shared_url();
     let prefix = fresh_prefix();
-    let proxy = Proxy::start(url.trim_start_matches("etcd://").to_owned()).await;
+    let proxy = Proxy::start(url.trim_start_matches("etcd://")).await;
     let a = EtcdLock::connect(&format!("etcd://{}?prefix={prefix}", proxy.endpoint()))
         .await
         .expect("connect through proxy");
@@ -60,7 +61,7 @@ async fn holder_loss_behind_blackholed_proxy() {
             Instant::now()
         })
     };
-    proxy.blackhole(true);
+    proxy.freeze();
     let cut = Instant::now();
     assert!(lease_a.valid_until() <= cut + ttl);
     // Half a TTL after the last acknowledged keepalive the lease is suspect, not yet lost.
@@ -97,7 +98,7 @@ async fn holder_loss_behind_blackholed_proxy() {
     assert!(lease_b.token() > lease_a.token());
 
     // The network heals; the stale holder tries to write.
-    proxy.blackhole(false);
+    proxy.thaw();
     let data = format!("{prefix}-data/report");
     match EtcdFence::new(&lease_a)
         .unwrap()
@@ -146,7 +147,7 @@ async fn queue_waiter(
 async fn acquire_whose_reply_is_lost_keeps_one_key() {
     let url = shared_url();
     let prefix = fresh_prefix();
-    let proxy = Proxy::start(url.trim_start_matches("etcd://").to_owned()).await;
+    let proxy = Proxy::start(url.trim_start_matches("etcd://")).await;
     let w = EtcdLock::connect(&format!(
         "etcd://{}?prefix={prefix}&request_timeout_ms=500",
         proxy.endpoint()
@@ -184,7 +185,7 @@ async fn acquire_whose_reply_is_lost_keeps_one_key() {
     // The transaction took effect; its reply is held. Once the client has given up on it (it
     // resets the stream) and sent its retry, let replies through again.
     let after_put = proxy.sent();
-    proxy.sent_more_than(after_put + 1).await;
+    proxy.wait_sent_more_than(after_put + 1).await;
     proxy.hold_replies(false);
 
     let lease = join.await.unwrap().expect("granted after the retry");
@@ -819,14 +820,14 @@ async fn failed_manual_acquires_revoke_their_lease() {
 async fn short_waits_are_bounded_when_etcd_hangs() {
     let url = shared_url();
     let prefix = fresh_prefix();
-    let proxy = Proxy::start(url.trim_start_matches("etcd://").to_owned()).await;
+    let proxy = Proxy::start(url.trim_start_matches("etcd://")).await;
     let a = EtcdLock::connect(&format!(
         "etcd://{}?prefix={prefix}&request_timeout_ms=3000",
         proxy.endpoint()
     ))
     .await
     .expect("connect through proxy");
-    proxy.blackhole(true);
+    proxy.freeze();
     let ttl = Duration::from_secs(5);
     let start = Instant::now();
     let opts = AcquireOptions::new()
@@ -848,7 +849,7 @@ async fn short_waits_are_bounded_when_etcd_hangs() {
         "try-acquire took {:?}",
         start.elapsed()
     );
-    proxy.blackhole(false);
+    proxy.thaw();
     let lease = a
         .acquire(
             "hang",

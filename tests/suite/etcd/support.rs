@@ -1,13 +1,10 @@
-//! Private etcd processes (single member or a 3-member cluster on loopback) and a TCP proxy
-//! that can blackhole one client's traffic.
+//! Private etcd processes (single member or a 3-member cluster on loopback). The proxy that
+//! blackholes a client's traffic is `crate::common::proxy::Proxy`.
 
 use std::process::Command;
 use std::time::Duration;
 
 use lockkit::etcd::etcd_client::{Client, ConnectOptions};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::common::{ServerProcess, free_port};
@@ -162,131 +159,6 @@ pub fn etcdctl(endpoint: &str, args: &[&str]) -> String {
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// A TCP proxy to one etcd endpoint that a test can blackhole: while on, no byte passes in
-/// either direction (held, as in a partition), and connections stay open. It can also hold
-/// only the replies (requests still reach etcd), and counts the chunks sent towards etcd.
-pub struct Proxy {
-    pub port: u16,
-    /// Holds client → etcd bytes.
-    up: watch::Sender<bool>,
-    /// Holds etcd → client bytes.
-    down: watch::Sender<bool>,
-    /// Chunks forwarded client → etcd so far.
-    sent: watch::Receiver<u64>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Drop for Proxy {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
-impl Proxy {
-    pub async fn start(upstream: String) -> Proxy {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
-        let port = listener.local_addr().expect("proxy addr").port();
-        let (up, up_rx) = watch::channel(false);
-        let (down, down_rx) = watch::channel(false);
-        let (sent_tx, sent) = watch::channel(0u64);
-        let sent_tx = std::sync::Arc::new(sent_tx);
-        let task = tokio::spawn(async move {
-            let mut conns = tokio::task::JoinSet::new();
-            while let Ok((client, _)) = listener.accept().await {
-                let (upstream, up_rx, down_rx) = (upstream.clone(), up_rx.clone(), down_rx.clone());
-                let sent_tx = sent_tx.clone();
-                conns.spawn(async move {
-                    let Ok(server) = TcpStream::connect(&upstream).await else {
-                        return;
-                    };
-                    let _ = client.set_nodelay(true);
-                    let _ = server.set_nodelay(true);
-                    let (cr, cw) = client.into_split();
-                    let (sr, sw) = server.into_split();
-                    tokio::join!(
-                        pipe(cr, sw, up_rx, Some(sent_tx)),
-                        pipe(sr, cw, down_rx, None)
-                    );
-                });
-            }
-        });
-        Proxy {
-            port,
-            up,
-            down,
-            sent,
-            task,
-        }
-    }
-
-    pub fn endpoint(&self) -> String {
-        format!("127.0.0.1:{}", self.port)
-    }
-
-    pub fn blackhole(&self, on: bool) {
-        self.up.send_replace(on);
-        self.down.send_replace(on);
-    }
-
-    /// Holds (or releases) etcd's replies only: requests still reach etcd and take effect.
-    pub fn hold_replies(&self, on: bool) {
-        self.down.send_replace(on);
-    }
-
-    /// Chunks forwarded towards etcd so far.
-    pub fn sent(&self) -> u64 {
-        *self.sent.borrow()
-    }
-
-    /// Waits until more than `after` chunks have been forwarded towards etcd.
-    pub async fn sent_more_than(&self, after: u64) {
-        let mut rx = self.sent.clone();
-        rx.wait_for(|n| *n > after).await.expect("proxy gone");
-    }
-}
-
-async fn hold(bh: &mut watch::Receiver<bool>) -> bool {
-    while *bh.borrow_and_update() {
-        if bh.changed().await.is_err() {
-            return false;
-        }
-    }
-    true
-}
-
-async fn pipe(
-    mut r: tokio::net::tcp::OwnedReadHalf,
-    mut w: tokio::net::tcp::OwnedWriteHalf,
-    mut bh: watch::Receiver<bool>,
-    sent: Option<std::sync::Arc<watch::Sender<u64>>>,
-) {
-    let mut buf = vec![0u8; 64 * 1024];
-    loop {
-        if !hold(&mut bh).await {
-            return;
-        }
-        let n = tokio::select! {
-            n = r.read(&mut buf) => match n {
-                Ok(0) | Err(_) => {
-                    let _ = w.shutdown().await;
-                    return;
-                }
-                Ok(n) => n,
-            },
-            _ = bh.changed() => continue,
-        };
-        if !hold(&mut bh).await {
-            return;
-        }
-        if w.write_all(&buf[..n]).await.is_err() {
-            return;
-        }
-        if let Some(sent) = &sent {
-            sent.send_modify(|c| *c += 1);
-        }
-    }
 }
 
 /// Starts a single-member etcd on `data` (kept by the caller, so the member can be restarted on

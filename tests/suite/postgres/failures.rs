@@ -14,8 +14,9 @@ use lockkit::{AcquireOptions, Error, LeaseState, Lock, LockExt, Wait, drift_marg
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::time::Instant;
 
-use super::server::{PgServer, Relay, admin};
+use super::server::{PgServer, admin};
 use super::{base_url, scratch_table, wait_no_advisory_lock};
+use crate::common::proxy::Proxy;
 use crate::common::{fresh_prefix, with_prefix};
 
 const SLACK: Duration = Duration::from_millis(100); // PgLock's Guarantees::expiry_slack
@@ -267,7 +268,7 @@ async fn network_cut_frees_the_lock_within_ttl() {
         .and_then(|s| s.split('/').next())
         .and_then(|p| p.parse().ok())
         .expect("port in LOCKKIT_POSTGRES_URL");
-    let relay = Relay::start(upstream).await;
+    let relay = Proxy::start_local(upstream).await;
     let prefix = fresh_prefix();
     let through = with_prefix(
         &format!("postgres://postgres@127.0.0.1:{}/postgres", relay.port),

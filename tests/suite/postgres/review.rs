@@ -10,7 +10,8 @@ use lockkit::{AcquireOptions, Error, FencingToken, Lock, LockExt, Wait};
 use tokio::time::Instant;
 
 use super::base_url;
-use super::server::{PgServer, Relay, admin};
+use super::server::{PgServer, admin};
+use crate::common::proxy::Proxy;
 use crate::common::{fresh_prefix, with_prefix};
 
 fn port_of(url: &str) -> u16 {
@@ -125,7 +126,7 @@ async fn waiting_acquire_holds_no_table_lock() {
 /// try-once returns `Unavailable` within the connect timeout (retries included).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connect_counts_against_the_wait_deadline() {
-    let relay = Relay::start(port_of(&base_url())).await;
+    let relay = Proxy::start_local(port_of(&base_url())).await;
     let url = with_prefix(
         &format!(
             "postgres://postgres@127.0.0.1:{}/postgres?connect_timeout=1",
@@ -167,7 +168,7 @@ async fn connect_counts_against_the_wait_deadline() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forever_wait_on_a_cut_connection_ends() {
     let base = base_url();
-    let relay = Relay::start(port_of(&base)).await;
+    let relay = Proxy::start_local(port_of(&base)).await;
     let prefix = fresh_prefix();
     let through = with_prefix(
         &format!(
@@ -279,7 +280,7 @@ async fn fenced_multi_row_write_is_all_or_nothing() {
 /// clock) returns `NotHeld` at once instead of waiting a TTL for an answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn release_of_a_lost_lease_returns_at_once() {
-    let relay = Relay::start(port_of(&base_url())).await;
+    let relay = Proxy::start_local(port_of(&base_url())).await;
     let url = with_prefix(
         &format!("postgres://postgres@127.0.0.1:{}/postgres", relay.port),
         &fresh_prefix(),

@@ -10,8 +10,8 @@ use lockkit::redis::redis;
 use lockkit::{AcquireOptions, Error, LeaseState, Lock, LockExt, Wait};
 use tokio::time::Instant;
 
-use super::proxy::Proxy;
 use super::{PrivateRedis, await_exists, evalsha_calls, exists, raw};
+use crate::common::proxy::Proxy;
 use crate::common::{fresh_prefix, server_url, with_prefix};
 
 fn opts(ttl_ms: u64, wait: Wait) -> AcquireOptions {
@@ -34,7 +34,7 @@ async fn commandstats(conn: &mut redis::aio::MultiplexedConnection) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silently_dead_connection_is_replaced() {
     let server = PrivateRedis::start(None).await;
-    let proxy = Proxy::start(server.port).await;
+    let proxy = Proxy::start_local(server.port).await;
     let url = format!(
         "redis://127.0.0.1:{}?prefix={}&response_timeout_ms=500",
         proxy.port,
@@ -158,7 +158,7 @@ async fn a_timed_out_attempt_that_took_the_lock_is_not_reported_as_held() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cleanup_that_overtakes_its_acquire_leaves_a_tombstone() {
     let server = PrivateRedis::start(None).await;
-    let proxy = Proxy::start(server.port).await;
+    let proxy = Proxy::start_local(server.port).await;
     let prefix = fresh_prefix();
     let url = format!(
         "redis://127.0.0.1:{}?prefix={prefix}&response_timeout_ms=300",
@@ -174,7 +174,7 @@ async fn a_cleanup_that_overtakes_its_acquire_leaves_a_tombstone() {
         .expect("release");
     // The command connection goes silent: the acquire script waits "in the network".
     proxy.freeze_existing();
-    let frozen = proxy.conns();
+    let frozen = proxy.connections();
     let name = "overtaken";
     let r = tokio::time::timeout(
         Duration::from_millis(150),
@@ -201,7 +201,7 @@ async fn a_cleanup_that_overtakes_its_acquire_leaves_a_tombstone() {
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    assert!(proxy.conns() > frozen, "no new connection was opened");
+    assert!(proxy.connections() > frozen, "no new connection was opened");
     assert!(
         !exists(&mut conn, &locks.fence_key(name)).await,
         "the acquire script ran early: the test proves nothing"
@@ -242,7 +242,7 @@ async fn a_cleanup_that_overtakes_its_acquire_leaves_a_tombstone() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn waiters_keep_polling_when_the_pubsub_connection_goes_silent() {
     let server = PrivateRedis::start(None).await;
-    let proxy = Proxy::start(server.port).await;
+    let proxy = Proxy::start_local(server.port).await;
     let prefix = fresh_prefix();
     let waiter = RedisLock::connect(&format!("redis://127.0.0.1:{}?prefix={prefix}", proxy.port))
         .await
@@ -279,7 +279,7 @@ async fn waiters_keep_polling_when_the_pubsub_connection_goes_silent() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     // The pub/sub connection is the last one opened.
-    proxy.freeze(proxy.conns() - 1);
+    proxy.freeze_connection(proxy.connections() - 1);
     let mut held = Vec::new();
     for i in 0..4 {
         held.push(
@@ -536,7 +536,7 @@ async fn a_read_only_replica_is_a_clear_permanent_error() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_grant_that_arrives_after_its_ttl_is_given_back_and_retried() {
     let server = PrivateRedis::start(None).await;
-    let proxy = Proxy::start(server.port).await;
+    let proxy = Proxy::start_local(server.port).await;
     let prefix = fresh_prefix();
     let locks = RedisLock::connect(&format!("redis://127.0.0.1:{}?prefix={prefix}", proxy.port))
         .await

@@ -12,7 +12,6 @@ use tokio::time::Instant;
 use crate::common::{ServerProcess, free_port, fresh_prefix, server_url, wait_until, with_prefix};
 
 mod failures;
-mod proxy;
 
 mod contract {
     use crate::common::UrlHarness;

@@ -8,10 +8,10 @@ use std::time::Duration;
 use lockkit::zk::ZkLock;
 use lockkit::{AcquireOptions, LeaseState, Lock, LockExt, Wait};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
+use tokio::net::TcpStream;
 use tokio::time::Instant;
 
+use crate::common::proxy::Proxy;
 use crate::common::{ServerProcess, free_port};
 
 /// Tick of the ensemble: 100 ms (followers report session activity to the leader every half
@@ -21,70 +21,6 @@ const TICK_MS: u64 = 100;
 const SYNC_LIMIT: u64 = 30;
 /// The lease TTL (= session timeout): 1 s, far below the 3 s a cut-off follower keeps serving.
 const TTL: Duration = Duration::from_secs(1);
-
-/// A byte-level TCP proxy (any protocol) that holds every byte while frozen.
-struct FreezableProxy {
-    port: u16,
-    frozen: watch::Sender<bool>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Drop for FreezableProxy {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
-impl FreezableProxy {
-    async fn start(upstream: u16) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let port = listener.local_addr().expect("addr").port();
-        let frozen = watch::Sender::new(false);
-        let rx = frozen.subscribe();
-        let task = tokio::spawn(async move {
-            let mut conns = tokio::task::JoinSet::new();
-            while let Ok((client, _)) = listener.accept().await {
-                let rx = rx.clone();
-                conns.spawn(async move {
-                    let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)).await else {
-                        return;
-                    };
-                    let (cr, cw) = client.into_split();
-                    let (sr, sw) = server.into_split();
-                    tokio::select! {
-                        _ = pump(cr, sw, rx.clone()) => {}
-                        _ = pump(sr, cw, rx) => {}
-                    }
-                });
-            }
-        });
-        FreezableProxy { port, frozen, task }
-    }
-
-    fn freeze(&self, on: bool) {
-        self.frozen.send_replace(on);
-    }
-}
-
-async fn pump(
-    mut from: tokio::net::tcp::OwnedReadHalf,
-    mut to: tokio::net::tcp::OwnedWriteHalf,
-    mut frozen: watch::Receiver<bool>,
-) {
-    let mut buf = vec![0u8; 64 * 1024];
-    loop {
-        let n = match from.read(&mut buf).await {
-            Ok(0) | Err(_) => return,
-            Ok(n) => n,
-        };
-        if frozen.wait_for(|f| !*f).await.is_err() {
-            return;
-        }
-        if to.write_all(&buf[..n]).await.is_err() {
-            return;
-        }
-    }
-}
 
 struct Member {
     _proc: ServerProcess,
@@ -181,8 +117,8 @@ async fn follower_cut_off_from_leader_stops_confirming_leases() {
         election: free_port(),
     });
     // Member 1 reaches members 2 and 3 (one of which leads) through proxies.
-    let to2 = FreezableProxy::start(ports[1].quorum).await;
-    let to3 = FreezableProxy::start(ports[2].quorum).await;
+    let to2 = Proxy::start_local(ports[1].quorum).await;
+    let to3 = Proxy::start_local(ports[2].quorum).await;
     let direct = [ports[0].quorum, ports[1].quorum, ports[2].quorum];
     let via_proxy = [ports[0].quorum, to2.port, to3.port];
     // 2 and 3 first, so that they form the quorum and one of them leads; then 1 joins.
@@ -210,8 +146,8 @@ async fn follower_cut_off_from_leader_stops_confirming_leases() {
         }
         // Inconclusive (see `partition_round`): heal the partition, let member 1 serve again.
         eprintln!("round {round}: the freeze came within a tick of A's last heartbeat; again");
-        to2.freeze(false);
-        to3.freeze(false);
+        to2.thaw();
+        to3.thaw();
         poll_until("member 1 follows again", limit, || async {
             mode(m1.client_port).await.as_deref() == Some("follower")
         })
@@ -226,7 +162,7 @@ async fn follower_cut_off_from_leader_stops_confirming_leases() {
 /// the leader may not have heard of that heartbeat's session activity yet). Panics if A's
 /// lease outlived B's grant otherwise, or if A's lease was confirmed by a request sent after
 /// the freeze (which only a follower answering on its own can do).
-async fn partition_round(follower: u16, majority: &str, proxies: [&FreezableProxy; 2]) -> bool {
+async fn partition_round(follower: u16, majority: &str, proxies: [&Proxy; 2]) -> bool {
     let prefix = crate::common::fresh_prefix();
     let via_follower = ZkLock::connect(&format!("zk://127.0.0.1:{follower}?prefix={prefix}"))
         .await
@@ -271,7 +207,7 @@ async fn partition_round(follower: u16, majority: &str, proxies: [&FreezableProx
         }
     }
     for p in proxies {
-        p.freeze(true);
+        p.freeze();
     }
     let frozen_at = Instant::now();
 

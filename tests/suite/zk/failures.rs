@@ -8,7 +8,7 @@ use lockkit::zk::{ZkConfig, ZkLock};
 use lockkit::{AcquireOptions, Error, LeaseState, Lock, LockExt, Wait};
 use tokio::time::Instant;
 
-use super::proxy::Proxy;
+use crate::common::proxy::{Direction, Framing, Proxy, Spotter};
 use crate::common::{free_port, fresh_prefix, server_url, with_prefix};
 
 /// Session timeout used by the failure tests: 2 s (the shared server accepts 1 s–60 s).
@@ -35,6 +35,61 @@ async fn direct(prefix: &str) -> ZkLock {
     ZkLock::connect(&with_prefix(&shared_url(), prefix))
         .await
         .expect("connect")
+}
+
+/// A proxy to the shared server that spots replies to lock-node creates, for the traps
+/// ([`Proxy::cut_at_next_spotted`], [`Proxy::hold_from_next_spotted`]).
+async fn proxy_to_server() -> Proxy {
+    Proxy::start_with_spotter(upstream(), Framing::LengthPrefixed, lock_create_reply).await
+}
+
+/// Spots, on one connection, the server's reply to a lock-node create that succeeded (the
+/// create reached the server and was applied).
+///
+/// ZooKeeper frames every record with a 4-byte big-endian length ([`Framing::LengthPrefixed`]).
+/// After the connect handshake (the first record each way, which has no header), client→server
+/// records start with `xid: i32, type: i32`, server→client records with `xid: i32, zxid: i64,
+/// err: i32` (<https://zookeeper.apache.org/doc/r3.8.0/zookeeperProgrammers.html>,
+/// `RequestHeader`/`ReplyHeader` in `zookeeper.jute`).
+fn lock_create_reply() -> Spotter {
+    const OP_CREATE: i32 = 1;
+    const OP_CREATE2: i32 = 15;
+    let (mut first_up, mut first_down) = (true, true);
+    let mut create_xid = None;
+    Box::new(move |dir, record| {
+        let first = match dir {
+            Direction::ToServer => std::mem::replace(&mut first_up, false),
+            Direction::ToClient => std::mem::replace(&mut first_down, false),
+        };
+        let int = |at: usize| {
+            record
+                .get(at..at + 4)
+                .map(|b| i32::from_be_bytes([b[0], b[1], b[2], b[3]]))
+        };
+        if first {
+            return false;
+        }
+        match dir {
+            Direction::ToServer => {
+                let op = int(4);
+                // A create of a lock node (not of a parent or a fence node).
+                if matches!(op, Some(OP_CREATE | OP_CREATE2))
+                    && record.windows(6).any(|w| w == b"-lock-")
+                {
+                    create_xid = int(0);
+                }
+                false
+            }
+            Direction::ToClient => {
+                if int(0).is_none() || int(0) != create_xid {
+                    return false;
+                }
+                create_xid = None;
+                // A create failing (NoNode before the parent exists) does not count.
+                int(12) == Some(0)
+            }
+        }
+    })
 }
 
 async fn through(proxy: &Proxy, prefix: &str) -> ZkLock {
@@ -265,7 +320,7 @@ async fn names_are_encoded_and_stay_distinct() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn frozen_holder_loses_its_session_and_is_fenced() {
     let prefix = fresh_prefix();
-    let proxy = Proxy::start(upstream()).await;
+    let proxy = proxy_to_server().await;
     let a = through(&proxy, &prefix).await;
     let b = direct(&prefix).await;
     let name = unique("frozen");
@@ -278,7 +333,7 @@ async fn frozen_holder_loses_its_session_and_is_fenced() {
         .expect("A's fenced write while holding");
 
     let frozen_at = Instant::now();
-    proxy.freeze(true);
+    proxy.freeze();
     let lost_a = tokio::spawn(lease_a.lost());
     let lease_b = b
         .acquire(&name, waiting(Duration::from_secs(10), TTL * 3 + TOLERANCE))
@@ -311,7 +366,7 @@ async fn frozen_holder_loses_its_session_and_is_fenced() {
         .await
         .expect("B's fenced write");
 
-    proxy.freeze(false);
+    proxy.thaw();
     // A wakes up and writes anyway: the server-side check on A's node rejects it.
     match a.fence().write(&lease_a, &data, b"A2-stale").await {
         Err(Error::StaleToken { token, current, .. }) => {
@@ -343,12 +398,12 @@ async fn frozen_holder_loses_its_session_and_is_fenced() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lost_create_reply_adopts_own_node() {
     let prefix = fresh_prefix();
-    let proxy = Proxy::start(upstream()).await;
+    let proxy = proxy_to_server().await;
     let a = through(&proxy, &prefix).await;
     let b = direct(&prefix).await;
     let name = unique("lost-reply");
 
-    proxy.cut_next_create(false);
+    proxy.cut_at_next_spotted(false);
     let lease = a
         .acquire(&name, waiting(TTL, Duration::from_secs(10)))
         .await
@@ -369,13 +424,13 @@ async fn lost_create_reply_adopts_own_node() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lost_create_reply_on_held_lock_leaves_nothing() {
     let prefix = fresh_prefix();
-    let proxy = Proxy::start(upstream()).await;
+    let proxy = proxy_to_server().await;
     let a = through(&proxy, &prefix).await;
     let b = direct(&prefix).await;
     let name = unique("lost-reply-held");
 
     let held = b.try_acquire(&name, TTL).await.expect("B holds");
-    proxy.cut_next_create(false);
+    proxy.cut_at_next_spotted(false);
     match a.try_acquire(&name, TTL).await {
         Err(Error::Held { .. }) => {}
         other => panic!("expected Held, got {other:?}"),
@@ -391,12 +446,12 @@ async fn lost_create_reply_on_held_lock_leaves_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lost_create_reply_then_partition_frees_the_lock_within_the_session_timeout() {
     let prefix = fresh_prefix();
-    let proxy = Proxy::start(upstream()).await;
+    let proxy = proxy_to_server().await;
     let a = through(&proxy, &prefix).await;
     let b = direct(&prefix).await;
     let name = unique("lost-reply-gone");
 
-    proxy.cut_next_create(true);
+    proxy.cut_at_next_spotted(true);
     let start = Instant::now();
     let res = a.acquire(&name, waiting(TTL, Duration::from_secs(1))).await;
     assert!(
@@ -426,13 +481,13 @@ async fn lost_create_reply_then_partition_frees_the_lock_within_the_session_time
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acquire_dropped_before_create_reply_leaves_nothing() {
     let prefix = fresh_prefix();
-    let proxy = Proxy::start(upstream()).await;
+    let proxy = proxy_to_server().await;
     let a = through(&proxy, &prefix).await;
     let b = direct(&prefix).await;
     let name = unique("dropped-mid-create");
     let ttl = Duration::from_secs(30);
 
-    proxy.hold_next_create();
+    proxy.hold_from_next_spotted();
     {
         let acquire = a.acquire(&name, waiting(ttl, Duration::from_secs(20)));
         tokio::select! {
@@ -522,11 +577,11 @@ async fn one_release_wakes_exactly_one_waiter() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn short_disconnect_is_suspect_then_held() {
     let prefix = fresh_prefix();
-    let proxy = Proxy::start(upstream()).await;
+    let proxy = proxy_to_server().await;
     let a = through(&proxy, &prefix).await;
     let ttl = Duration::from_secs(10);
     let lease = a.try_acquire(&unique("blip"), ttl).await.expect("acquire");
-    proxy.freeze(true);
+    proxy.freeze();
     // The client declares the connection lost after 2/5 of the session timeout without traffic.
     let start = Instant::now();
     while lease.state() == LeaseState::Held {
@@ -534,7 +589,7 @@ async fn short_disconnect_is_suspect_then_held() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(lease.state(), LeaseState::Suspect);
-    proxy.freeze(false);
+    proxy.thaw();
     while lease.state() != LeaseState::Held {
         assert!(lease.state() != LeaseState::Lost, "lost after a short blip");
         assert!(start.elapsed() < ttl, "never confirmed again");
@@ -548,13 +603,13 @@ async fn short_disconnect_is_suspect_then_held() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn release_during_a_blip_is_retried() {
     let prefix = fresh_prefix();
-    let proxy = Proxy::start(upstream()).await;
+    let proxy = proxy_to_server().await;
     let a = through(&proxy, &prefix).await;
     let b = direct(&prefix).await;
     let name = unique("release-blip");
     let ttl = Duration::from_secs(10);
     let lease = a.try_acquire(&name, ttl).await.expect("acquire");
-    proxy.freeze(true);
+    proxy.freeze();
     let release = tokio::spawn(lease.release());
     // Let the frozen connection be declared lost (2/5 of the session timeout without an answer),
     // so the delete's first attempt fails with a lost connection.
@@ -562,7 +617,7 @@ async fn release_during_a_blip_is_retried() {
     if release.is_finished() {
         panic!("release returned while frozen: {:?}", release.await);
     }
-    proxy.freeze(false);
+    proxy.thaw();
     tokio::time::timeout(ttl, release)
         .await
         .expect("release finished")
@@ -691,7 +746,7 @@ async fn chroot_deleted_after_connect_is_named() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn frozen_connection_bounds_try_once_acquire_and_reads() {
     let prefix = fresh_prefix();
-    let proxy = Proxy::start(upstream()).await;
+    let proxy = proxy_to_server().await;
     let locks = ZkLock::connect(&format!(
         "zk://127.0.0.1:{}?prefix={prefix}&connect_timeout_ms=1000",
         proxy.port
@@ -708,7 +763,7 @@ async fn frozen_connection_bounds_try_once_acquire_and_reads() {
         .release()
         .await
         .expect("release");
-    proxy.freeze(true);
+    proxy.freeze();
     let bound = Duration::from_secs(1) + TOLERANCE * 2;
 
     let start = Instant::now();
@@ -746,5 +801,5 @@ async fn frozen_connection_bounds_try_once_acquire_and_reads() {
         "fence read took {:?}",
         start.elapsed()
     );
-    proxy.freeze(false);
+    proxy.thaw();
 }

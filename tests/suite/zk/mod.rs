@@ -21,5 +21,4 @@ mod contract {
 mod ensemble;
 mod failures;
 mod private;
-mod proxy;
 mod server;

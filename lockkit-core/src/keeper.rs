@@ -23,7 +23,7 @@ use tokio::sync::Notify;
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
 
-use crate::LeaseOps;
+use crate::backend::LeaseOps;
 use crate::lease::{LeaseTracker, keepalive_loop};
 
 /// While registrations keep coming, an idle driver (empty queue) still wakes this often, so that a

@@ -21,7 +21,8 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Backends build on [`Lease::new`], [`LeaseTracker`] and [`LeaseOps`]: the core owns the
+//! Backends build on [`Lease::new`], [`LeaseTracker`] and [`backend::LeaseOps`] (see
+//! [`backend`]): the core owns the
 //! deadlines, the loss signal, keepalive (one shared scheduler per Tokio runtime) and
 //! release-on-drop, so every backend behaves the same.
 #![forbid(unsafe_code)]
@@ -44,13 +45,29 @@ pub mod contract;
 
 pub use error::{BoxError, Error, Result};
 pub use fence::MemoryFence;
-pub use lease::{Lease, LeaseOps, LeaseState, LeaseTracker, drift_margin};
-pub use lock::{Guarantees, Lock, LockExt, LockKind, retry_transient, wait_deadline};
+pub use lease::{Lease, LeaseState, LeaseTracker, drift_margin};
+pub use lock::{Guarantees, Lock, LockExt, LockKind};
 pub use memory::MemoryLock;
 pub use options::{
     AcquireOptions, DEFAULT_TTL, MAX_NAME_BYTES, MAX_PREFIX_BYTES, MAX_RETRY_DELAY, MAX_TTL,
-    MIN_TTL, RetryPolicy, Wait, validate_name, validate_prefix, validate_ttl,
+    MIN_TTL, RetryPolicy, Wait,
 };
+
+/// For backend authors: what an adapter needs beyond the user-facing API.
+///
+/// A backend implements [`Lock`] and [`LeaseOps`](backend::LeaseOps), validates input with the
+/// shared rules ([`validate_name`](backend::validate_name),
+/// [`validate_ttl`](backend::validate_ttl), [`validate_prefix`](backend::validate_prefix), plus
+/// [`AcquireOptions::validate`]), retries transient failures with
+/// [`retry_transient`](backend::retry_transient) and hands
+/// each grant to [`Lease::new`] with a [`LeaseTracker`] started at the granting request's send
+/// time; the core then owns deadlines, keepalive, the loss signal and release-on-drop.
+/// `lockkit-core/src/memory.rs` is a complete backend to copy from.
+pub mod backend {
+    pub use crate::lease::{LeaseOps, LeaseTracker};
+    pub use crate::lock::{retry_transient, wait_deadline};
+    pub use crate::options::{validate_name, validate_prefix, validate_ttl};
+}
 pub use token::FencingToken;
 
 // Re-exported so adapters and users name one version of these.

@@ -72,7 +72,7 @@ impl Guarantees {
 /// client (connection, session) and a key prefix; cloning or sharing it is cheap.
 ///
 /// # Contract
-/// - `acquire` validates the name ([`validate_name`](crate::validate_name)) and options
+/// - `acquire` validates the name ([`validate_name`](crate::backend::validate_name)) and options
 ///   ([`AcquireOptions::validate`]) before any I/O.
 /// - At most one lease per name is [`Held`](crate::LeaseState::Held) at a time (up to the
 ///   backend's [`Guarantees`]), and every grant's [`FencingToken`] is larger than every earlier

@@ -10,9 +10,10 @@ use async_trait::async_trait;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
+use crate::backend::{LeaseOps, validate_name, wait_deadline};
 use crate::{
-    AcquireOptions, Error, FencingToken, Guarantees, Lease, LeaseOps, LeaseTracker, Lock, LockKind,
-    Result, Wait, validate_name, wait_deadline,
+    AcquireOptions, Error, FencingToken, Guarantees, Lease, LeaseTracker, Lock, LockKind, Result,
+    Wait,
 };
 
 #[derive(Default)]

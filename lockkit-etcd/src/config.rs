@@ -283,13 +283,13 @@ fn parse_ms(key: &str, v: &str) -> Result<Duration> {
 }
 
 /// Checks a key prefix with the rules every lockkit backend shares
-/// ([`lockkit_core::validate_prefix`]: 1 to 64 bytes, no `/`, not `.` or `..`, no control
+/// ([`lockkit_core::backend::validate_prefix`]: 1 to 64 bytes, no `/`, not `.` or `..`, no control
 /// characters); etcd adds none (its keys are arbitrary bytes).
 ///
 /// # Errors
 /// [`Error::InvalidConfig`] naming the rule that was broken.
 pub fn validate_prefix(prefix: &str) -> Result<()> {
-    lockkit_core::validate_prefix(prefix)
+    lockkit_core::backend::validate_prefix(prefix)
 }
 
 /// `host[:port]` or `http://host[:port]` → `http://host:port`.

@@ -20,7 +20,8 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use etcd_client::{Client, Compare, CompareOp, DeleteOptions, GetOptions, Txn, TxnOp};
-use lockkit_core::{Error, Instant, LeaseOps, LeaseState, LeaseTracker, Result, async_trait};
+use lockkit_core::backend::LeaseOps;
+use lockkit_core::{Error, Instant, LeaseState, LeaseTracker, Result, async_trait};
 use tokio::sync::{Notify, watch};
 
 use crate::error::{self, BACKEND, from_client};

@@ -26,9 +26,10 @@ use etcd_client::{
     Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, PutOptions, SortOrder,
     SortTarget, Txn, TxnOp, TxnOpResponse, WatchFilterType, WatchOptions,
 };
+use lockkit_core::backend::{retry_transient, validate_name, wait_deadline};
 use lockkit_core::{
     AcquireOptions, Error, FencingToken, Guarantees, Instant, Lease, LeaseState, Lock, LockKind,
-    Result, Wait, async_trait, retry_transient, validate_name, wait_deadline,
+    Result, Wait, async_trait,
 };
 use tokio::sync::watch;
 

@@ -266,7 +266,7 @@ impl PgConfig {
     /// (`[a-z_][a-z0-9_]*`, at most 63 bytes); or if the connect timeout is shorter than
     /// [`MIN_CONNECT_TIMEOUT`].
     pub fn validate(&self) -> Result<()> {
-        lockkit_core::validate_prefix(&self.prefix)?;
+        lockkit_core::backend::validate_prefix(&self.prefix)?;
         validate_schema(&self.schema)?;
         if self.connect_timeout < MIN_CONNECT_TIMEOUT {
             return Err(Error::config("connect_timeout is shorter than 10 ms"));

@@ -7,7 +7,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use lockkit_core::{Error, Instant, LeaseOps, LeaseState, LeaseTracker, Result};
+use lockkit_core::backend::LeaseOps;
+use lockkit_core::{Error, Instant, LeaseState, LeaseTracker, Result};
 
 use crate::lock::{Conn, Inner, ttl_ms};
 

@@ -7,9 +7,10 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use lockkit_core::backend::{retry_transient, validate_name, wait_deadline};
 use lockkit_core::{
     AcquireOptions, Error, FencingToken, Guarantees, Instant, Lease, LeaseState, LeaseTracker,
-    Lock, LockKind, Result, Wait, retry_transient, validate_name, wait_deadline,
+    Lock, LockKind, Result, Wait,
 };
 use sha2::{Digest, Sha256};
 use sqlx::{Connection, PgConnection};

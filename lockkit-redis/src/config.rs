@@ -379,7 +379,7 @@ fn parse_ms(key: &str, v: &str) -> Result<Duration> {
     }
 }
 
-/// Checks a key prefix: the rules of [`lockkit_core::validate_prefix`] (1 to
+/// Checks a key prefix: the rules of [`lockkit_core::backend::validate_prefix`] (1 to
 /// [`MAX_PREFIX_BYTES`] bytes, no `/`, no control characters), and no `:`.
 ///
 /// # Errors
@@ -390,7 +390,7 @@ pub fn validate_prefix(prefix: &str) -> Result<()> {
             "key prefix contains ':' (it separates the prefix from the rest of the key)",
         ));
     }
-    lockkit_core::validate_prefix(prefix)
+    lockkit_core::backend::validate_prefix(prefix)
 }
 
 #[cfg(test)]

@@ -10,7 +10,8 @@ use async_trait::async_trait;
 use redis::Script;
 use tokio::time::Instant;
 
-use lockkit_core::{Error, LeaseOps, Result};
+use lockkit_core::backend::LeaseOps;
+use lockkit_core::{Error, Result};
 
 use crate::conn::Conn;
 use crate::error::{bad_reply, from_redis};

@@ -106,7 +106,7 @@
 //! exist (a fresh counter then starts from the server's `TIME` floor).
 //!
 //! Any valid name (1–256 bytes of UTF-8 without `/` or control characters, see
-//! [`validate_name`](lockkit_core::validate_name)) maps safely into this space, and cannot
+//! [`validate_name`](lockkit_core::backend::validate_name)) maps safely into this space, and cannot
 //! reach another key:
 //! - Names are never spliced into Lua source or parsed by a command: they travel as
 //!   length-prefixed RESP bulk strings in `KEYS`/`ARGV`, and no command that interprets

@@ -11,9 +11,10 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{AsyncConnectionConfig, Script};
 use tokio::time::Instant;
 
+use lockkit_core::backend::{retry_transient, validate_name, wait_deadline};
 use lockkit_core::{
     AcquireOptions, Error, FencingToken, Guarantees, Lease, LeaseState, LeaseTracker, Lock,
-    LockKind, Result, Wait, retry_transient, validate_name, wait_deadline,
+    LockKind, Result, Wait,
 };
 
 use crate::config::RedisConfig;

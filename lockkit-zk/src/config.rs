@@ -274,7 +274,7 @@ impl ZkConfig {
             }
         }
         let p = &self.prefix;
-        lockkit_core::validate_prefix(p)?;
+        lockkit_core::backend::validate_prefix(p)?;
         if p.chars().any(forbidden_in_znode) || p == "zookeeper" {
             return Err(Error::config(
                 "the key prefix contains a character ZooKeeper forbids in node names, or is the reserved name 'zookeeper'",
@@ -307,7 +307,7 @@ pub(crate) fn forbidden_in_znode(c: char) -> bool {
 
 /// The node name of lock `name`: `%` and every character ZooKeeper forbids
 /// ([`forbidden_in_znode`]) are percent-encoded (UTF-8 bytes), the rest is kept, so the mapping is
-/// one-to-one and readable. Names were checked by [`lockkit_core::validate_name`] (no `/`, not
+/// one-to-one and readable. Names were checked by [`lockkit_core::backend::validate_name`] (no `/`, not
 /// `.`/`..`, no control characters), so the result is always a valid node name.
 pub(crate) fn encode_name(name: &str) -> String {
     let mut out = String::with_capacity(name.len());

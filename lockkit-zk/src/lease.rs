@@ -5,7 +5,8 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use lockkit_core::{Error, Instant, LeaseOps, Result, async_trait};
+use lockkit_core::backend::LeaseOps;
+use lockkit_core::{Error, Instant, Result, async_trait};
 use zookeeper_client as zk;
 
 use crate::error::{connection_lost, from_zk, unavailable};

@@ -6,9 +6,10 @@ use std::future::Future;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
+use lockkit_core::backend::{retry_transient, validate_name, wait_deadline};
 use lockkit_core::{
     AcquireOptions, Error, FencingToken, Guarantees, Instant, Lease, LeaseTracker, Lock, LockKind,
-    Result, Wait, async_trait, retry_transient, validate_name, wait_deadline,
+    Result, Wait, async_trait,
 };
 use tokio::sync::watch;
 use zookeeper_client as zk;

@@ -16,12 +16,11 @@
 use std::time::Duration;
 
 use lockkit::etcd::EtcdLock;
-use std::time::Instant;
 
 use lockkit::etcd::etcd_client::{Compare, CompareOp, LockOptions, PutOptions, Txn, TxnOp};
 use lockkit::{AcquireOptions, Lock, Wait};
 
-use crate::{Row, url};
+use crate::{Row, interleaved, op, url};
 
 pub async fn run(iters: usize) -> Vec<Row> {
     let url = url("LOCKKIT_ETCD_URL");
@@ -54,8 +53,6 @@ pub async fn run(iters: usize) -> Vec<Row> {
         })
     };
 
-    // The four sequences run interleaved (one of each per round, in rotating order), so load
-    // from other processes on the machine hits all rows alike.
     let floor_key = format!("{prefix}/floor/k");
     let v3lock_name = format!("{prefix}/v3lock");
     let ttl = Duration::from_secs(30);
@@ -152,34 +149,13 @@ pub async fn run(iters: usize) -> Vec<Row> {
             }
         }
     };
-    for r in 0..(iters / 10).max(10) {
-        for i in 0..names.len() {
-            one((i + r) % names.len()).await;
-        }
-    }
-    let mut samples = vec![Vec::with_capacity(iters); names.len()];
-    for r in 0..iters {
-        for k in 0..names.len() {
-            let i = (k + r) % names.len();
-            let t = Instant::now();
-            one(i).await;
-            samples[i].push(t.elapsed());
-        }
-    }
-    let rows = names
+    let one = &one;
+    let ops = names
         .iter()
-        .zip(samples)
-        .map(|(what, mut s)| {
-            s.sort();
-            let at = |q: f64| s[((s.len() as f64 - 1.0) * q).round() as usize];
-            Row {
-                backend: "etcd",
-                what: (*what).to_owned(),
-                median: at(0.5),
-                p99: at(0.99),
-            }
-        })
+        .enumerate()
+        .map(|(i, what)| (*what, op(move || one(i))))
         .collect();
+    let rows = interleaved("etcd", ops, (iters / 10).max(10), iters).await;
     keeper.abort();
     let _ = client.lease_client().revoke(lease).await;
     rows

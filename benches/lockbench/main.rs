@@ -9,6 +9,7 @@
 //! row and the ratio of lockkit to the hand-written floor. Speed targets live here, never in tests.
 
 use std::future::Future;
+use std::pin::Pin;
 use std::time::{Duration, Instant};
 
 #[cfg(feature = "etcd")]
@@ -30,21 +31,51 @@ pub struct Row {
     pub p99: Duration,
 }
 
-/// Runs `op` `warmup` times unmeasured, then `iters` times measured, one at a time.
-pub async fn measure<F, Fut>(backend: &'static str, what: &str, iters: usize, mut op: F) -> Row
+/// One measured sequence: makes the future for one sample.
+pub type Op<'a> = Box<dyn FnMut() -> Pin<Box<dyn Future<Output = ()> + 'a>> + 'a>;
+
+/// Boxes a closure returning a future into an [`Op`].
+pub fn op<'a, F, Fut>(mut f: F) -> Op<'a>
 where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = ()>,
+    F: FnMut() -> Fut + 'a,
+    Fut: Future<Output = ()> + 'a,
 {
-    for _ in 0..(iters / 10).max(10) {
-        op().await;
+    Box::new(move || Box::pin(f()))
+}
+
+/// Measures `ops` **interleaved**: after `warmup` unmeasured rounds, `iters` rounds each run
+/// every op once, starting with a different op each round. Load changes on the shared machine
+/// then hit all rows alike, so their ratios stay meaningful (measured one after the other,
+/// ratios moved by ±20 % between runs).
+pub async fn interleaved(
+    backend: &'static str,
+    mut ops: Vec<(&str, Op<'_>)>,
+    warmup: usize,
+    iters: usize,
+) -> Vec<Row> {
+    let n = ops.len();
+    for r in 0..warmup {
+        for k in 0..n {
+            (ops[(k + r) % n].1)().await;
+        }
     }
-    let mut samples = Vec::with_capacity(iters);
-    for _ in 0..iters {
-        let t = Instant::now();
-        op().await;
-        samples.push(t.elapsed());
+    let mut samples = vec![Vec::with_capacity(iters); n];
+    for r in 0..iters {
+        for k in 0..n {
+            let i = (k + r) % n;
+            let t = Instant::now();
+            (ops[i].1)().await;
+            samples[i].push(t.elapsed());
+        }
     }
+    ops.iter()
+        .zip(samples)
+        .map(|((what, _), s)| row(backend, what, s))
+        .collect()
+}
+
+/// Median and p99 of `samples`.
+pub fn row(backend: &'static str, what: &str, mut samples: Vec<Duration>) -> Row {
     samples.sort();
     let at = |q: f64| samples[((samples.len() as f64 - 1.0) * q).round() as usize];
     Row {

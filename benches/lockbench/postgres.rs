@@ -13,18 +13,15 @@
 //! statement; a contended one waits in `SELECT pg_advisory_lock` and bumps the token in a
 //! separate statement after the grant (as many round trips as before that change).
 //!
-//! The rows are measured **interleaved** (20 rounds, each running every row for iters/20
-//! samples after a warm-up), so a load change on a shared machine hits all rows alike and the
-//! ratios stay meaningful.
+//! The rows are measured **interleaved** (see `interleaved` in main.rs), so a load change on a
+//! shared machine hits all rows alike and the ratios stay meaningful.
 //!
 //! The issue's target is row 4 within 1.5× of row 1 while issuing a durable token. Note that
 //! `scripts/servers.sh` runs PostgreSQL with `fsync=off`: with fsync on, rows 3–5 also pay one
 //! WAL flush per acquire (the price of a durable token) and rows 1–2 do not.
 
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use lockkit::postgres::PgLock;
 use lockkit::postgres::sqlx::postgres::PgAdvisoryLock;
@@ -32,7 +29,7 @@ use lockkit::postgres::sqlx::{self, Connection, Either, PgConnection};
 use lockkit::{AcquireOptions, Lock, Wait};
 use tokio::sync::Mutex;
 
-use crate::{Row, url};
+use crate::{Op, Row, interleaved, url};
 
 const GRANT: &str = "WITH l AS MATERIALIZED (SELECT pg_try_advisory_lock($1) AS ok), \
      b AS (INSERT INTO lockkit.fence AS f (key, name, token) \
@@ -41,44 +38,6 @@ const GRANT: &str = "WITH l AS MATERIALIZED (SELECT pg_try_advisory_lock($1) AS 
            WHERE f.name = excluded.name \
            RETURNING f.token) \
      SELECT l.ok, (SELECT token FROM b) FROM l";
-
-type Op<'a> = Box<dyn FnMut() -> Pin<Box<dyn Future<Output = ()> + 'a>> + 'a>;
-
-/// Measures `ops` interleaved: a warm-up of each, then `ROUNDS` rounds of `iters / ROUNDS`
-/// samples of each op in turn.
-async fn interleaved(ops: Vec<(&str, Op<'_>)>, iters: usize) -> Vec<Row> {
-    const ROUNDS: usize = 20;
-    let per_round = (iters / ROUNDS).max(1);
-    let mut ops = ops;
-    for (_, op) in ops.iter_mut() {
-        for _ in 0..(iters / 10).max(10) {
-            op().await;
-        }
-    }
-    let mut samples: Vec<Vec<Duration>> = vec![Vec::with_capacity(iters); ops.len()];
-    for _ in 0..ROUNDS {
-        for (i, (_, op)) in ops.iter_mut().enumerate() {
-            for _ in 0..per_round {
-                let t = Instant::now();
-                op().await;
-                samples[i].push(t.elapsed());
-            }
-        }
-    }
-    ops.iter()
-        .zip(samples)
-        .map(|((what, _), mut s)| {
-            s.sort();
-            let at = |q: f64| s[((s.len() as f64 - 1.0) * q).round() as usize];
-            Row {
-                backend: "postgres",
-                what: (*what).to_owned(),
-                median: at(0.5),
-                p99: at(0.99),
-            }
-        })
-        .collect()
-}
 
 pub async fn run(iters: usize) -> Vec<Row> {
     let base = url("LOCKKIT_POSTGRES_URL");
@@ -165,6 +124,7 @@ pub async fn run(iters: usize) -> Vec<Row> {
         })
     });
     interleaved(
+        "postgres",
         vec![
             ("floor: pg_try_advisory_lock + pg_advisory_unlock", floor),
             ("sqlx PgAdvisoryLock try_acquire + release_now", sqlx_row),
@@ -181,6 +141,7 @@ pub async fn run(iters: usize) -> Vec<Row> {
                 no_keepalive,
             ),
         ],
+        (iters / 10).max(10),
         iters,
     )
     .await

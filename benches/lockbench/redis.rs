@@ -9,7 +9,7 @@ use lockkit::redis::RedisLock;
 use lockkit::redis::redis::{self, Script, aio::ConnectionManager};
 use lockkit::{AcquireOptions, Lock, Wait};
 
-use crate::{Row, measure, url};
+use crate::{Row, interleaved, op, url};
 
 const RELEASE: &str = r"
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -28,37 +28,6 @@ pub async fn run(iters: usize) -> Vec<Row> {
         .expect("redis connection");
     let release = Script::new(RELEASE);
     let floor_key = format!("{prefix}:floor");
-    let floor = measure(
-        "redis",
-        "floor: SET NX PX + Lua compare-and-delete",
-        iters,
-        || {
-            let mut conn = conn.clone();
-            let (release, key) = (&release, &floor_key);
-            async move {
-                let owner = format!("{:032x}", rand::random::<u128>());
-                let set: Option<String> = redis::cmd("SET")
-                    .arg(key)
-                    .arg(&owner)
-                    .arg("NX")
-                    .arg("PX")
-                    .arg(10_000)
-                    .query_async(&mut conn)
-                    .await
-                    .expect("SET");
-                assert!(set.is_some(), "floor lock held");
-                let n: i64 = release
-                    .key(key)
-                    .arg(&owner)
-                    .invoke_async(&mut conn)
-                    .await
-                    .expect("release");
-                assert_eq!(n, 1);
-            }
-        },
-    )
-    .await;
-
     let sep = if base.contains('?') { '&' } else { '?' };
     let locks = RedisLock::connect(&format!("{base}{sep}prefix={prefix}"))
         .await
@@ -67,10 +36,38 @@ pub async fn run(iters: usize) -> Vec<Row> {
         .ttl(Duration::from_secs(10))
         .wait(Wait::No)
         .keepalive(true);
-    let lockkit = measure("redis", "lockkit acquire + release", iters, || async {
+    let floor = op(|| {
+        let mut conn = conn.clone();
+        let (release, key) = (&release, &floor_key);
+        async move {
+            let owner = format!("{:032x}", rand::random::<u128>());
+            let set: Option<String> = redis::cmd("SET")
+                .arg(key)
+                .arg(&owner)
+                .arg("NX")
+                .arg("PX")
+                .arg(10_000)
+                .query_async(&mut conn)
+                .await
+                .expect("SET");
+            assert!(set.is_some(), "floor lock held");
+            let n: i64 = release
+                .key(key)
+                .arg(&owner)
+                .invoke_async(&mut conn)
+                .await
+                .expect("release");
+            assert_eq!(n, 1);
+        }
+    });
+
+    let lockkit = op(|| async {
         let l = locks.acquire("bench", opts.clone()).await.expect("acquire");
         l.release().await.expect("release");
-    })
-    .await;
-    vec![floor, lockkit]
+    });
+    let ops = vec![
+        ("floor: SET NX PX + Lua compare-and-delete", floor),
+        ("lockkit acquire + release", lockkit),
+    ];
+    interleaved("redis", ops, (iters / 10).max(10), iters).await
 }

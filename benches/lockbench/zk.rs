@@ -6,8 +6,6 @@
 //! they see the same server and machine load; measured one after the other, the shared 2-core
 //! machine's load swings moved their ratio by ±20 % between runs.
 
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -15,11 +13,9 @@ use lockkit::zk::ZkLock;
 use lockkit::zk::zookeeper_client as zk;
 use lockkit::{AcquireOptions, Lock, Wait};
 
-use crate::{Row, url};
+use crate::{Op, Row, interleaved, row, url};
 
 const BACKEND: &str = "zk";
-
-type Op<'a> = Box<dyn FnMut() -> Pin<Box<dyn Future<Output = ()> + 'a>> + 'a>;
 
 pub async fn run(iters: usize) -> Vec<Row> {
     let base = url("LOCKKIT_ZK_URL");
@@ -104,7 +100,9 @@ pub async fn run(iters: usize) -> Vec<Row> {
             }),
         ),
     ];
-    let mut rows = interleaved(ops, iters).await;
+    // Warm-up of iters / 2 rounds: the server is a JVM whose code paths get compiled during the
+    // first thousands of requests.
+    let mut rows = interleaved(BACKEND, ops, (iters / 2).max(10), iters).await;
     rows.push(handoff(&lockkit_url, 16, iters.min(1000)).await);
 
     // Clean up the hand-made nodes (lockkit's are container nodes, removed by the server).
@@ -112,39 +110,6 @@ pub async fn run(iters: usize) -> Vec<Row> {
         let _ = client.delete(p, None).await;
     }
     rows
-}
-
-/// Runs every op once per round, `iters` rounds (after a warm-up of `iters / 2` rounds: the
-/// server is a JVM whose code paths get compiled during the first thousands of requests).
-async fn interleaved(mut ops: Vec<(&str, Op<'_>)>, iters: usize) -> Vec<Row> {
-    for _ in 0..(iters / 2).max(10) {
-        for (_, op) in ops.iter_mut() {
-            op().await;
-        }
-    }
-    let mut samples = vec![Vec::with_capacity(iters); ops.len()];
-    for _ in 0..iters {
-        for (i, (_, op)) in ops.iter_mut().enumerate() {
-            let t = Instant::now();
-            op().await;
-            samples[i].push(t.elapsed());
-        }
-    }
-    ops.iter()
-        .zip(samples)
-        .map(|((what, _), s)| row(what, s))
-        .collect()
-}
-
-fn row(what: &str, mut samples: Vec<Duration>) -> Row {
-    samples.sort();
-    let at = |q: f64| samples[((samples.len() as f64 - 1.0) * q).round() as usize];
-    Row {
-        backend: BACKEND,
-        what: what.to_owned(),
-        median: at(0.5),
-        p99: at(0.99),
-    }
 }
 
 /// `waiters` + 1 clients loop acquire → release on one lock, so `waiters` are always queued; each
@@ -191,6 +156,7 @@ async fn handoff(url: &str, waiters: usize, samples: usize) -> Row {
     }
     let v = got.lock().unwrap().split_off(warmup);
     row(
+        BACKEND,
         &format!("lockkit handoff, {waiters} waiters (release → next acquire returns)"),
         v,
     )

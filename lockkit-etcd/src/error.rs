@@ -72,7 +72,9 @@ fn code_of(e: &EtcdError) -> Option<(Code, String)> {
 pub(crate) fn is_lease_not_found(e: &EtcdError) -> bool {
     match code_of(e) {
         Some((Code::NotFound, msg)) => msg.contains("lease not found"),
-        _ => matches!(e, EtcdError::LeaseKeepAliveError(_)),
+        // etcd-client reports an answer with TTL <= 0 as this error; it also uses the variant
+        // for a keepalive it could not send (a closed stream), which says nothing of the lease.
+        _ => matches!(e, EtcdError::LeaseKeepAliveError(m) if m.contains("lease not found")),
     }
 }
 

@@ -43,8 +43,18 @@ pub(crate) async fn timed<T>(
 /// has passed. Each attempt gets a fifth of `total` (at least 100 ms): with one member down or
 /// frozen, the client's balancer (which picks an endpoint per request) most likely sends the next
 /// attempt to a live member. Only for requests that are safe to repeat.
-pub(crate) async fn with_retries<T, F, Fut>(
+pub(crate) async fn with_retries<T, F, Fut>(total: Duration, what: &'static str, f: F) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = std::result::Result<T, etcd_client::Error>>,
+{
+    with_retries_every(total, (total / 5).max(Duration::from_millis(100)), what, f).await
+}
+
+/// [`with_retries`] with each attempt limited to `per`.
+pub(crate) async fn with_retries_every<T, F, Fut>(
     total: Duration,
+    per: Duration,
     what: &'static str,
     mut f: F,
 ) -> Result<T>
@@ -54,7 +64,7 @@ where
 {
     let start = Instant::now();
     let end = start.checked_add(total).unwrap_or(start);
-    let per = (total / 5).max(Duration::from_millis(100)).min(total);
+    let per = per.min(total);
     let pause = Duration::from_millis(20);
     loop {
         let left = end.saturating_duration_since(Instant::now());
@@ -131,10 +141,17 @@ pub(crate) fn renewal_counts(ack_term: u64, read_term: u64) -> bool {
     ack_term != 0 && ack_term == read_term
 }
 
-/// The raft term reported by one linearizable read of `key` (count only).
-pub(crate) async fn linearizable_term(client: &Client, key: &[u8], limit: Duration) -> Result<u64> {
+/// The raft term reported by one linearizable read of `key` (count only). Each attempt gets
+/// `per` (the keepalive's hedging interval), so one attempt stuck on a frozen member does not
+/// eat the time left before the lease turns suspect.
+pub(crate) async fn linearizable_term(
+    client: &Client,
+    key: &[u8],
+    limit: Duration,
+    per: Duration,
+) -> Result<u64> {
     let kv = client.kv_client();
-    let resp = with_retries(limit, "a term check", || {
+    let resp = with_retries_every(limit, per, "a term check", || {
         let mut kv = kv.clone();
         let opts = GetOptions::new().with_count_only();
         let key = key.to_vec();
@@ -250,6 +267,10 @@ struct SharedState {
     /// sequential acquires reuse one key (etcd's index keeps every key ever created until
     /// compaction, and range reads over a lock's prefix would slow down with each new key).
     slots: std::collections::HashSet<(String, u32)>,
+    /// Keys of slots that are never reused: a request that may create such a key went
+    /// unanswered, so etcd may still apply it late and create a key nobody owns. The keepalive
+    /// task deletes any that exist, every tick, until the lease retires.
+    burnt: Vec<Vec<u8>>,
     /// No new acquire may join (a lock was leaked, or a cleanup failed).
     no_reuse: bool,
     /// Do not revoke when retiring (a leaked lock must stay until its TTL runs out).
@@ -361,6 +382,25 @@ impl SharedLease {
     /// The key of slot `n` is known to be gone: the slot may be reused.
     pub(crate) fn free_slot(&self, name: &str, n: u32) {
         self.st().slots.remove(&(name.to_owned(), n));
+    }
+
+    /// A request that may create `key` (slot `n` of `name`) went unanswered and may still be
+    /// applied: the slot is never reused, the key is swept by the keepalive task, and the lease
+    /// takes no new acquires (it retires, and its revoke deletes the key, once its locks are
+    /// done).
+    pub(crate) fn burn_slot(&self, key: Vec<u8>) {
+        let mut st = self.st();
+        st.burnt.push(key);
+        st.no_reuse = true;
+        let idle = st.users == 0;
+        drop(st);
+        if idle {
+            self.wake.notify_one();
+        }
+    }
+
+    fn burnt_keys(&self) -> Vec<Vec<u8>> {
+        self.st().burnt.clone()
     }
 
     /// Stops confirming lock `id`; returns its tracker (its deadline no longer moves).
@@ -538,7 +578,7 @@ pub(crate) async fn keepalive_task(shared: Arc<SharedLease>, mut ctx: TaskCtx) {
                     .valid_until()
                     .saturating_duration_since(Instant::now())
                     .min(ctx.request_timeout);
-                match linearizable_term(&ctx.client, &ctx.probe_key, left).await {
+                match linearizable_term(&ctx.client, &ctx.probe_key, left, attempt_limit).await {
                     Ok(current) if renewal_counts(term, current) => Ok(KeepAlive::Alive { term }),
                     Ok(current) => Err(stale_term(term, current)),
                     Err(e) => Err(e),
@@ -553,6 +593,9 @@ pub(crate) async fn keepalive_task(shared: Arc<SharedLease>, mut ctx: TaskCtx) {
                     continue;
                 }
                 next = sent + interval;
+                for key in shared.burnt_keys() {
+                    delete_phantom(&ctx.client, &key, attempt_limit).await;
+                }
             }
             Ok(KeepAlive::Gone) => {
                 tracing::warn!(lease = %format_args!("{:x}", shared.id), "etcd says the lease is gone");
@@ -566,6 +609,28 @@ pub(crate) async fn keepalive_task(shared: Arc<SharedLease>, mut ctx: TaskCtx) {
             }
         }
     }
+}
+
+/// Deletes `key` if it exists, with a compare on the create revision just read (one read, and
+/// one transaction if the key exists). For keys of burnt slots, which nobody owns. Errors are
+/// ignored: the next keepalive tick tries again.
+async fn delete_phantom(client: &Client, key: &[u8], limit: Duration) {
+    let mut kv = client.kv_client();
+    let Ok(Ok(found)) = tokio::time::timeout(limit, kv.get(key.to_vec(), None)).await else {
+        return;
+    };
+    let Some(rev) = found.kvs().first().map(|kv| kv.create_revision()) else {
+        return;
+    };
+    tracing::debug!(key = %String::from_utf8_lossy(key), "deleting a key created by a late request");
+    let txn = Txn::new()
+        .when([Compare::create_revision(
+            key.to_vec(),
+            CompareOp::Equal,
+            rev,
+        )])
+        .and_then([TxnOp::delete(key.to_vec(), None::<DeleteOptions>)]);
+    let _ = tokio::time::timeout(limit, kv.txn(txn)).await;
 }
 
 /// Deletes `key` (only if its create revision is still `rev`, when given), retrying with backoff
@@ -749,26 +814,35 @@ impl LeaseOps for EtcdLease {
         if exists { Ok(()) } else { Err(self.not_held()) }
     }
 
-    /// Deletes this grant's key: one `DeleteRange`, as etcd's own `concurrency.Mutex.Unlock`
-    /// does. This is compare-and-delete by construction: the key is this grant's alone (its name
-    /// carries the etcd lease ID and a slot number that no other acquire of this client uses
-    /// until this key's deletion is confirmed; lease IDs are never reused), and etcd deletes it
-    /// when the lease ends, so the delete can only remove our own live key, and `deleted == 1`
-    /// says we still held the lock. A dedicated lease is then revoked in the background.
+    /// Deletes the key if it is still ours (compare on its create revision), in one
+    /// transaction. A dedicated lease is then revoked in the background.
+    ///
+    /// The compare matters even though the key name is this client's: a delete attempt that
+    /// timed out on a stalled member can still be applied later, after a retry through another
+    /// member succeeded and the key's slot was reused by a new grant of the same name; without
+    /// the compare that late delete would remove the new grant's key.
     ///
     /// # Errors
-    /// [`Error::NotHeld`] if the key was already gone (the lease ended); [`Error::Unavailable`]
-    /// if etcd did not confirm the delete within the request timeout (retried until then).
+    /// [`Error::NotHeld`] if the key is gone or is not this grant's (the lease ended);
+    /// [`Error::Unavailable`] if etcd did not answer within the request timeout (retried until
+    /// then).
     ///
     /// # Cancel safety
     /// If the future is dropped, the delete may or may not have happened; the lease's drop
     /// deletes the key in the background (or its TTL ends it).
     async fn release(&self) -> Result<()> {
+        let txn = Txn::new()
+            .when([Compare::create_revision(
+                self.key.clone(),
+                CompareOp::Equal,
+                self.create_revision,
+            )])
+            .and_then([TxnOp::delete(self.key.clone(), None::<DeleteOptions>)]);
         let kv = self.client.kv_client();
         self.release_attempted.store(true, Ordering::SeqCst);
         let attempt = || {
-            let (mut kv, key) = (kv.clone(), self.key.clone());
-            async move { kv.delete(key, None).await }
+            let (mut kv, txn) = (kv.clone(), txn.clone());
+            async move { kv.txn(txn).await }
         };
         let resp = match with_retries(self.request_timeout, "a lock release", attempt).await {
             Ok(r) => r,
@@ -793,7 +867,7 @@ impl LeaseOps for EtcdLease {
                 let _ = timed(limit, "a lease revoke", lc.revoke(id)).await;
             });
         }
-        if resp.deleted() > 0 {
+        if resp.succeeded() {
             Ok(())
         } else {
             Err(self.not_held())

@@ -309,6 +309,7 @@ impl EtcdLock {
         key: &[u8],
         lease_id: i64,
         only_if_free: bool,
+        uncertain: &AtomicBool,
     ) -> std::result::Result<Enqueued, Error> {
         let owner = TxnOp::get(
             name_prefix.to_vec(),
@@ -340,9 +341,16 @@ impl EtcdLock {
             .or_else([TxnOp::get(key.to_vec(), None), owner]);
         let mut kv = self.inner.client.kv_client();
         let resp = match tokio::time::timeout(self.request_timeout(), kv.txn(txn)).await {
-            Err(_) => return Err(error::timeout("a lock request")),
+            Err(_) => {
+                uncertain.store(true, Ordering::SeqCst);
+                return Err(error::timeout("a lock request"));
+            }
             Ok(Err(e)) if is_lease_not_found(&e) => return Ok(Enqueued::LeaseGone),
-            Ok(Err(e)) => return Err(from_client(e)),
+            Ok(Err(e)) => {
+                // Sent or not, we cannot tell: it may still be applied.
+                uncertain.store(true, Ordering::SeqCst);
+                return Err(from_client(e));
+            }
             Ok(Ok(r)) => r,
         };
         // The revision of the transaction: our key's create revision if it put it.
@@ -515,6 +523,7 @@ impl EtcdLock {
             limit: self.request_timeout(),
             name: name.to_owned(),
             slot,
+            uncertain: AtomicBool::new(false),
         };
         // A private lease is revoked if the acquire fails or is cancelled (which also deletes
         // its key).
@@ -530,12 +539,12 @@ impl EtcdLock {
             )
         });
         let mut enq = retry_transient(opts, deadline, || {
-            self.enqueue(&name_prefix, &key, shared.id, true)
+            self.enqueue(&name_prefix, &key, shared.id, true, &guard.uncertain)
         })
         .await?;
         if matches!(enq, Enqueued::Held) && opts.wait != Wait::No {
             enq = retry_transient(opts, deadline, || {
-                self.enqueue(&name_prefix, &key, shared.id, false)
+                self.enqueue(&name_prefix, &key, shared.id, false, &guard.uncertain)
             })
             .await?;
         }
@@ -706,6 +715,9 @@ impl Drop for RevokeOnDrop {
 struct KeyGuard {
     client: Arc<Client>,
     key: Option<Vec<u8>>,
+    /// A request that may create the key went unanswered (it may still be applied late): the
+    /// slot is burnt instead of freed.
+    uncertain: AtomicBool,
     reservation: Option<Reservation>,
     limit: Duration,
     name: String,
@@ -719,11 +731,18 @@ impl KeyGuard {
         self.reservation.take()
     }
 
-    /// The request that would have created the key did not: the slot is free again.
+    /// The request that would have created the key did not: the slot is free again (unless
+    /// an earlier attempt went unanswered and may still create it: then the slot is burnt).
     fn nothing_created(&mut self) {
-        self.key = None;
+        let Some(key) = self.key.take() else {
+            return;
+        };
         if let Some(r) = &self.reservation {
-            r.shared.free_slot(&self.name, self.slot);
+            if self.uncertain.load(Ordering::SeqCst) {
+                r.shared.burn_slot(key);
+            } else {
+                r.shared.free_slot(&self.name, self.slot);
+            }
         }
     }
 
@@ -760,10 +779,14 @@ impl Drop for KeyGuard {
         };
         let client = self.client.clone();
         let (limit, name, slot) = (self.limit, std::mem::take(&mut self.name), self.slot);
+        let uncertain = self.uncertain.load(Ordering::SeqCst);
         // Keeps the reservation (so the lease and the slot) until the key is gone.
         rt.spawn(async move {
             let shared = &reservation.shared;
-            if delete_while_lease_lives(&client, &key, None, limit, shared).await {
+            if uncertain {
+                shared.burn_slot(key.clone());
+            }
+            if delete_while_lease_lives(&client, &key, None, limit, shared).await && !uncertain {
                 shared.free_slot(&name, slot);
             }
         });

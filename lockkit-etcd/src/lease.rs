@@ -704,6 +704,9 @@ pub struct EtcdLease {
     pub(crate) released: AtomicBool,
     /// The key slot on the lease, freed once a release got a definite answer.
     pub(crate) slot: u32,
+    /// A request of the acquire that may create this key went unanswered and may still be
+    /// applied after the release: the slot is then burnt, not freed.
+    pub(crate) create_uncertain: bool,
     /// A release was tried (so a drop without a completed release is a failure to clean up,
     /// not a deliberate leak).
     pub(crate) release_attempted: AtomicBool,
@@ -814,35 +817,34 @@ impl LeaseOps for EtcdLease {
         if exists { Ok(()) } else { Err(self.not_held()) }
     }
 
-    /// Deletes the key if it is still ours (compare on its create revision), in one
-    /// transaction. A dedicated lease is then revoked in the background.
+    /// Deletes this grant's key: one `DeleteRange`, as etcd's own `concurrency.Mutex.Unlock`
+    /// does; `deleted == 1` means we still held the lock. A dedicated lease is then revoked in
+    /// the background.
     ///
-    /// The compare matters even though the key name is this client's: a delete attempt that
-    /// timed out on a stalled member can still be applied later, after a retry through another
-    /// member succeeded and the key's slot was reused by a new grant of the same name; without
-    /// the compare that late delete would remove the new grant's key.
+    /// This is compare-and-delete by construction. The key's name carries the etcd lease ID
+    /// and a slot number that no other request of this client touches while the slot is busy,
+    /// and etcd deletes the key when the lease ends, so the key exists only as this grant's.
+    /// The slot is freed for reuse only when nothing can still land on it: when the first
+    /// delete attempt was answered and no request of the acquire went unanswered. Otherwise
+    /// (an attempt timed out on a stalled member and may be applied later) the slot is never
+    /// reused, so a late delete cannot remove a later grant's key.
     ///
     /// # Errors
-    /// [`Error::NotHeld`] if the key is gone or is not this grant's (the lease ended);
-    /// [`Error::Unavailable`] if etcd did not answer within the request timeout (retried until
-    /// then).
+    /// [`Error::NotHeld`] if the key was already gone: the lease ended, or (rarely) an
+    /// earlier attempt whose answer was lost deleted it; [`Error::Unavailable`] if etcd did not
+    /// answer within the request timeout (retried until then).
     ///
     /// # Cancel safety
     /// If the future is dropped, the delete may or may not have happened; the lease's drop
     /// deletes the key in the background (or its TTL ends it).
     async fn release(&self) -> Result<()> {
-        let txn = Txn::new()
-            .when([Compare::create_revision(
-                self.key.clone(),
-                CompareOp::Equal,
-                self.create_revision,
-            )])
-            .and_then([TxnOp::delete(self.key.clone(), None::<DeleteOptions>)]);
         let kv = self.client.kv_client();
         self.release_attempted.store(true, Ordering::SeqCst);
+        let attempts = std::sync::atomic::AtomicUsize::new(0);
         let attempt = || {
-            let (mut kv, txn) = (kv.clone(), txn.clone());
-            async move { kv.txn(txn).await }
+            attempts.fetch_add(1, Ordering::SeqCst);
+            let (mut kv, key) = (kv.clone(), self.key.clone());
+            async move { kv.delete(key, None).await }
         };
         let resp = match with_retries(self.request_timeout, "a lock release", attempt).await {
             Ok(r) => r,
@@ -857,7 +859,12 @@ impl LeaseOps for EtcdLease {
         };
         self.released.store(true, Ordering::SeqCst);
         if let Binding::Shared { reservation, .. } = &self.binding {
-            reservation.shared.free_slot(&self.name, self.slot);
+            if self.create_uncertain {
+                reservation.shared.burn_slot(self.key.clone());
+            } else if attempts.load(Ordering::SeqCst) == 1 {
+                reservation.shared.free_slot(&self.name, self.slot);
+            }
+            // Else an earlier delete attempt may still be applied: the slot stays busy.
         }
         if let Binding::Dedicated = self.binding {
             let client = self.client.clone();
@@ -867,7 +874,7 @@ impl LeaseOps for EtcdLease {
                 let _ = timed(limit, "a lease revoke", lc.revoke(id)).await;
             });
         }
-        if resp.succeeded() {
+        if resp.deleted() > 0 {
             Ok(())
         } else {
             Err(self.not_held())
@@ -916,14 +923,18 @@ impl Drop for EtcdLease {
         let start_at = if attempted { None } else { deadline };
         let client = self.client.clone();
         let (key, rev, limit) = (self.key.clone(), self.create_revision, self.request_timeout);
-        let (name, slot) = (self.name.clone(), self.slot);
+        let (name, slot, uncertain) = (self.name.clone(), self.slot, self.create_uncertain);
         rt.spawn(async move {
             if let Some(at) = start_at {
                 tokio::time::sleep_until(at).await;
             }
             let shared = &reservation.shared;
             if delete_while_lease_lives(&client, &key, Some(rev), limit, shared).await {
-                shared.free_slot(&name, slot);
+                if uncertain {
+                    shared.burn_slot(key);
+                } else {
+                    shared.free_slot(&name, slot);
+                }
             }
         });
     }

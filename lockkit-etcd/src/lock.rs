@@ -621,6 +621,7 @@ impl EtcdLock {
         if let Some(r) = private_revoke.as_mut() {
             r.shared = None;
         }
+        let create_uncertain = guard.uncertain.load(Ordering::SeqCst);
         let reservation = guard.disarm();
         let binding = match reservation {
             Some(reservation) if opts.keepalive => Binding::Shared {
@@ -640,6 +641,7 @@ impl EtcdLock {
             request_timeout: self.request_timeout(),
             released: AtomicBool::new(false),
             slot,
+            create_uncertain,
             release_attempted: AtomicBool::new(false),
         });
         let token = FencingToken::new(u64::try_from(my_rev).unwrap_or(0));
@@ -778,7 +780,7 @@ impl Drop for KeyGuard {
             return;
         };
         let client = self.client.clone();
-        let (limit, name, slot) = (self.limit, std::mem::take(&mut self.name), self.slot);
+        let limit = self.limit;
         let uncertain = self.uncertain.load(Ordering::SeqCst);
         // Keeps the reservation (so the lease and the slot) until the key is gone.
         rt.spawn(async move {
@@ -786,9 +788,9 @@ impl Drop for KeyGuard {
             if uncertain {
                 shared.burn_slot(key.clone());
             }
-            if delete_while_lease_lives(&client, &key, None, limit, shared).await && !uncertain {
-                shared.free_slot(&name, slot);
-            }
+            // The slot is not freed: this delete (no revision to compare, the key's creation
+            // may not have been answered) or an earlier attempt may still land late.
+            delete_while_lease_lives(&client, &key, None, limit, shared).await;
         });
     }
 }

@@ -142,7 +142,7 @@ async fn queue_waiter(
 
 /// An acquire whose request created its key but whose reply was lost retries, finds its own
 /// key (the transaction's "our key exists" branch) instead of creating a second one, and is
-/// granted on that key.
+/// granted on that key; after its release that key is not reused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acquire_whose_reply_is_lost_keeps_one_key() {
     let url = shared_url();
@@ -205,6 +205,12 @@ async fn acquire_whose_reply_is_lost_keeps_one_key() {
     );
     lease.release().await.expect("release");
     assert_eq!(count_under(direct.client(), &name_prefix).await, 0);
+    // The unanswered attempt may still land: its key is never reused, so a later grant of the
+    // same name gets another key (here on a new session lease: the old one takes no
+    // newcomers), which that late request cannot touch.
+    let again = w.try_acquire("job", ttl).await.expect("acquire again");
+    assert_ne!(etcd_of(&again).key(), key.as_slice());
+    again.release().await.expect("release");
 }
 
 /// The create revision of `key` (which must exist).

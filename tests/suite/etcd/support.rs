@@ -13,7 +13,14 @@ use crate::common::{ServerProcess, free_port};
 pub struct Member {
     pub client_port: u16,
     pub proc: ServerProcess,
+    /// Held by the first member of a cluster: one cluster at a time (see [`start_cluster`]).
+    _slot: Option<tokio::sync::OwnedMutexGuard<()>>,
 }
+
+/// Cluster tests run one at a time: three etcd members each, SIGSTOPped and restarted, on a
+/// 2-core machine shared with the rest of the suite, starve each other into spurious elections.
+static CLUSTER_SLOT: std::sync::LazyLock<std::sync::Arc<tokio::sync::Mutex<()>>> =
+    std::sync::LazyLock::new(Default::default);
 
 impl Member {
     pub fn endpoint(&self) -> String {
@@ -34,9 +41,11 @@ fn data_dir() -> tempfile::TempDir {
         .expect("temp dir")
 }
 
-/// Starts `n` members forming one cluster (fast timers: 10 ms heartbeat, 100 ms election
-/// timeout, so the minimum lease TTL is 1 s) and waits until it has a leader.
+/// Starts `n` members forming one cluster (fast timers: 50 ms heartbeat, 500 ms election
+/// timeout, so the minimum lease TTL is 1 s) and waits until it has a leader. Waits for any
+/// other test's cluster to be dropped first.
 pub async fn start_cluster(n: usize) -> Vec<Member> {
+    let mut slot = Some(CLUSTER_SLOT.clone().lock_owned().await);
     let ports: Vec<(u16, u16)> = (0..n).map(|_| (free_port(), free_port())).collect();
     let initial: Vec<String> = ports
         .iter()
@@ -69,9 +78,9 @@ pub async fn start_cluster(n: usize) -> Vec<Member> {
             .arg("--initial-cluster-state")
             .arg("new")
             .arg("--heartbeat-interval")
-            .arg("10")
+            .arg("50")
             .arg("--election-timeout")
-            .arg("100")
+            .arg("500")
             .arg("--logger")
             .arg("zap")
             .arg("--log-outputs")
@@ -81,6 +90,7 @@ pub async fn start_cluster(n: usize) -> Vec<Member> {
         members.push(Member {
             client_port: *c,
             proc: ServerProcess::spawn(&format!("etcd-{name}"), dir, cmd),
+            _slot: slot.take(),
         });
     }
     let eps: Vec<String> = members.iter().map(|m| m.endpoint()).collect();
@@ -195,6 +205,7 @@ pub async fn start_single(data: &std::path::Path, client_port: u16, peer_port: u
     let m = Member {
         client_port,
         proc: ServerProcess::spawn("etcd-solo", data_dir(), cmd),
+        _slot: None,
     };
     wait_for_leader(&[m.endpoint()], Duration::from_secs(20)).await;
     m

@@ -36,12 +36,16 @@
 //!
 //! ## Protocol
 //! - Each acquire puts its own key `{prefix}/{name}/{lease id hex}-{slot}`, attached to an
-//!   etcd lease, in one transaction that also reads the lowest create revision under
-//!   `{prefix}/{name}/`. The key with the lowest create revision is the holder; the others are
-//!   waiters in FIFO order. `slot` is the lowest number not in use by another acquire of the
-//!   same client, lease and name, so back-to-back acquires reuse one key (etcd's key index keeps
-//!   every key ever created until compaction, and reads over a lock's prefix would otherwise slow
-//!   down with every acquire).
+//!   etcd lease. The key with the lowest create revision is the holder; the others are waiters
+//!   in FIFO order. An acquire first sends one transaction that creates the key only if no key
+//!   exists under `{prefix}/{name}/` (the uncontended case: granted in one round trip); a
+//!   waiting acquire that finds the name taken queues with a second transaction, which creates
+//!   its key and reads the holder (the lowest create revision). `slot` is the lowest number not
+//!   in use by another acquire of the same client, lease and name, so back-to-back acquires
+//!   reuse one key (etcd's key index keeps every key ever created until compaction, and reads
+//!   over a lock's prefix would otherwise slow down with every acquire). A slot on which a
+//!   request went unanswered (it may still be applied late) is never reused; a key such a
+//!   request may create is deleted by the keepalive task and its lease takes no new acquires.
 //! - A waiter watches only the key immediately ahead of it (largest create revision below its
 //!   own) for its deletion; one release wakes one waiter. It also re-reads every TTL/2 (0.5 s to
 //!   5 s), in case its watch is stuck on a frozen member.
@@ -50,7 +54,9 @@
 //!   ahead. A waiter whose lease lapsed never gets the lock on that key: it queues again with a
 //!   fresh lease (up to 5 leases per acquire, then
 //!   [`Error::Unavailable`](lockkit_core::Error::Unavailable)).
-//! - Release deletes the key only if it is still this grant's (compare on its create revision).
+//! - Release is one delete of the grant's own key, which exists only as this grant's (its name
+//!   carries the lease ID and a busy slot; etcd deletes it when the lease ends), so it is
+//!   compare-and-delete by construction, as in etcd's own `concurrency.Mutex.Unlock`.
 //! - Dropping an acquire at any point deletes its key in the background; a timed-out acquire
 //!   deletes it before returning.
 //!

@@ -19,14 +19,26 @@ fail() {
   exit 1
 }
 
-cargo test --workspace --all-features "$@" || fail
+# --no-fail-fast: one failing test binary does not hide the others' results.
+failed=0
+cargo test --workspace --all-features --no-fail-fast "$@" || failed=1
 
 # The fencing demo, on the embedded default and on every real server: the stale write must be
 # rejected.
 for url in memory:// "$LOCKKIT_REDIS_URL" "$LOCKKIT_ETCD_URL" "$LOCKKIT_ZK_URL" "$LOCKKIT_POSTGRES_URL"; do
-  out=$(cargo run -q --all-features --example fencing -- --backend "$url" 2>&1) || { echo "$out"; fail; }
-  grep -q "REJECTED A's write" <<<"$out" || { echo "$out"; echo "demo on ${url%%:*}: stale write not rejected"; fail; }
-  echo "fencing demo on ${url%%://*}: stale write rejected"
+  if ! out=$(cargo run -q --all-features --example fencing -- --backend "$url" 2>&1); then
+    echo "$out"; failed=1; continue
+  fi
+  if grep -q "REJECTED A's write" <<<"$out"; then
+    echo "fencing demo on ${url%%://*}: stale write rejected"
+  else
+    echo "$out"; echo "demo on ${url%%:*}: stale write not rejected"; failed=1
+  fi
 done
+
+if [ "$failed" != 0 ]; then
+  echo "scripts/test.sh: FAILED (see above)"
+  fail
+fi
 
 echo "scripts/test.sh: all tests passed; the fencing demo rejected the stale write on every backend"

@@ -64,7 +64,7 @@ pub use options::{
 /// time; the core then owns deadlines, keepalive, the loss signal and release-on-drop.
 /// `lockkit-core/src/memory.rs` is a complete backend to copy from.
 pub mod backend {
-    pub use crate::lease::{LeaseOps, LeaseTracker};
+    pub use crate::lease::LeaseOps;
     pub use crate::lock::{retry_transient, wait_deadline};
     pub use crate::options::{validate_name, validate_prefix, validate_ttl};
 }

@@ -213,16 +213,10 @@ async fn leader_sigkill_during_fenced_increments() {
     );
 }
 
-/// One member of a 3-member cluster is frozen (SIGSTOP) for several TTLs while a client (with
-/// all three endpoints) holds locks on its session lease: keepalives that the client sends to
-/// the frozen member must time out quickly and go to a live member, so no lock is lost.
-/// Run with a frozen follower (a frozen leader: `frozen_leader_keeps_fenced_writes_safe`).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn frozen_member_does_not_lose_held_locks() {
-    let members = support::start_cluster(3).await;
-    let eps: Vec<String> = members.iter().map(|m| m.endpoint()).collect();
+/// Two clients of the cluster (all endpoints) on a fresh prefix, with a request timeout longer
+/// than the tests' TTL: a keepalive must not wait for it.
+async fn two_clients(eps: &[String]) -> (EtcdLock, EtcdLock, String) {
     let prefix = fresh_prefix();
-    // A request timeout longer than the TTL: the keepalive must not wait for it.
     let url = format!(
         "etcd://{}?prefix={prefix}&request_timeout_ms=5000&connect_timeout_ms=3000",
         eps.join(",")
@@ -233,6 +227,18 @@ async fn frozen_member_does_not_lose_held_locks() {
     let other = EtcdLock::connect(&url)
         .await
         .expect("connect to the cluster");
+    (locks, other, prefix)
+}
+
+/// One member of a 3-member cluster is frozen (SIGSTOP) for several TTLs while a client (with
+/// all three endpoints) holds locks on its session lease: keepalives that the client sends to
+/// the frozen member must time out quickly and go to a live member, so no lock is lost.
+/// Run with a frozen follower (a frozen leader: `frozen_leader_keeps_fenced_writes_safe`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frozen_member_does_not_lose_held_locks() {
+    let members = support::start_cluster(3).await;
+    let eps: Vec<String> = members.iter().map(|m| m.endpoint()).collect();
+    let (locks, other, _prefix) = two_clients(&eps).await;
     let ttl = Duration::from_secs(2);
     // Only a frozen follower: a frozen leader may revoke the lease early when it resumes
     // (etcd-io/etcd#15247), see frozen_leader_keeps_fenced_writes_safe.
@@ -290,17 +296,7 @@ async fn frozen_member_does_not_lose_held_locks() {
 async fn frozen_leader_keeps_fenced_writes_safe() {
     let members = support::start_cluster(3).await;
     let eps: Vec<String> = members.iter().map(|m| m.endpoint()).collect();
-    let prefix = fresh_prefix();
-    let url = format!(
-        "etcd://{}?prefix={prefix}&request_timeout_ms=5000&connect_timeout_ms=3000",
-        eps.join(",")
-    );
-    let locks = EtcdLock::connect(&url)
-        .await
-        .expect("connect to the cluster");
-    let other = EtcdLock::connect(&url)
-        .await
-        .expect("connect to the cluster");
+    let (locks, other, prefix) = two_clients(&eps).await;
     let ttl = Duration::from_secs(2);
     let leader = support::leader_index(&members).await;
     let mut leases = Vec::new();

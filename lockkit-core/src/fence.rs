@@ -56,7 +56,7 @@ impl<T> MemoryFence<T> {
 
     fn lock(&self) -> MutexGuard<'_, HashMap<String, Slot<T>>> {
         // A panic while holding this mutex cannot leave a slot half-written: recover.
-        self.slots.lock().unwrap_or_else(|p| p.into_inner())
+        crate::lock_unpoisoned(&self.slots)
     }
 
     /// Writes `value` to `resource` if `token` is not lower than the highest token seen there.

@@ -15,7 +15,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, LazyLock, Mutex, MutexGuard, PoisonError, Weak};
+use std::sync::{Arc, LazyLock, Mutex, Weak};
 use std::time::Duration;
 
 use tokio::runtime::{Handle, Id};
@@ -25,6 +25,7 @@ use tokio::time::Instant;
 
 use crate::backend::LeaseOps;
 use crate::lease::{LeaseTracker, keepalive_loop};
+use crate::lock_unpoisoned as lock;
 
 /// While registrations keep coming, an idle driver (empty queue) still wakes this often, so that a
 /// new lease (first renewal at TTL/3 ≥ this, for TTLs ≥ 3 s) lands after its sleep deadline and
@@ -36,12 +37,6 @@ const IDLE_LINGER: Duration = Duration::from_secs(30);
 
 /// The drivers, by runtime. Weak: a driver lives as long as its task or a lease registered with it.
 static DRIVERS: LazyLock<Mutex<HashMap<Id, Weak<Driver>>>> = LazyLock::new(Default::default);
-
-/// Locks, ignoring poisoning: nothing panics while holding these locks, and the data stays
-/// consistent at every point where a panic could occur.
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
 
 /// Where one registered lease's keepalive stands. Shared by the lease and its queue entry.
 enum Slot {

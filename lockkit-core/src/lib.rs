@@ -70,6 +70,12 @@ pub mod backend {
 }
 pub use token::FencingToken;
 
+/// Locks `m`, ignoring poisoning. For the crate's mutexes, whose data is consistent at every
+/// point where a panic could occur.
+pub(crate) fn lock_unpoisoned<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 // Re-exported so adapters and users name one version of these.
 pub use async_trait::async_trait;
 pub use tokio::time::Instant;

@@ -3,7 +3,7 @@
 use std::any::Any;
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -68,10 +68,8 @@ impl fmt::Debug for MemoryLock {
     }
 }
 
-fn lock(state: &Mutex<State>) -> MutexGuard<'_, State> {
-    // The table is consistent after every statement; a panic elsewhere must not poison it.
-    state.lock().unwrap_or_else(|p| p.into_inner())
-}
+// The table is consistent after every statement; a panic elsewhere must not poison it.
+use crate::lock_unpoisoned as lock;
 
 /// Removes a waiter from its queue when its acquire ends or is dropped, and passes the turn on.
 struct WaiterGuard {

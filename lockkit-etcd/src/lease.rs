@@ -389,14 +389,8 @@ impl SharedLease {
     /// takes no new acquires (it retires, and its revoke deletes the key, once its locks are
     /// done).
     pub(crate) fn burn_slot(&self, key: Vec<u8>) {
-        let mut st = self.st();
-        st.burnt.push(key);
-        st.no_reuse = true;
-        let idle = st.users == 0;
-        drop(st);
-        if idle {
-            self.wake.notify_one();
-        }
+        self.st().burnt.push(key);
+        self.close_to_newcomers();
     }
 
     fn burnt_keys(&self) -> Vec<Vec<u8>> {

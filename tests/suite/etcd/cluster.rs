@@ -230,6 +230,26 @@ async fn two_clients(eps: &[String]) -> (EtcdLock, EtcdLock, String) {
     (locks, other, prefix)
 }
 
+/// Try-acquires `name` from `other` after a freeze: `None` if it is held, else the lease and
+/// when it was granted. Retries transient errors for up to 15 s (the other client may first
+/// reach the member that was just resumed); any other error fails the test.
+async fn try_from_other(
+    other: &EtcdLock,
+    name: &str,
+    ttl: Duration,
+) -> Option<(lockkit::Lease, Instant)> {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let opts = AcquireOptions::new().ttl(ttl).wait(Wait::No);
+        match other.acquire(name, opts).await {
+            Err(Error::Held { .. }) => return None,
+            Err(e) if e.is_retryable() && Instant::now() < deadline => {}
+            Ok(new) => return Some((new, Instant::now())),
+            Err(e) => panic!("{name}: {e:?}"),
+        }
+    }
+}
+
 /// One member of a 3-member cluster is frozen (SIGSTOP) for several TTLs while a client (with
 /// all three endpoints) holds locks on its session lease: keepalives that the client sends to
 /// the frozen member must time out quickly and go to a live member, so no lock is lost.
@@ -267,15 +287,12 @@ async fn frozen_member_does_not_lose_held_locks() {
                 "{round}: {}",
                 l.name()
             );
-            // The other client may first reach the member that was just resumed.
-            let deadline = Instant::now() + Duration::from_secs(15);
-            loop {
-                let opts = AcquireOptions::new().ttl(ttl).wait(Wait::No);
-                match other.acquire(l.name(), opts).await {
-                    Err(Error::Held { .. }) => break,
-                    Err(e) if e.is_retryable() && Instant::now() < deadline => {}
-                    r => panic!("{round}: {} should still be held, got {r:?}", l.name()),
-                }
+            if let Some((new, _)) = try_from_other(&other, l.name(), ttl).await {
+                panic!(
+                    "{round}: {} should still be held, got {:?}",
+                    l.name(),
+                    new.token()
+                );
             }
         }
         for l in leases {
@@ -314,18 +331,7 @@ async fn frozen_leader_keeps_fenced_writes_safe() {
     members[leader].proc.signal("CONT");
     support::wait_for_leader(&eps, Duration::from_secs(10)).await;
     for l in &leases {
-        // The other client may first reach the member that was just resumed.
-        let deadline = Instant::now() + Duration::from_secs(15);
-        let taken = loop {
-            let opts = AcquireOptions::new().ttl(ttl).wait(Wait::No);
-            match other.acquire(l.name(), opts).await {
-                Err(Error::Held { .. }) => break None,
-                Err(e) if e.is_retryable() && Instant::now() < deadline => {}
-                Ok(new) => break Some((new, Instant::now())),
-                Err(e) => panic!("{}: {e:?}", l.name()),
-            }
-        };
-        match taken {
+        match try_from_other(&other, l.name(), ttl).await {
             None => assert_ne!(l.state(), lockkit::LeaseState::Lost, "{}", l.name()),
             Some((new, granted)) => {
                 // Freed early by the former leader's revoke (etcd-io/etcd#15247).

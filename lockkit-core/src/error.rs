@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use crate::FencingToken;
+use crate::{FencingToken, LossReason};
 
 /// A boxed error from a backend's client library, kept as the `source()` of an [`Error`].
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
@@ -46,10 +46,12 @@ pub enum Error {
 
     /// The lease is [`LeaseState::Lost`](crate::LeaseState::Lost) on the client side: its deadline
     /// passed or the backend session that carried it expired. A lost lease is never revived.
-    #[error("lease on lock {name:?} was lost")]
+    #[error("lease on lock {name:?} was lost: {reason}")]
     LeaseLost {
         /// The lock name.
         name: String,
+        /// Why it was lost.
+        reason: LossReason,
     },
 
     /// A fenced write carried a token lower than one the resource already accepted.

@@ -24,7 +24,7 @@ use tokio::task::AbortHandle;
 use tokio::time::Instant;
 
 use crate::backend::LeaseOps;
-use crate::lease::{LeaseTracker, keepalive_loop};
+use crate::lease::{TrackerHandle, keepalive_loop};
 use crate::lock_unpoisoned as lock;
 
 /// While registrations keep coming, an idle driver (empty queue) still wakes this often, so that a
@@ -52,7 +52,7 @@ enum Slot {
 struct Entry {
     slot: Arc<Mutex<Slot>>,
     name: String,
-    tracker: LeaseTracker,
+    tracker: TrackerHandle,
     ops: Arc<dyn LeaseOps>,
 }
 
@@ -143,7 +143,7 @@ impl Drop for Registration {
 /// expires at its deadline).
 pub(crate) fn register(
     name: &str,
-    tracker: &LeaseTracker,
+    tracker: &TrackerHandle,
     ops: &Arc<dyn LeaseOps>,
 ) -> Option<Registration> {
     let handle = Handle::try_current().ok()?;

@@ -8,14 +8,18 @@
 use std::any::Any;
 use std::fmt;
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+use tracing::Instrument;
+
 use crate::keeper::{self, Registration};
+use crate::observe::{Labels, TARGET};
 use crate::{AcquireOptions, Error, FencingToken, Result};
 
 /// What the holder can know about its lease, on the client's monotonic clock.
@@ -39,122 +43,294 @@ pub fn drift_margin(ttl: Duration) -> Duration {
     ttl / 100 + Duration::from_millis(2)
 }
 
-#[derive(Debug, Clone, Copy)]
+/// Why a lease was lost: [`Lease::loss_reason`], [`Error::LeaseLost`], the `reason` of the lease
+/// events and of [`LEASES_LOST_TOTAL`](crate::observe::LEASES_LOST_TOTAL).
+///
+/// When several apply, the first one wins: a lease whose deadline passed and that was released
+/// afterwards was lost to [`DeadlineExpired`](Self::DeadlineExpired).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum LossReason {
+    /// The client-side deadline passed without an acknowledged renewal (the server may free the
+    /// lock about now).
+    DeadlineExpired,
+    /// A renewal or release found that the server no longer holds the lease for this grant.
+    NotHeldOnServer,
+    /// The backend session that carried the lease (etcd lease, ZooKeeper session, PostgreSQL
+    /// connection) expired or ended.
+    SessionExpired,
+    /// The holder released it.
+    Released,
+    /// The holder dropped the [`Lease`] without releasing it.
+    Dropped,
+    /// A fenced write with this lease's token was rejected: a newer holder exists.
+    StaleWrite,
+}
+
+impl LossReason {
+    /// The `snake_case` label value (`"deadline_expired"`, `"not_held_on_server"`,
+    /// `"session_expired"`, `"released"`, `"dropped"`, `"stale_write"`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::DeadlineExpired => "deadline_expired",
+            Self::NotHeldOnServer => "not_held_on_server",
+            Self::SessionExpired => "session_expired",
+            Self::Released => "released",
+            Self::Dropped => "dropped",
+            Self::StaleWrite => "stale_write",
+        }
+    }
+
+    /// `true` for the reasons where the holder ended the lease itself (released, dropped).
+    pub fn by_holder(self) -> bool {
+        matches!(self, Self::Released | Self::Dropped)
+    }
+}
+
+impl fmt::Display for LossReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::DeadlineExpired => "deadline passed without an acknowledged renewal",
+            Self::NotHeldOnServer => "the server no longer holds it",
+            Self::SessionExpired => "session expired",
+            Self::Released => "released",
+            Self::Dropped => "dropped without release",
+            Self::StaleWrite => "a fenced write was rejected: a newer holder exists",
+        })
+    }
+}
+
+/// Why a lease turned [`Suspect`](LeaseState::Suspect): the `reason` of the lease event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum SuspectReason {
+    /// A renewal was sent and not acknowledged (error or no answer). Counted as a `failed`
+    /// renewal in [`RENEWALS_TOTAL`](crate::observe::RENEWALS_TOTAL).
+    RenewalFailed,
+    /// Half the TTL passed since the last acknowledged renewal (set by the clock).
+    RenewalOverdue,
+    /// The backend's connection or session is disconnected.
+    ConnectionLost,
+}
+
+impl SuspectReason {
+    /// The `snake_case` value (`"renewal_failed"`, `"renewal_overdue"`, `"connection_lost"`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::RenewalFailed => "renewal_failed",
+            Self::RenewalOverdue => "renewal_overdue",
+            Self::ConnectionLost => "connection_lost",
+        }
+    }
+}
+
+impl fmt::Display for SuspectReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::RenewalFailed => "a renewal was not acknowledged",
+            Self::RenewalOverdue => "no acknowledged renewal for half the TTL",
+            Self::ConnectionLost => "the connection to the server is down",
+        })
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Validity {
     /// Send time of the last request that granted or renewed the lease (acknowledged).
     confirmed_sent_at: Instant,
     valid_until: Instant,
-    suspect_flag: bool,
-    lost: bool,
+    suspect: Option<SuspectReason>,
+    lost: Option<LossReason>,
+    /// The state the last event reported (events fire on changes of it).
+    reported: LeaseState,
 }
 
-/// The client-side clock of one lease: when it was last confirmed, when it becomes
-/// [`Suspect`](LeaseState::Suspect) and [`Lost`](LeaseState::Lost).
+/// Who the lease is, for its events and metrics; set once by [`Lease::new`].
+#[derive(Debug)]
+struct Meta {
+    name: String,
+    token: FencingToken,
+    labels: Labels,
+    granted_at: Instant,
+    /// The end (loss, release, drop, leak) was counted in the metrics.
+    ended: AtomicBool,
+}
+
+struct Shared {
+    tx: watch::Sender<Validity>,
+    ttl: Duration,
+    meta: OnceLock<Meta>,
+}
+
+/// A state change to report, computed under the watch lock and reported outside it.
+struct Change {
+    from: LeaseState,
+    to: LeaseState,
+    suspect: Option<SuspectReason>,
+    lost: Option<LossReason>,
+}
+
+impl Shared {
+    /// Applies `f` to the state (after latching a deadline that passed) and reports the change of
+    /// state, if any. `f` returns whether it modified the state, and a value passed back.
+    fn update<R>(&self, f: impl FnOnce(&mut Validity, Instant) -> R) -> R {
+        let now = Instant::now();
+        let mut change = None;
+        let mut out = None;
+        self.tx.send_if_modified(|v| {
+            let before = *v;
+            if v.lost.is_none() && now >= v.valid_until {
+                v.lost = Some(LossReason::DeadlineExpired);
+            }
+            out = Some(f(v, now));
+            let state = state_at(v, self.ttl, now);
+            if state != v.reported {
+                change = Some(Change {
+                    from: v.reported,
+                    to: state,
+                    suspect: v.suspect,
+                    lost: v.lost,
+                });
+                v.reported = state;
+            }
+            *v != before
+        });
+        if let Some(c) = change {
+            self.report(c, now);
+        }
+        out.expect("update closure ran")
+    }
+
+    /// The state now; reports a change the clock alone made since the last report.
+    fn observe(&self) -> LeaseState {
+        let now = Instant::now();
+        let (state, reported) = {
+            let v = self.tx.borrow();
+            (state_at(&v, self.ttl, now), v.reported)
+        };
+        if state == reported {
+            return state;
+        }
+        self.update(|_, _| ());
+        state_at(&self.tx.borrow(), self.ttl, Instant::now())
+    }
+
+    fn report(&self, c: Change, now: Instant) {
+        let Some(m) = self.meta.get() else {
+            return; // not a lease's tracker (yet): Lease::new reports what happened before
+        };
+        let (lock, backend, token) = (m.name.as_str(), m.labels.backend, m.token.get());
+        let (from, to) = (state_name(c.from), state_name(c.to));
+        match c.to {
+            LeaseState::Lost => {
+                let reason = c.lost.unwrap_or(LossReason::DeadlineExpired);
+                if reason.by_holder() {
+                    tracing::debug!(target: TARGET, lock, backend, token, from, to, reason = reason.as_str(), "lease ended: {reason}");
+                } else {
+                    tracing::warn!(target: TARGET, lock, backend, token, from, to, reason = reason.as_str(), "lease on lock {lock:?} lost: {reason}");
+                }
+                if !m.ended.swap(true, Ordering::AcqRel) {
+                    let lost = (!reason.by_holder()).then_some(reason.as_str());
+                    m.labels
+                        .ended(now.saturating_duration_since(m.granted_at), lost);
+                }
+            }
+            LeaseState::Suspect => {
+                let reason = c.suspect.unwrap_or(SuspectReason::RenewalOverdue);
+                tracing::warn!(target: TARGET, lock, backend, token, from, to, reason = reason.as_str(), "lease on lock {lock:?} at risk: {reason}");
+            }
+            LeaseState::Held => {
+                tracing::info!(target: TARGET, lock, backend, token, from, to, reason = "renewed", "lease on lock {lock:?} held again");
+            }
+        }
+    }
+
+    fn renewal(&self, result: &'static str) {
+        if let Some(m) = self.meta.get() {
+            m.labels.renewal(result);
+        }
+    }
+}
+
+fn state_name(s: LeaseState) -> &'static str {
+    match s {
+        LeaseState::Held => "held",
+        LeaseState::Suspect => "suspect",
+        LeaseState::Lost => "lost",
+    }
+}
+
+/// The client-side clock of one lease, read-only: when it was last confirmed, when it becomes
+/// [`Suspect`](LeaseState::Suspect) and [`Lost`](LeaseState::Lost), and why it was lost.
 ///
-/// Backends create one per grant with the **send time** of the request that granted it, and call
-/// [`confirm`](Self::confirm) with the send time of every acknowledged renewal. The deadline is
-/// `send time + TTL − drift_margin(TTL)`: because the server started its TTL no earlier than we
-/// sent the request, the client always gives up before the server frees the lock (up to the
-/// drift margin). The state flips on that deadline by itself; no socket error is awaited.
+/// The deadline is `send time of the last acknowledged grant/renewal + TTL − drift_margin(TTL)`:
+/// because the server started its TTL no earlier than that request was sent, the client always
+/// gives up before the server frees the lock (up to the drift margin). The state flips on that
+/// deadline by itself; no socket error is awaited. Only the backend that granted the lease moves
+/// the deadline (through [`backend::TrackerHandle`](crate::backend::TrackerHandle)).
 ///
-/// Cheap to clone; all clones share one state.
+/// Returned by [`Lease::tracker`]; cheap to clone, all clones share one state, and it may outlive
+/// the lease (to watch it from another task).
+///
+/// A holder cannot move its own deadline (that would extend the lease on the client with no
+/// renewal on the server):
+///
+/// ```compile_fail
+/// # fn f(lease: &lockkit_core::Lease) {
+/// lease.tracker().confirm(lockkit_core::Instant::now());
+/// # }
+/// ```
+///
+/// A state change that the clock alone makes (half the TTL without a renewal: suspect; the
+/// deadline: lost) is reported as an event when it is first seen: by the lease's keepalive, by
+/// [`lost`](Self::lost) / [`at_risk`](Self::at_risk) futures waiting on it, by
+/// [`state`](Self::state), and at the latest when the lease is released or dropped.
 #[derive(Clone)]
 pub struct LeaseTracker {
-    tx: Arc<watch::Sender<Validity>>,
-    ttl: Duration,
+    shared: Arc<Shared>,
 }
 
 impl fmt::Debug for LeaseTracker {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LeaseTracker")
-            .field("ttl", &self.ttl)
+            .field("ttl", &self.shared.ttl)
             .field("state", &self.state())
             .field("valid_until", &self.valid_until())
+            .field("loss_reason", &self.loss_reason())
             .finish()
     }
 }
 
 impl LeaseTracker {
-    /// A tracker for a lease of `ttl` granted by a request sent at `sent_at`.
-    pub fn new(sent_at: Instant, ttl: Duration) -> Self {
-        let v = Validity {
-            confirmed_sent_at: sent_at,
-            valid_until: deadline(sent_at, ttl),
-            suspect_flag: false,
-            lost: false,
-        };
-        Self {
-            tx: Arc::new(watch::Sender::new(v)),
-            ttl,
-        }
-    }
-
     /// The lease's TTL.
     pub fn ttl(&self) -> Duration {
-        self.ttl
-    }
-
-    /// Records a renewal that the server acknowledged, sent at `sent_at`. Moves the deadline
-    /// forward only, and clears a [`mark_suspect`](Self::mark_suspect).
-    ///
-    /// Returns `false` (and changes nothing) if the lease is already lost: an acknowledgement
-    /// arriving after the deadline does not revive it, because the holder may already have been
-    /// told it lost the lock.
-    pub fn confirm(&self, sent_at: Instant) -> bool {
-        let now = Instant::now();
-        let mut alive = false;
-        self.tx.send_modify(|v| {
-            if v.lost || now >= v.valid_until {
-                v.lost = true;
-                return;
-            }
-            alive = true;
-            v.suspect_flag = false;
-            if sent_at > v.confirmed_sent_at {
-                v.confirmed_sent_at = sent_at;
-                v.valid_until = deadline(sent_at, self.ttl);
-            }
-        });
-        alive
-    }
-
-    /// Marks the lease suspect until the next [`confirm`](Self::confirm) (e.g. the backend's
-    /// connection dropped). The deadline is unchanged.
-    pub fn mark_suspect(&self) {
-        self.tx.send_if_modified(|v| {
-            let changed = !v.suspect_flag && !v.lost;
-            v.suspect_flag = true;
-            changed
-        });
-    }
-
-    /// Marks the lease lost now (the server said it is gone, or it was released). Final.
-    pub fn mark_lost(&self) {
-        self.tx.send_if_modified(|v| {
-            let changed = !v.lost;
-            v.lost = true;
-            changed
-        });
+        self.shared.ttl
     }
 
     /// The state now.
     pub fn state(&self) -> LeaseState {
-        state_at(&self.tx.borrow(), self.ttl, Instant::now())
+        self.shared.observe()
+    }
+
+    /// Why the lease was lost; `None` while it is not [`Lost`](LeaseState::Lost).
+    pub fn loss_reason(&self) -> Option<LossReason> {
+        self.shared.observe();
+        self.shared.tx.borrow().lost
     }
 
     /// When the lease becomes [`Lost`](LeaseState::Lost) unless renewed.
     pub fn valid_until(&self) -> Instant {
-        self.tx.borrow().valid_until
+        self.shared.tx.borrow().valid_until
     }
 
     /// Send time of the request that last granted or renewed the lease.
     pub fn confirmed_at(&self) -> Instant {
-        self.tx.borrow().confirmed_sent_at
+        self.shared.tx.borrow().confirmed_sent_at
     }
 
     /// A future that resolves once the lease is lost: at the deadline if nothing renews it, or as
-    /// soon as [`mark_lost`](Self::mark_lost) is called. It owns what it needs (`'static`), so it
-    /// can be moved into a task or a `select!`.
+    /// soon as the backend learns it is gone. It owns what it needs (`'static`), so it can be
+    /// moved into a task or a `select!`.
     ///
     /// # Cancel safety
     /// Cancel safe: dropping it has no effect on the lease.
@@ -179,34 +355,208 @@ impl LeaseTracker {
 
     /// Resolves with the first state for which `done` holds, waking on every change and at the
     /// instants where the clock alone changes the state (TTL/2 after the last confirmation:
-    /// Suspect; the deadline: Lost). Once nothing can renew the lease any more (every tracker
-    /// dropped), it only follows the clock.
+    /// Suspect; the deadline: Lost), and reporting such clock-made changes as it sees them.
     fn first_state(
         &self,
         done: fn(LeaseState) -> bool,
     ) -> impl Future<Output = LeaseState> + Send + 'static {
-        let mut rx = self.tx.subscribe();
-        let ttl = self.ttl;
+        let shared = self.shared.clone();
+        let mut rx = shared.tx.subscribe();
         async move {
-            let mut renewable = true;
             loop {
+                let state = shared.observe();
                 let v = *rx.borrow_and_update();
-                let state = state_at(&v, ttl, Instant::now());
                 if done(state) {
                     return state;
                 }
                 let next = match state {
-                    LeaseState::Held => (v.confirmed_sent_at + ttl / 2).min(v.valid_until),
+                    LeaseState::Held => (v.confirmed_sent_at + shared.ttl / 2).min(v.valid_until),
                     _ => v.valid_until,
                 };
-                if !renewable {
-                    tokio::time::sleep_until(next).await;
-                    continue;
-                }
                 tokio::select! {
                     _ = tokio::time::sleep_until(next) => {}
-                    changed = rx.changed() => renewable = changed.is_ok(),
+                    _ = rx.changed() => {}
                 }
+            }
+        }
+    }
+}
+
+/// The backend's handle on a lease's clock: creates it and moves it. Every state change it makes
+/// is reported as a lease event and in the lease metrics (see [`crate::observe`]).
+///
+/// Backends create one per grant with the **send time** of the request that granted it, hand a
+/// clone to [`Lease::new`], and call [`confirm`](Self::confirm) with the send time of every
+/// acknowledged renewal (or of a session heartbeat that keeps the lease alive), and
+/// [`mark_suspect`](Self::mark_suspect) / [`mark_lost`](Self::mark_lost) with a reason when they
+/// learn of trouble. Users only ever see the read-only [`LeaseTracker`].
+///
+/// Cheap to clone; all clones share one state.
+#[derive(Clone)]
+pub struct TrackerHandle {
+    view: LeaseTracker,
+}
+
+impl fmt::Debug for TrackerHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.view.fmt(f)
+    }
+}
+
+impl TrackerHandle {
+    /// A tracker for a lease of `ttl` granted by a request sent at `sent_at`.
+    pub fn new(sent_at: Instant, ttl: Duration) -> Self {
+        let v = Validity {
+            confirmed_sent_at: sent_at,
+            valid_until: deadline(sent_at, ttl),
+            suspect: None,
+            lost: None,
+            reported: LeaseState::Held,
+        };
+        Self {
+            view: LeaseTracker {
+                shared: Arc::new(Shared {
+                    tx: watch::Sender::new(v),
+                    ttl,
+                    meta: OnceLock::new(),
+                }),
+            },
+        }
+    }
+
+    /// The read-only view, as users see it.
+    pub fn view(&self) -> &LeaseTracker {
+        &self.view
+    }
+
+    /// Records a renewal that the server acknowledged, sent at `sent_at`. Moves the deadline
+    /// forward only, and clears a [`mark_suspect`](Self::mark_suspect). Counted as an `ok`
+    /// renewal when it moved the deadline.
+    ///
+    /// Returns `false` (and changes nothing) if the lease is already lost: an acknowledgement
+    /// arriving after the deadline does not revive it, because the holder may already have been
+    /// told it lost the lock (counted as a `late` renewal when the deadline passed just now).
+    pub fn confirm(&self, sent_at: Instant) -> bool {
+        let shared = &self.view.shared;
+        let was_lost = shared.tx.borrow().lost.is_some();
+        let (alive, moved) = shared.update(|v, _| {
+            if v.lost.is_some() {
+                return (false, false);
+            }
+            v.suspect = None;
+            let moved = sent_at > v.confirmed_sent_at;
+            if moved {
+                v.confirmed_sent_at = sent_at;
+                v.valid_until = deadline(sent_at, shared.ttl);
+            }
+            (true, moved)
+        });
+        if moved {
+            shared.renewal("ok");
+        } else if !alive && !was_lost {
+            shared.renewal("late");
+        }
+        alive
+    }
+
+    /// Marks the lease suspect until the next [`confirm`](Self::confirm) (a renewal failed, the
+    /// connection dropped). The deadline is unchanged. Each call with
+    /// [`SuspectReason::RenewalFailed`] counts one `failed` renewal.
+    pub fn mark_suspect(&self, reason: SuspectReason) {
+        let shared = &self.view.shared;
+        let alive = shared.update(|v, _| {
+            if v.lost.is_some() {
+                return false;
+            }
+            v.suspect = Some(reason);
+            true
+        });
+        if alive && reason == SuspectReason::RenewalFailed {
+            shared.renewal("failed");
+        }
+    }
+
+    /// Marks the lease lost now, for `reason` (the server said it is gone, the session ended, it
+    /// was released). Final; a lease already lost keeps its first reason.
+    pub fn mark_lost(&self, reason: LossReason) {
+        self.view.shared.update(|v, _| {
+            if v.lost.is_none() {
+                v.lost = Some(reason);
+            }
+        });
+    }
+
+    /// The state now.
+    pub fn state(&self) -> LeaseState {
+        self.view.state()
+    }
+
+    /// The lease's TTL.
+    pub fn ttl(&self) -> Duration {
+        self.view.ttl()
+    }
+
+    /// When the lease becomes [`Lost`](LeaseState::Lost) unless renewed.
+    pub fn valid_until(&self) -> Instant {
+        self.view.valid_until()
+    }
+
+    /// Send time of the request that last granted or renewed the lease.
+    pub fn confirmed_at(&self) -> Instant {
+        self.view.confirmed_at()
+    }
+
+    /// Counts a renewal result the tracker cannot see by itself (`not_held`).
+    pub(crate) fn renewal(&self, result: &'static str) {
+        self.view.shared.renewal(result);
+    }
+
+    /// Makes this the tracker of the lease `name`/`token`: from now on its changes are reported
+    /// with these labels; a change that happened before is reported now.
+    fn attach(&self, name: &str, token: FencingToken, labels: Labels) {
+        let shared = &self.view.shared;
+        let granted_at = shared.tx.borrow().confirmed_sent_at;
+        let fresh = shared
+            .meta
+            .set(Meta {
+                name: name.to_owned(),
+                token,
+                labels,
+                granted_at,
+                ended: AtomicBool::new(false),
+            })
+            .is_ok();
+        if !fresh {
+            return;
+        }
+        if let Some(m) = shared.meta.get() {
+            m.labels.granted();
+        }
+        // Report what happened between the grant and now (a loss seen by the backend's session).
+        let pending = {
+            let v = shared.tx.borrow();
+            (v.reported != LeaseState::Held).then_some(*v)
+        };
+        if let Some(v) = pending {
+            shared.report(
+                Change {
+                    from: LeaseState::Held,
+                    to: v.reported,
+                    suspect: v.suspect,
+                    lost: v.lost,
+                },
+                Instant::now(),
+            );
+        }
+        shared.observe();
+    }
+
+    /// The lease was leaked: it is no longer this process's to count.
+    fn leaked(&self) {
+        if let Some(m) = self.view.shared.meta.get() {
+            if !m.ended.swap(true, Ordering::AcqRel) {
+                m.labels
+                    .ended(Instant::now().saturating_duration_since(m.granted_at), None);
             }
         }
     }
@@ -217,9 +567,9 @@ fn deadline(sent_at: Instant, ttl: Duration) -> Instant {
 }
 
 fn state_at(v: &Validity, ttl: Duration, now: Instant) -> LeaseState {
-    if v.lost || now >= v.valid_until {
+    if v.lost.is_some() || now >= v.valid_until {
         LeaseState::Lost
-    } else if v.suspect_flag || now >= v.confirmed_sent_at + ttl / 2 {
+    } else if v.suspect.is_some() || now >= v.confirmed_sent_at + ttl / 2 {
         LeaseState::Suspect
     } else {
         LeaseState::Held
@@ -280,8 +630,9 @@ pub trait LeaseOps: Send + Sync + fmt::Debug + 'static {
 pub struct Lease {
     name: String,
     token: FencingToken,
-    tracker: LeaseTracker,
+    tracker: TrackerHandle,
     ops: Arc<dyn LeaseOps>,
+    backend: &'static str,
     /// Dropping it stops keepalive.
     keepalive: Option<Registration>,
     release_on_drop: bool,
@@ -293,7 +644,7 @@ impl fmt::Debug for Lease {
         f.debug_struct("Lease")
             .field("name", &self.name)
             .field("token", &self.token)
-            .field("ttl", &self.tracker.ttl)
+            .field("ttl", &self.tracker.ttl())
             .field("state", &self.state())
             .field("ops", &self.ops)
             .finish()
@@ -309,18 +660,28 @@ impl Lease {
     /// each acknowledged renewal) by the current Tokio runtime's keepalive scheduler; no task is
     /// spawned until then. Outside a Tokio runtime (every backend's acquire runs on one) nothing
     /// could renew the lease: it is not kept alive and expires at its deadline.
+    ///
+    /// From here on the tracker's state changes are reported as lease events and metrics,
+    /// labelled with the backend that [`Lock::acquire`](crate::Lock::acquire) runs (`"unknown"`
+    /// for a lease built outside it).
     pub fn new(
         name: impl Into<String>,
         token: FencingToken,
-        tracker: LeaseTracker,
+        tracker: TrackerHandle,
         ops: Arc<dyn LeaseOps>,
         opts: &AcquireOptions,
     ) -> Self {
         let name = name.into();
+        let backend = opts.observed_backend.unwrap_or("unknown");
+        tracker.attach(
+            &name,
+            token,
+            Labels::new(backend, &name, opts.lock_name_label),
+        );
         let keepalive = if opts.keepalive && !ops.self_renewing() {
             let reg = keeper::register(&name, &tracker, &ops);
             if reg.is_none() {
-                tracing::warn!(lock = %name, "no Tokio runtime: the lease will not be kept alive");
+                tracing::warn!(target: TARGET, lock = %name, backend, "no Tokio runtime: the lease will not be kept alive");
             }
             reg
         } else {
@@ -331,6 +692,7 @@ impl Lease {
             token,
             tracker,
             ops,
+            backend,
             keepalive,
             release_on_drop: opts.release_on_drop,
             done: false,
@@ -349,12 +711,17 @@ impl Lease {
 
     /// The lease's TTL.
     pub fn ttl(&self) -> Duration {
-        self.tracker.ttl
+        self.tracker.ttl()
     }
 
     /// The state now (see [`LeaseState`]).
     pub fn state(&self) -> LeaseState {
         self.tracker.state()
+    }
+
+    /// Why the lease was lost (`None` while it is not [`Lost`](LeaseState::Lost)).
+    pub fn loss_reason(&self) -> Option<LossReason> {
+        self.tracker.view().loss_reason()
     }
 
     /// The deadline on the monotonic clock after which the lease is [`Lost`](LeaseState::Lost)
@@ -386,7 +753,7 @@ impl Lease {
     /// # Cancel safety
     /// Cancel safe: dropping it has no effect on the lease.
     pub fn lost(&self) -> impl Future<Output = ()> + Send + 'static {
-        self.tracker.lost()
+        self.tracker.view().lost()
     }
 
     /// Resolves with the new state once the lease is no longer [`Held`](LeaseState::Held):
@@ -396,12 +763,12 @@ impl Lease {
     /// # Cancel safety
     /// Cancel safe: dropping it has no effect on the lease.
     pub fn at_risk(&self) -> impl Future<Output = LeaseState> + Send + 'static {
-        self.tracker.at_risk()
+        self.tracker.view().at_risk()
     }
 
-    /// The lease's tracker (shared state), for backends and for watching from elsewhere.
+    /// The lease's clock, read-only, to watch from elsewhere (it may outlive the lease).
     pub fn tracker(&self) -> &LeaseTracker {
-        &self.tracker
+        self.tracker.view()
     }
 
     /// The backend's half of the lease; fence helpers downcast it with [`LeaseOps::as_any`].
@@ -409,8 +776,17 @@ impl Lease {
         &*self.ops
     }
 
+    /// Builds [`Error::LeaseLost`] for this lease.
+    pub fn lost_error(&self) -> Error {
+        Error::LeaseLost {
+            name: self.name.clone(),
+            reason: self.loss_reason().unwrap_or(LossReason::DeadlineExpired),
+        }
+    }
+
     /// Renews the lease once, now: extends it on the server by its TTL if this grant still holds
-    /// the lock. On success the deadline moves to send time + TTL − margin.
+    /// the lock. On success the deadline moves to send time + TTL − margin. Runs in a `renew`
+    /// span (see [`crate::observe`]).
     ///
     /// # Errors
     /// - [`Error::LeaseLost`] if the lease is already lost on the client side (no request is sent:
@@ -424,31 +800,16 @@ impl Lease {
     /// Cancel safe: a dropped renewal either extended the lease on the server or did not; the
     /// client-side deadline only moves on an acknowledged renewal.
     pub async fn renew(&self) -> Result<()> {
-        if self.state() == LeaseState::Lost {
-            return Err(Error::LeaseLost {
-                name: self.name.clone(),
-            });
-        }
-        let sent = Instant::now();
-        match self.ops.renew(self.tracker.ttl).await {
-            Ok(()) if self.tracker.confirm(sent) => Ok(()),
-            Ok(()) => {
-                // Acknowledged after the deadline: the holder may already have been told it lost
-                // the lock, so the renewal must not keep it held. Give it back.
-                let _ = self.ops.release().await;
-                Err(Error::LeaseLost {
-                    name: self.name.clone(),
-                })
-            }
-            Err(e @ Error::NotHeld { .. }) => {
-                self.tracker.mark_lost();
-                Err(e)
-            }
-            Err(e) => Err(e),
-        }
+        let span = tracing::info_span!(target: TARGET, "renew", lock = %self.name, backend = self.backend, token = self.token.get(), keepalive = false, outcome = tracing::field::Empty);
+        let res = renew_once(&self.tracker, &*self.ops, &self.name)
+            .instrument(span.clone())
+            .await;
+        span.record("outcome", outcome_of(&res));
+        res
     }
 
     /// Releases the lock if this grant still holds it (compare-and-delete), and stops keepalive.
+    /// Runs in a `release` span (see [`crate::observe`]).
     ///
     /// # Errors
     /// - [`Error::NotHeld`] if the lease lapsed and the lock is free or held by someone else;
@@ -460,13 +821,18 @@ impl Lease {
     /// Cancel safe: if the future is dropped, the release either happened or the lease is dropped
     /// with it (best-effort release on drop, then the TTL).
     pub async fn release(mut self) -> Result<()> {
+        let span = tracing::info_span!(target: TARGET, "release", lock = %self.name, backend = self.backend, token = self.token.get(), outcome = tracing::field::Empty);
         self.stop_keepalive();
-        let res = self.ops.release().await;
-        self.tracker.mark_lost();
+        let res = self.ops.release().instrument(span.clone()).await;
+        match &res {
+            Err(Error::NotHeld { .. }) => self.tracker.mark_lost(LossReason::NotHeldOnServer),
+            _ => self.tracker.mark_lost(LossReason::Released),
+        }
         match &res {
             Ok(()) | Err(Error::NotHeld { .. }) => self.done = true,
             Err(_) => {}
         }
+        span.record("outcome", outcome_of(&res));
         res
     }
 
@@ -474,6 +840,7 @@ impl Lease {
     /// server until its TTL runs out. For handing a lock over to a process that will not renew it.
     pub fn leak(mut self) {
         self.stop_keepalive();
+        self.tracker.leaked();
         self.done = true;
     }
 
@@ -483,19 +850,62 @@ impl Lease {
     }
 }
 
+/// The `outcome` field of a renew or release span.
+fn outcome_of(res: &Result<()>) -> &'static str {
+    match res {
+        Ok(()) => "ok",
+        Err(Error::NotHeld { .. }) => "not_held",
+        Err(Error::LeaseLost { .. }) => "lost",
+        Err(_) => "error",
+    }
+}
+
+/// One renewal of `tracker`'s lease through `ops`, as [`Lease::renew`] documents it.
+async fn renew_once(tracker: &TrackerHandle, ops: &dyn LeaseOps, name: &str) -> Result<()> {
+    let lost = |t: &TrackerHandle| Error::LeaseLost {
+        name: name.to_owned(),
+        reason: t
+            .view()
+            .loss_reason()
+            .unwrap_or(LossReason::DeadlineExpired),
+    };
+    if tracker.state() == LeaseState::Lost {
+        return Err(lost(tracker));
+    }
+    let sent = Instant::now();
+    match ops.renew(tracker.ttl()).await {
+        Ok(()) if tracker.confirm(sent) => Ok(()),
+        Ok(()) => {
+            // Acknowledged after the deadline: the holder may already have been told it lost
+            // the lock, so the renewal must not keep it held. Give it back.
+            let _ = ops.release().await;
+            Err(lost(tracker))
+        }
+        Err(e @ Error::NotHeld { .. }) => {
+            tracker.renewal("not_held");
+            tracker.mark_lost(LossReason::NotHeldOnServer);
+            Err(e)
+        }
+        Err(e) => {
+            tracker.mark_suspect(SuspectReason::RenewalFailed);
+            Err(e)
+        }
+    }
+}
+
 impl Drop for Lease {
     fn drop(&mut self) {
         self.stop_keepalive();
         if self.done {
             return;
         }
-        self.tracker.mark_lost();
+        self.tracker.mark_lost(LossReason::Dropped);
         if self.release_on_drop {
             if let Ok(rt) = tokio::runtime::Handle::try_current() {
                 rt.spawn(release_in_background(
                     self.name.clone(),
                     self.ops.clone(),
-                    self.tracker.valid_until() + drift_margin(self.tracker.ttl),
+                    self.tracker.valid_until() + drift_margin(self.tracker.ttl()),
                 ));
             }
         }
@@ -509,12 +919,12 @@ async fn release_in_background(name: String, ops: Arc<dyn LeaseOps>, until: Inst
     loop {
         match tokio::time::timeout_at(until, ops.release()).await {
             Ok(Err(e)) if e.is_retryable() && Instant::now() + pause < until => {
-                tracing::debug!(lock = %name, error = %e, "release on drop failed; retrying");
+                tracing::debug!(target: TARGET, lock = %name, error = %e, "release on drop failed; retrying");
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(Duration::from_secs(1));
             }
             Ok(Err(e)) => {
-                tracing::debug!(lock = %name, error = %e, "release on drop failed; the TTL will free the lock");
+                tracing::debug!(target: TARGET, lock = %name, error = %e, "release on drop failed; the TTL will free the lock");
                 return;
             }
             Ok(Ok(())) | Err(_) => return,
@@ -523,49 +933,66 @@ async fn release_in_background(name: String, ops: Arc<dyn LeaseOps>, until: Inst
 }
 
 /// Renews at about TTL/3 from the last acknowledged send time; a failed renewal is retried every
-/// TTL/12 until the deadline. Stops when the lease is lost or the task is aborted.
+/// TTL/12 until the deadline. Stops when the lease is lost or the task is aborted. Each renewal
+/// runs in a `renew` span with `keepalive = true`.
 ///
 /// `first` is when the first renewal is due: the grant's `confirmed_at() + TTL/3`. The keepalive
 /// scheduler starts the loop at that instant.
 pub(crate) async fn keepalive_loop(
     name: String,
-    tracker: LeaseTracker,
+    tracker: TrackerHandle,
     ops: Arc<dyn LeaseOps>,
     first: Instant,
 ) {
     let ttl = tracker.ttl();
     let interval = ttl / 3;
     let retry = (ttl / 12).max(Duration::from_millis(5));
+    let (backend, token) = tracker
+        .view()
+        .shared
+        .meta
+        .get()
+        .map_or(("unknown", 0), |m| (m.labels.backend, m.token.get()));
     let mut next = first;
     loop {
         tokio::time::sleep_until(next).await;
         if tracker.state() == LeaseState::Lost {
             return;
         }
+        let span = tracing::debug_span!(target: TARGET, "renew", lock = %name, backend, token, keepalive = true, outcome = tracing::field::Empty);
         let sent = Instant::now();
-        match tokio::time::timeout_at(tracker.valid_until(), ops.renew(ttl)).await {
+        let answer = tokio::time::timeout_at(tracker.valid_until(), ops.renew(ttl))
+            .instrument(span.clone())
+            .await;
+        match answer {
             Ok(Ok(())) => {
                 if !tracker.confirm(sent) {
+                    span.record("outcome", "late");
                     // Acknowledged too late: the holder has been told it lost the lock, so give
                     // the lock back rather than keep a lease nobody uses.
                     let _ = ops.release().await;
                     return;
                 }
+                span.record("outcome", "ok");
                 next = sent + interval;
             }
             Ok(Err(Error::NotHeld { .. })) => {
-                tracing::warn!(lock = %name, "keepalive: lease no longer held on the server");
-                tracker.mark_lost();
+                span.record("outcome", "not_held");
+                tracker.renewal("not_held");
+                tracker.mark_lost(LossReason::NotHeldOnServer);
                 return;
             }
             Ok(Err(e)) => {
+                span.record("outcome", "error");
                 // The renewal failed: the lease may still be valid, but can no longer be counted on.
-                tracker.mark_suspect();
-                tracing::warn!(lock = %name, error = %e, "keepalive failed; retrying");
+                tracing::debug!(target: TARGET, lock = %name, backend, error = %e, "keepalive failed; retrying");
+                tracker.mark_suspect(SuspectReason::RenewalFailed);
                 next = Instant::now() + retry;
             }
             Err(_elapsed) => {
-                tracing::warn!(lock = %name, "keepalive did not answer before the deadline");
+                span.record("outcome", "timeout");
+                tracker.renewal("failed");
+                tracing::debug!(target: TARGET, lock = %name, backend, "keepalive did not answer before the deadline");
                 next = Instant::now();
             }
         }
@@ -579,14 +1006,14 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn tracker_states_follow_the_clock() {
         let ttl = Duration::from_secs(10);
-        let t = LeaseTracker::new(Instant::now(), ttl);
+        let t = TrackerHandle::new(Instant::now(), ttl);
         assert_eq!(t.state(), LeaseState::Held);
         tokio::time::advance(Duration::from_secs(6)).await;
         assert_eq!(t.state(), LeaseState::Suspect);
         // A renewal sent now and acknowledged moves the deadline.
         assert!(t.confirm(Instant::now()));
         assert_eq!(t.state(), LeaseState::Held);
-        let lost = t.lost();
+        let lost = t.view().lost();
         let start = Instant::now();
         lost.await;
         let waited = start.elapsed();
@@ -599,14 +1026,14 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn mark_lost_wakes_waiters_and_suspect_clears() {
-        let t = LeaseTracker::new(Instant::now(), Duration::from_secs(10));
-        t.mark_suspect();
+        let t = TrackerHandle::new(Instant::now(), Duration::from_secs(10));
+        t.mark_suspect(SuspectReason::ConnectionLost);
         assert_eq!(t.state(), LeaseState::Suspect);
         assert!(t.confirm(Instant::now()));
         assert_eq!(t.state(), LeaseState::Held);
-        let lost = tokio::spawn(t.lost());
+        let lost = tokio::spawn(t.view().lost());
         tokio::task::yield_now().await;
-        t.mark_lost();
+        t.mark_lost(LossReason::NotHeldOnServer);
         lost.await.unwrap();
         assert_eq!(t.state(), LeaseState::Lost);
     }
@@ -675,7 +1102,7 @@ mod tests {
         Lease::new(
             "l",
             FencingToken::new(1),
-            LeaseTracker::new(Instant::now(), ttl),
+            TrackerHandle::new(Instant::now(), ttl),
             ops,
             &opts,
         )
@@ -757,7 +1184,7 @@ mod tests {
         let lease = Lease::new(
             "l",
             FencingToken::new(1),
-            LeaseTracker::new(Instant::now(), ttl),
+            TrackerHandle::new(Instant::now(), ttl),
             ops.clone(),
             &opts,
         );
@@ -783,14 +1210,14 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn at_risk_fires_at_half_ttl_or_on_a_flag() {
         let ttl = Duration::from_secs(10);
-        let t = LeaseTracker::new(Instant::now(), ttl);
+        let t = TrackerHandle::new(Instant::now(), ttl);
         let start = Instant::now();
-        assert_eq!(t.at_risk().await, LeaseState::Suspect);
+        assert_eq!(t.view().at_risk().await, LeaseState::Suspect);
         assert_eq!(start.elapsed(), ttl / 2);
         assert!(t.confirm(Instant::now()));
-        let risk = tokio::spawn(t.at_risk());
+        let risk = tokio::spawn(t.view().at_risk());
         tokio::task::yield_now().await;
-        t.mark_suspect();
+        t.mark_suspect(SuspectReason::ConnectionLost);
         assert_eq!(risk.await.unwrap(), LeaseState::Suspect);
         assert_eq!(start.elapsed(), ttl / 2);
     }
@@ -800,7 +1227,7 @@ mod tests {
         let ttl = Duration::from_secs(3);
         let sent = Instant::now();
         tokio::time::advance(Duration::from_secs(1)).await; // a slow reply
-        let t = LeaseTracker::new(sent, ttl);
+        let t = TrackerHandle::new(sent, ttl);
         assert_eq!(t.valid_until(), sent + ttl - drift_margin(ttl));
     }
 

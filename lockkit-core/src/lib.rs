@@ -21,10 +21,13 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Backends build on [`Lease::new`], [`LeaseTracker`] and [`backend::LeaseOps`] (see
-//! [`backend`]): the core owns the
-//! deadlines, the loss signal, keepalive (one shared scheduler per Tokio runtime) and
-//! release-on-drop, so every backend behaves the same.
+//! Backends build on [`backend::LockBackend`], [`Lease::new`], [`backend::TrackerHandle`] and
+//! [`backend::LeaseOps`] (see [`backend`]): the core owns the deadlines, the loss signal (with its
+//! [`LossReason`]), keepalive (one shared scheduler per Tokio runtime), release-on-drop, and the
+//! spans, events and metrics of every acquire, renewal, release and lease state change
+//! ([`observe`]; the full list is in
+//! [docs/observability.md](https://example.invalid/lockkit/blob/main/docs/observability.md)), so
+//! every backend behaves and reports the same.
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations)]
 #![deny(rustdoc::broken_intra_doc_links)]
@@ -36,6 +39,7 @@ mod keeper;
 mod lease;
 mod lock;
 mod memory;
+pub mod observe;
 mod options;
 mod token;
 
@@ -45,7 +49,7 @@ pub mod contract;
 
 pub use error::{BoxError, Error, Result};
 pub use fence::MemoryFence;
-pub use lease::{Lease, LeaseState, LeaseTracker, drift_margin};
+pub use lease::{Lease, LeaseState, LeaseTracker, LossReason, drift_margin};
 pub use lock::{Guarantees, Lock, LockExt, LockKind};
 pub use memory::MemoryLock;
 pub use options::{
@@ -55,17 +59,19 @@ pub use options::{
 
 /// For backend authors: what an adapter needs beyond the user-facing API.
 ///
-/// A backend implements [`Lock`] and [`LeaseOps`](backend::LeaseOps), validates input with the
-/// shared rules ([`validate_name`](backend::validate_name),
+/// A backend implements [`LockBackend`](backend::LockBackend) (which gives it [`Lock`], with
+/// the core's spans and metrics around every acquire) and [`LeaseOps`](backend::LeaseOps),
+/// validates input with the shared rules ([`validate_name`](backend::validate_name),
 /// [`validate_ttl`](backend::validate_ttl), [`validate_prefix`](backend::validate_prefix), plus
 /// [`AcquireOptions::validate`]), retries transient failures with
-/// [`retry_transient`](backend::retry_transient) and hands
-/// each grant to [`Lease::new`] with a [`LeaseTracker`] started at the granting request's send
-/// time; the core then owns deadlines, keepalive, the loss signal and release-on-drop.
+/// [`retry_transient`](backend::retry_transient) and hands each grant to [`Lease::new`] with a
+/// [`TrackerHandle`](backend::TrackerHandle) started at the granting request's send time; the
+/// core then owns deadlines, keepalive, the loss signal, release-on-drop, the lease events and
+/// metrics. Only the backend holds the `TrackerHandle`, so only it can move the deadline.
 /// `lockkit-core/src/memory.rs` is a complete backend to copy from.
 pub mod backend {
-    pub use crate::lease::LeaseOps;
-    pub use crate::lock::{retry_transient, wait_deadline};
+    pub use crate::lease::{LeaseOps, SuspectReason, TrackerHandle};
+    pub use crate::lock::{LockBackend, retry_transient, wait_deadline};
     pub use crate::options::{validate_name, validate_prefix, validate_ttl};
 }
 pub use token::FencingToken;

@@ -7,7 +7,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use backon::{BackoffBuilder, ExponentialBuilder};
 use tokio::time::Instant;
+use tracing::Instrument;
 
+use crate::observe::{Labels, TARGET};
 use crate::{AcquireOptions, Error, FencingToken, Lease, Result, Wait};
 
 /// Whether a lock may be trusted for correctness or only for efficiency.
@@ -71,6 +73,10 @@ impl Guarantees {
 /// Object safe: the facade hands out `Arc<dyn Lock>` chosen from a URL. Implementations hold a
 /// client (connection, session) and a key prefix; cloning or sharing it is cheap.
 ///
+/// Implemented once, here, for every [`LockBackend`](crate::backend::LockBackend): backends
+/// implement that trait's `grant`, and `acquire` wraps it in the `acquire` span and the acquire
+/// metrics (see [`crate::observe`]), so every backend, however it is built, reports the same.
+///
 /// # Contract
 /// - `acquire` validates the name ([`validate_name`](crate::backend::validate_name)) and options
 ///   ([`AcquireOptions::validate`]) before any I/O.
@@ -84,7 +90,8 @@ impl Guarantees {
 /// The contract suite (`lockkit_core::contract`, feature `contract`) tests all of this.
 #[async_trait]
 pub trait Lock: Send + Sync + fmt::Debug {
-    /// Acquires the lock `name` with `opts`.
+    /// Acquires the lock `name` with `opts`, in an `acquire` span (fields `lock`, `backend`,
+    /// `wait`, `ttl`; recorded: `outcome`, `waited`, `token`).
     ///
     /// # Errors
     /// - [`Error::InvalidName`], [`Error::InvalidConfig`]: bad input, nothing was sent.
@@ -103,6 +110,111 @@ pub trait Lock: Send + Sync + fmt::Debug {
 
     /// What this backend promises.
     fn guarantees(&self) -> Guarantees;
+}
+
+/// The backend half of [`Lock`]: what an adapter implements. Users call [`Lock::acquire`], which
+/// every `LockBackend` gets, instrumented, from the core.
+#[async_trait]
+pub trait LockBackend: Send + Sync + fmt::Debug {
+    /// Grants the lock `name` with `opts`, following every rule of [`Lock`]'s contract; the
+    /// grant is handed to [`Lease::new`] with `opts`, which carries the backend's metric labels.
+    ///
+    /// # Errors
+    /// As [`Lock::acquire`].
+    ///
+    /// # Cancel safety
+    /// Must be cancel safe, as [`Lock::acquire`] documents.
+    async fn grant(&self, name: &str, opts: AcquireOptions) -> Result<Lease>;
+
+    /// What this backend promises.
+    fn guarantees(&self) -> Guarantees;
+}
+
+#[async_trait]
+impl<B: LockBackend + ?Sized> Lock for B {
+    async fn acquire(&self, name: &str, mut opts: AcquireOptions) -> Result<Lease> {
+        let backend = LockBackend::guarantees(self).backend;
+        opts.observed_backend = Some(backend);
+        let span = tracing::info_span!(
+            target: TARGET,
+            "acquire",
+            lock = %name,
+            backend,
+            wait = %WaitField(opts.wait),
+            ttl = ?opts.ttl,
+            outcome = tracing::field::Empty,
+            waited = tracing::field::Empty,
+            token = tracing::field::Empty,
+        );
+        let mut watch = AcquireWatch {
+            labels: Labels::new(backend, name, opts.lock_name_label),
+            start: Instant::now(),
+            span: span.clone(),
+            finished: false,
+        };
+        let res = self.grant(name, opts).instrument(span).await;
+        watch.finish(&res);
+        res
+    }
+
+    fn guarantees(&self) -> Guarantees {
+        LockBackend::guarantees(self)
+    }
+}
+
+/// `wait` as a span field: `no`, `forever`, or the timeout (`timeout(2s)`).
+struct WaitField(Wait);
+
+impl fmt::Display for WaitField {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Wait::No => f.write_str("no"),
+            Wait::Forever => f.write_str("forever"),
+            Wait::Timeout(d) => write!(f, "timeout({d:?})"),
+        }
+    }
+}
+
+/// Records one acquire's outcome; records `cancelled` if the acquire future is dropped first.
+struct AcquireWatch {
+    labels: Labels,
+    start: Instant,
+    span: tracing::Span,
+    finished: bool,
+}
+
+impl AcquireWatch {
+    fn finish(&mut self, res: &Result<Lease>) {
+        self.finished = true;
+        let took = self.start.elapsed();
+        let (outcome, wait) = match res {
+            Ok(lease) => {
+                self.span.record("token", lease.token().get());
+                let granted_sent = lease.tracker().confirmed_at();
+                (
+                    "granted",
+                    Some(granted_sent.saturating_duration_since(self.start)),
+                )
+            }
+            Err(Error::Held { .. }) => ("held", None),
+            Err(Error::Timeout { .. }) => ("timeout", None),
+            Err(_) => ("error", None),
+        };
+        self.span.record("outcome", outcome);
+        self.span.record("waited", tracing::field::debug(took));
+        self.labels.acquired(outcome, took, wait);
+    }
+}
+
+impl Drop for AcquireWatch {
+    fn drop(&mut self) {
+        if !self.finished {
+            let took = self.start.elapsed();
+            self.span.record("outcome", "cancelled");
+            self.span.record("waited", tracing::field::debug(took));
+            self.labels.acquired("cancelled", took, None);
+        }
+    }
 }
 
 /// Convenience calls on every [`Lock`], implemented once for all.
@@ -177,9 +289,7 @@ pub trait LockExt: Lock {
                     let _ = lease.release().await;
                     Ok(out)
                 }
-                None => Err(Error::LeaseLost {
-                    name: lease.name().to_owned(),
-                }),
+                None => Err(lease.lost_error()),
             }
         }
     }
@@ -246,7 +356,7 @@ where
                 if limit.is_some_and(|d| wake >= d) {
                     return Err(e);
                 }
-                tracing::debug!(error = %e, ?delay, "transient error; retrying");
+                tracing::debug!(target: TARGET, error = %e, ?delay, "transient error; retrying");
                 tokio::time::sleep_until(wake).await;
             }
             other => return other,

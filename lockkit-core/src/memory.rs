@@ -10,11 +10,8 @@ use async_trait::async_trait;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use crate::backend::{LeaseOps, validate_name, wait_deadline};
-use crate::{
-    AcquireOptions, Error, FencingToken, Guarantees, Lease, LeaseTracker, Lock, LockKind, Result,
-    Wait,
-};
+use crate::backend::{LeaseOps, LockBackend, TrackerHandle, validate_name, wait_deadline};
+use crate::{AcquireOptions, Error, FencingToken, Guarantees, Lease, LockKind, Result, Wait};
 
 #[derive(Default)]
 struct State {
@@ -124,8 +121,8 @@ impl MemoryLock {
 }
 
 #[async_trait]
-impl Lock for MemoryLock {
-    async fn acquire(&self, name: &str, opts: AcquireOptions) -> Result<Lease> {
+impl LockBackend for MemoryLock {
+    async fn grant(&self, name: &str, opts: AcquireOptions) -> Result<Lease> {
         validate_name(name)?;
         opts.validate()?;
         let start = Instant::now();
@@ -150,7 +147,7 @@ impl Lock for MemoryLock {
                         name: name.to_owned(),
                         owner,
                     });
-                    let tracker = LeaseTracker::new(sent, opts.ttl);
+                    let tracker = TrackerHandle::new(sent, opts.ttl);
                     return Ok(Lease::new(
                         name,
                         FencingToken::new(token),
@@ -280,7 +277,7 @@ impl LeaseOps for MemoryLease {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::LockExt;
+    use crate::{Lock, LockExt};
 
     #[tokio::test(start_paused = true)]
     async fn fifo_order() {

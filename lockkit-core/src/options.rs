@@ -97,6 +97,12 @@ pub struct AcquireOptions {
     /// Release the lock (best effort, in the background) when the [`Lease`](crate::Lease) is
     /// dropped without [`release`](crate::Lease::release). Default `true`.
     pub release_on_drop: bool,
+    /// Add the lock name as a `lock` label to this acquire's and its lease's metrics. Default
+    /// `false`: lock names are unbounded, and each name makes a new time series. Turn it on only
+    /// for a small, fixed set of names.
+    pub lock_name_label: bool,
+    /// The backend name the metrics and spans carry; set by [`Lock::acquire`](crate::Lock::acquire).
+    pub(crate) observed_backend: Option<&'static str>,
 }
 
 impl Default for AcquireOptions {
@@ -107,6 +113,8 @@ impl Default for AcquireOptions {
             retry: Some(RetryPolicy::default()),
             keepalive: true,
             release_on_drop: true,
+            lock_name_label: false,
+            observed_backend: None,
         }
     }
 }
@@ -144,6 +152,12 @@ impl AcquireOptions {
     /// Turns best-effort release on drop on or off.
     pub fn release_on_drop(mut self, on: bool) -> Self {
         self.release_on_drop = on;
+        self
+    }
+
+    /// Turns the `lock` metric label on or off (see [`lock_name_label`](Self#structfield.lock_name_label)).
+    pub fn lock_name_label(mut self, on: bool) -> Self {
+        self.lock_name_label = on;
         self
     }
 

@@ -143,7 +143,7 @@ async fn run(
         _ = lease.lost() => {
             let _ = child.start_kill();
             let _ = child.wait().await;
-            Err(Error::LeaseLost { name: name.to_owned() })
+            Err(lease.lost_error())
         }
     }
 }

@@ -158,11 +158,11 @@ mod tests {
     use super::*;
     use crate::{AcquireOptions, Error, Lock, LockExt, LossReason, MemoryLock, Wait};
 
-    /// Runs `f` on a paused current-thread runtime with a local debugging recorder; returns its
-    /// output and every metric recorded as `(name, sorted labels, value)`.
-    fn recorded<T>(
-        f: impl std::future::Future<Output = T>,
-    ) -> (T, Vec<(String, Vec<(String, String)>, DebugValue)>) {
+    /// Every metric recorded, as `(name{label=value,…} with sorted labels, value)`.
+    type Recorded = Vec<(String, DebugValue)>;
+
+    /// Runs `f` on a paused current-thread runtime with a local debugging recorder.
+    fn recorded<T>(f: impl std::future::Future<Output = T>) -> (T, Recorded) {
         let recorder = DebuggingRecorder::new();
         let snapshotter = recorder.snapshotter();
         let rt = tokio::runtime::Builder::new_current_thread()
@@ -177,36 +177,23 @@ mod tests {
             .into_iter()
             .map(|(k, _, _, v)| {
                 let key = k.key();
-                let mut labels: Vec<(String, String)> = key
+                let mut labels: Vec<String> = key
                     .labels()
-                    .map(|l| (l.key().to_owned(), l.value().to_owned()))
+                    .map(|l| format!("{}={}", l.key(), l.value()))
                     .collect();
                 labels.sort();
-                (key.name().to_owned(), labels, v)
+                (format!("{}{{{}}}", key.name(), labels.join(",")), v)
             })
             .collect();
         (out, metrics)
     }
 
-    fn keys(m: &[(String, Vec<(String, String)>, DebugValue)]) -> BTreeSet<String> {
-        m.iter()
-            .map(|(n, l, _)| {
-                let l: Vec<String> = l.iter().map(|(k, v)| format!("{k}={v}")).collect();
-                format!("{n}{{{}}}", l.join(","))
-            })
-            .collect()
+    fn keys(m: &Recorded) -> BTreeSet<String> {
+        m.iter().map(|(k, _)| k.clone()).collect()
     }
 
-    fn value<'a>(
-        m: &'a [(String, Vec<(String, String)>, DebugValue)],
-        key: &str,
-    ) -> Option<&'a DebugValue> {
-        m.iter()
-            .find(|(n, l, _)| {
-                let l: Vec<String> = l.iter().map(|(k, v)| format!("{k}={v}")).collect();
-                format!("{n}{{{}}}", l.join(",")) == key
-            })
-            .map(|(_, _, v)| v)
+    fn value<'a>(m: &'a Recorded, key: &str) -> Option<&'a DebugValue> {
+        m.iter().find(|(k, _)| k == key).map(|(_, v)| v)
     }
 
     #[test]

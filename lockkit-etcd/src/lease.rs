@@ -20,8 +20,8 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use etcd_client::{Client, Compare, CompareOp, DeleteOptions, GetOptions, Txn, TxnOp};
-use lockkit_core::backend::LeaseOps;
-use lockkit_core::{Error, Instant, LeaseState, LeaseTracker, Result, async_trait};
+use lockkit_core::backend::{LeaseOps, SuspectReason, TrackerHandle};
+use lockkit_core::{Error, Instant, LeaseState, LossReason, Result, async_trait};
 use tokio::sync::{Notify, watch};
 
 use crate::error::{self, BACKEND, from_client};
@@ -260,7 +260,7 @@ struct SharedState {
     /// When `users` last dropped to zero.
     idle_since: Option<Instant>,
     /// Trackers of the locks held on this lease, confirmed with every keepalive.
-    trackers: HashMap<u64, LeaseTracker>,
+    trackers: HashMap<u64, TrackerHandle>,
     next_tracker: u64,
     /// Key slots in use per lock name: `(name, n)` names the key `{prefix}/{name}/{id hex}-{n}`.
     /// A slot is busy from before its key may be created until its deletion is confirmed, so
@@ -292,7 +292,7 @@ pub(crate) struct SharedLease {
     /// The TTL the server granted, in seconds (≥ the asked TTL).
     pub(crate) granted_secs: i64,
     /// The etcd lease's own clock: send time of the last acknowledged grant/keepalive.
-    pub(crate) master: LeaseTracker,
+    pub(crate) master: TrackerHandle,
     state: Mutex<SharedState>,
     wake: Notify,
 }
@@ -314,7 +314,7 @@ impl SharedLease {
             id,
             ttl,
             granted_secs,
-            master: LeaseTracker::new(sent, ttl),
+            master: TrackerHandle::new(sent, ttl),
             state: Mutex::new(SharedState::default()),
             wake: Notify::new(),
         })
@@ -356,12 +356,12 @@ impl SharedLease {
     /// The tracker starts at the send time of the last acknowledged keepalive of the etcd lease
     /// (not at the time of the acquire's request): that is when the server's countdown for the
     /// key started.
-    pub(crate) fn register(&self) -> Option<(u64, LeaseTracker)> {
+    pub(crate) fn register(&self) -> Option<(u64, TrackerHandle)> {
         let mut st = self.st();
         if self.master.state() == LeaseState::Lost || st.retired {
             return None;
         }
-        let tracker = LeaseTracker::new(self.master.confirmed_at(), self.ttl);
+        let tracker = TrackerHandle::new(self.master.confirmed_at(), self.ttl);
         st.next_tracker += 1;
         let id = st.next_tracker;
         st.trackers.insert(id, tracker.clone());
@@ -398,7 +398,7 @@ impl SharedLease {
     }
 
     /// Stops confirming lock `id`; returns its tracker (its deadline no longer moves).
-    fn unregister(&self, id: u64) -> Option<LeaseTracker> {
+    fn unregister(&self, id: u64) -> Option<TrackerHandle> {
         self.st().trackers.remove(&id)
     }
 
@@ -427,7 +427,7 @@ impl SharedLease {
         let st = self.st();
         if !self.master.confirm(sent) {
             drop(st);
-            self.mark_lost();
+            self.mark_lost(LossReason::DeadlineExpired);
             return false;
         }
         for t in st.trackers.values() {
@@ -436,20 +436,20 @@ impl SharedLease {
         true
     }
 
-    fn mark_suspect(&self) {
+    fn mark_suspect(&self, reason: SuspectReason) {
         let st = self.st();
-        self.master.mark_suspect();
+        self.master.mark_suspect(reason);
         for t in st.trackers.values() {
-            t.mark_suspect();
+            t.mark_suspect(reason);
         }
     }
 
     /// The server said the lease is gone, or its deadline passed: every lock on it is lost.
-    pub(crate) fn mark_lost(&self) {
+    pub(crate) fn mark_lost(&self, reason: LossReason) {
         let st = self.st();
-        self.master.mark_lost();
+        self.master.mark_lost(reason);
         for t in st.trackers.values() {
-            t.mark_lost();
+            t.mark_lost(reason);
         }
     }
 }
@@ -531,8 +531,9 @@ pub(crate) async fn keepalive_task(shared: Arc<SharedLease>, mut ctx: TaskCtx) {
         };
         if let Some(revoke) = retire {
             if lost {
-                tracing::warn!(lease = %format_args!("{:x}", shared.id), "etcd lease lost: keepalive not acknowledged before the deadline");
-                shared.mark_lost();
+                // Each lock's tracker reports the loss, naming the lock.
+                tracing::debug!(lease = %format_args!("{:x}", shared.id), "etcd lease lost: keepalive not acknowledged before the deadline");
+                shared.mark_lost(LossReason::DeadlineExpired);
             }
             if let Some(table) = ctx.table.upgrade() {
                 let mut t = table.lock().unwrap_or_else(|p| p.into_inner());
@@ -548,7 +549,7 @@ pub(crate) async fn keepalive_task(shared: Arc<SharedLease>, mut ctx: TaskCtx) {
                     tracing::debug!(error = %e, "revoking an idle etcd lease failed; its TTL will end it");
                 }
             }
-            shared.master.mark_lost();
+            shared.master.mark_lost(LossReason::Released);
             return;
         }
         if now < next {
@@ -592,13 +593,13 @@ pub(crate) async fn keepalive_task(shared: Arc<SharedLease>, mut ctx: TaskCtx) {
                 }
             }
             Ok(KeepAlive::Gone) => {
-                tracing::warn!(lease = %format_args!("{:x}", shared.id), "etcd says the lease is gone");
-                shared.mark_lost();
+                tracing::debug!(lease = %format_args!("{:x}", shared.id), "etcd says the lease is gone");
+                shared.mark_lost(LossReason::SessionExpired);
                 next = Instant::now();
             }
             Err(e) => {
-                tracing::warn!(error = %e, "etcd keepalive not confirmed; retrying");
-                shared.mark_suspect();
+                tracing::warn!(lease = %format_args!("{:x}", shared.id), error = %e, "etcd keepalive not confirmed; retrying");
+                shared.mark_suspect(SuspectReason::RenewalFailed);
                 next = (Instant::now() + retry).min(shared.master.valid_until());
             }
         }
@@ -641,7 +642,7 @@ pub(crate) async fn delete_while_lease_lives(
 ) -> bool {
     let mut kv = client.kv_client();
     let mut delay = Duration::from_millis(50);
-    let lost = shared.master.lost();
+    let lost = shared.master.view().lost();
     tokio::pin!(lost);
     loop {
         if shared.master.state() == LeaseState::Lost {
@@ -795,7 +796,7 @@ impl LeaseOps for EtcdLease {
         let term = match answer? {
             KeepAlive::Gone => {
                 if let Binding::Shared { reservation, .. } = &self.binding {
-                    reservation.shared.mark_lost();
+                    reservation.shared.mark_lost(LossReason::SessionExpired);
                 }
                 return Err(self.not_held());
             }

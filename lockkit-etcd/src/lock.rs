@@ -26,10 +26,12 @@ use etcd_client::{
     Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, PutOptions, SortOrder,
     SortTarget, Txn, TxnOp, TxnOpResponse, WatchFilterType, WatchOptions,
 };
-use lockkit_core::backend::{retry_transient, validate_name, wait_deadline};
+use lockkit_core::backend::{
+    LockBackend, TrackerHandle, retry_transient, validate_name, wait_deadline,
+};
 use lockkit_core::{
-    AcquireOptions, Error, FencingToken, Guarantees, Instant, Lease, LeaseState, Lock, LockKind,
-    Result, Wait, async_trait,
+    AcquireOptions, Error, FencingToken, Guarantees, Instant, Lease, LeaseState, LockKind,
+    LossReason, Result, Wait, async_trait,
 };
 use tokio::sync::watch;
 
@@ -223,8 +225,10 @@ impl EtcdLock {
         format!("{}/{}/", self.inner.config.get_prefix(), name).into_bytes()
     }
 
-    /// Test hook: stops (or resumes) every keepalive this client sends for its session leases,
-    /// as if the network dropped them. Held leases then turn suspect and lost on their deadline.
+    /// Test hook (feature `test-hooks`): stops (or resumes) every keepalive this client sends for
+    /// its session leases, as if the network dropped them. Held leases then turn suspect and lost
+    /// on their deadline.
+    #[cfg(feature = "test-hooks")]
     #[doc(hidden)]
     pub fn pause_keepalive_for_tests(&self, paused: bool) {
         self.inner.paused.store(paused, Ordering::SeqCst);
@@ -452,6 +456,7 @@ impl EtcdLock {
             // Our key is gone: our lease lapsed (or someone deleted the key). Never a lease.
             return Err(Error::LeaseLost {
                 name: name.to_owned(),
+                reason: LossReason::NotHeldOnServer,
             });
         }
         let revision = resp.header().map(|h| h.revision()).unwrap_or(0);
@@ -550,7 +555,7 @@ impl EtcdLock {
         }
         let (my_rev, owner_rev) = match enq {
             Enqueued::LeaseGone => {
-                shared.mark_lost();
+                shared.mark_lost(LossReason::SessionExpired);
                 guard.nothing_created();
                 return Ok(None);
             }
@@ -569,7 +574,7 @@ impl EtcdLock {
                     name: name.to_owned(),
                 });
             }
-            let lost = shared.master.lost();
+            let lost = shared.master.view().lost();
             let timeout = async {
                 match deadline {
                     Some(d) => tokio::time::sleep_until(d).await,
@@ -578,7 +583,7 @@ impl EtcdLock {
             };
             let outcome = tokio::select! {
                 r = self.wait_turn(name, &name_prefix, &key, my_rev, opts) => r,
-                _ = lost => Err(Error::LeaseLost { name: name.to_owned() }),
+                _ = lost => Err(Error::LeaseLost { name: name.to_owned(), reason: LossReason::SessionExpired }),
                 _ = timeout => Err(Error::Timeout { name: name.to_owned(), waited: start.elapsed() }),
             };
             match outcome {
@@ -606,7 +611,7 @@ impl EtcdLock {
         } else if shared.master.state() != LeaseState::Lost {
             Some((
                 0,
-                lockkit_core::LeaseTracker::new(shared.master.confirmed_at(), opts.ttl),
+                TrackerHandle::new(shared.master.confirmed_at(), opts.ttl),
             ))
         } else {
             None
@@ -707,7 +712,7 @@ impl Drop for RevokeOnDrop {
                 tokio::time::sleep(delay).await;
                 delay = (delay * 2).min(Duration::from_secs(2));
             }
-            shared.mark_lost();
+            shared.mark_lost(LossReason::Released);
         });
     }
 }
@@ -796,8 +801,8 @@ impl Drop for KeyGuard {
 }
 
 #[async_trait]
-impl Lock for EtcdLock {
-    async fn acquire(&self, name: &str, opts: AcquireOptions) -> Result<Lease> {
+impl LockBackend for EtcdLock {
+    async fn grant(&self, name: &str, opts: AcquireOptions) -> Result<Lease> {
         validate_name(name)?;
         opts.validate()?;
         let start = Instant::now();

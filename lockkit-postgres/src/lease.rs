@@ -7,8 +7,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use lockkit_core::backend::LeaseOps;
-use lockkit_core::{Error, Instant, LeaseState, LeaseTracker, Result};
+use lockkit_core::backend::{LeaseOps, TrackerHandle};
+use lockkit_core::{Error, Instant, LeaseState, Result};
 
 use crate::lock::{Conn, Inner, ttl_ms};
 
@@ -37,7 +37,7 @@ pub struct PgLease {
     key: i64,
     pid: i32,
     ttl: Duration,
-    tracker: LeaseTracker,
+    tracker: TrackerHandle,
     conn: tokio::sync::Mutex<Option<Conn>>,
     /// Set when a renewal was dropped while its statement was in flight (which closed the
     /// connection).
@@ -81,7 +81,7 @@ impl PgLease {
         inner: Arc<Inner>,
         name: &str,
         key: i64,
-        tracker: LeaseTracker,
+        tracker: TrackerHandle,
         conn: Conn,
     ) -> Self {
         let watch = inner.watch(conn.pid, tracker.clone());

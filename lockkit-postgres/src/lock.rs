@@ -7,10 +7,12 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use lockkit_core::backend::{retry_transient, validate_name, wait_deadline};
+use lockkit_core::backend::{
+    LockBackend, TrackerHandle, retry_transient, validate_name, wait_deadline,
+};
 use lockkit_core::{
-    AcquireOptions, Error, FencingToken, Guarantees, Instant, Lease, LeaseState, LeaseTracker,
-    Lock, LockKind, Result, Wait,
+    AcquireOptions, Error, FencingToken, Guarantees, Instant, Lease, LeaseState, LockKind,
+    LossReason, Result, Wait,
 };
 use sha2::{Digest, Sha256};
 use sqlx::{Connection, PgConnection};
@@ -192,7 +194,7 @@ pub(crate) struct Inner {
 #[derive(Default)]
 pub(crate) struct Watch {
     next_id: u64,
-    leases: HashMap<u64, (i32, LeaseTracker)>,
+    leases: HashMap<u64, (i32, TrackerHandle)>,
     /// Whether the watch task runs (it ends when no lease is left).
     running: bool,
 }
@@ -206,7 +208,7 @@ async fn watch_loop(inner: Weak<Inner>) {
         let Some(inner) = inner.upgrade() else {
             return;
         };
-        let watched: Vec<(u64, i32, LeaseTracker)> = {
+        let watched: Vec<(u64, i32, TrackerHandle)> = {
             let mut w = inner.watch_list();
             w.leases.retain(|_, (_, t)| t.state() != LeaseState::Lost);
             if w.leases.is_empty() {
@@ -224,11 +226,12 @@ async fn watch_loop(inner: Weak<Inner>) {
         };
         for (id, pid, tracker) in watched {
             if gone.contains(&pid) {
-                tracing::warn!(
+                // The tracker reports the loss, naming the lock.
+                tracing::debug!(
                     backend_pid = pid,
                     "the lease's server session ended; lease lost"
                 );
-                tracker.mark_lost();
+                tracker.mark_lost(LossReason::SessionExpired);
                 inner.unwatch(id);
             }
         }
@@ -463,7 +466,7 @@ impl Inner {
 
     /// Starts watching the session `pid` of a held lease (see [`SESSION_CHECK`]): the lease is
     /// marked lost when the session no longer exists. Returns the id for [`unwatch`](Self::unwatch).
-    pub(crate) fn watch(self: &Arc<Self>, pid: i32, tracker: LeaseTracker) -> u64 {
+    pub(crate) fn watch(self: &Arc<Self>, pid: i32, tracker: TrackerHandle) -> u64 {
         let mut w = self.watch_list();
         w.next_id += 1;
         let id = w.next_id;
@@ -794,8 +797,8 @@ impl PgLock {
 }
 
 #[async_trait]
-impl Lock for PgLock {
-    /// Acquires `name` (see [`Lock::acquire`]).
+impl LockBackend for PgLock {
+    /// Acquires `name` (see [`Lock::acquire`](lockkit_core::Lock::acquire)).
     ///
     /// A try-acquire is one statement: `pg_try_advisory_lock` and, if granted, the bump of the
     /// name's token in `{schema}.fence`. A waiting acquire then waits in the server's lock queue
@@ -806,7 +809,7 @@ impl Lock for PgLock {
     /// deadline; a try-once gets the connect timeout in all, retries included.
     ///
     /// # Errors
-    /// As [`Lock::acquire`]; [`Error::Backend`] also reports an advisory lock key collision
+    /// As [`Lock::acquire`](lockkit_core::Lock::acquire); [`Error::Backend`] also reports an advisory lock key collision
     /// between two names (see [`lock_key`]).
     ///
     /// # Cancel safety
@@ -815,7 +818,7 @@ impl Lock for PgLock {
     /// queue (noticed within 250 ms through `client_connection_check_interval`) and any lock it
     /// was granted meanwhile. If the close cannot reach the server, the session's
     /// `idle_session_timeout` (the TTL, set before the lock is requested) ends it.
-    async fn acquire(&self, name: &str, opts: AcquireOptions) -> Result<Lease> {
+    async fn grant(&self, name: &str, opts: AcquireOptions) -> Result<Lease> {
         validate_name(name)?;
         opts.validate()?;
         let full = full_name(&self.inner.config.prefix, name);
@@ -843,7 +846,7 @@ impl Lock for PgLock {
         };
         let token = u64::try_from(granted.token)
             .map_err(|_| backend(Msg("negative fencing token in the fence table".into())))?;
-        let tracker = LeaseTracker::new(granted.sent, opts.ttl);
+        let tracker = TrackerHandle::new(granted.sent, opts.ttl);
         let ops = Arc::new(PgLease::new(
             self.inner.clone(),
             name,

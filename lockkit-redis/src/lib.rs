@@ -71,9 +71,9 @@
 //!   later, on another connection. So no orphaned lock waits out its TTL, unless the script
 //!   reaches the server after the tombstone expired. An acquire never hands out a lease that is
 //!   already lost (a grant whose reply took longer than the TTL is given back and retried).
-//! - **Leases** use lockkit-core's [`LeaseTracker`](lockkit_core::LeaseTracker) from the *send*
-//!   time of the granting request, and its keepalive (renew at about TTL/3). TTLs are sent in
-//!   whole milliseconds, rounded up.
+//! - **Leases** use lockkit-core's [`TrackerHandle`](lockkit_core::backend::TrackerHandle) from
+//!   the *send* time of the granting request, and its keepalive (renew at about TTL/3). TTLs are
+//!   sent in whole milliseconds, rounded up.
 //! - **Connections**: one auto-reconnecting [`ConnectionManager`](redis::aio::ConnectionManager)
 //!   per [`RedisLock`] (clones share it). It reconnects when a connection is closed or reset,
 //!   but not when replies merely stop coming (a dead NAT entry, a partition that drops packets),

@@ -11,10 +11,11 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{AsyncConnectionConfig, Script};
 use tokio::time::Instant;
 
-use lockkit_core::backend::{retry_transient, validate_name, wait_deadline};
+use lockkit_core::backend::{
+    LockBackend, TrackerHandle, retry_transient, validate_name, wait_deadline,
+};
 use lockkit_core::{
-    AcquireOptions, Error, FencingToken, Guarantees, Lease, LeaseState, LeaseTracker, Lock,
-    LockKind, Result, Wait,
+    AcquireOptions, Error, FencingToken, Guarantees, Lease, LeaseState, LockKind, Result, Wait,
 };
 
 use crate::config::RedisConfig;
@@ -316,7 +317,7 @@ impl RedisLock {
         };
         match reply {
             (1, token, _) if token > 0 => {
-                let tracker = LeaseTracker::new(sent, ttl);
+                let tracker = TrackerHandle::new(sent, ttl);
                 if tracker.state() == LeaseState::Lost {
                     // Too late to be of use: undo it now (if that fails, the guard retries in
                     // the background) so that the retry does not find its own stale lock.
@@ -372,7 +373,7 @@ enum Attempt {
     Granted {
         token: u64,
         owner: String,
-        tracker: LeaseTracker,
+        tracker: TrackerHandle,
     },
     Held {
         /// The holder's remaining TTL, if it has one.
@@ -457,7 +458,7 @@ async fn until(deadline: Option<Instant>) {
 }
 
 #[async_trait]
-impl Lock for RedisLock {
+impl LockBackend for RedisLock {
     /// Acquires `name`: one atomic script sets the lock key if it is free and bumps the fence
     /// counter.
     ///
@@ -467,7 +468,7 @@ impl Lock for RedisLock {
     /// are not served in FIFO order.
     ///
     /// # Errors
-    /// As [`Lock::acquire`]. [`Error::Backend`] if the fence counter key holds something that is
+    /// As [`Lock::acquire`](lockkit_core::Lock::acquire). [`Error::Backend`] if the fence counter key holds something that is
     /// not a number (nothing is written then).
     ///
     /// # Cancel safety
@@ -476,7 +477,7 @@ impl Lock for RedisLock {
     /// leaves a tombstone that stops the script if it arrives later (on another connection),
     /// and it retries transient errors for the TTL (at least 60 s). A dropped waiter's
     /// subscription is removed in the background.
-    async fn acquire(&self, name: &str, opts: AcquireOptions) -> Result<Lease> {
+    async fn grant(&self, name: &str, opts: AcquireOptions) -> Result<Lease> {
         validate_name(name)?;
         opts.validate()?;
         let start = Instant::now();

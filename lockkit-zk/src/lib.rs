@@ -101,7 +101,9 @@ pub use config::{
 };
 pub use fence::ZkFence;
 pub use lease::ZkLease;
-pub use lock::{EXPIRY_SLACK, MAX_SESSIONS, WaitStats, ZkLock};
+#[cfg(feature = "test-hooks")]
+pub use lock::WaitStats;
+pub use lock::{EXPIRY_SLACK, MAX_SESSIONS, ZkLock};
 
 /// The ZooKeeper client crate this backend is built on, re-exported so that code working with
 /// ZooKeeper next to lockkit (its own nodes, ACLs, the benchmark's hand-written floor) names the

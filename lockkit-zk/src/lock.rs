@@ -6,10 +6,12 @@ use std::future::Future;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use lockkit_core::backend::{retry_transient, validate_name, wait_deadline};
+use lockkit_core::backend::{
+    LockBackend, TrackerHandle, retry_transient, validate_name, wait_deadline,
+};
 use lockkit_core::{
-    AcquireOptions, Error, FencingToken, Guarantees, Instant, Lease, LeaseTracker, Lock, LockKind,
-    Result, Wait, async_trait,
+    AcquireOptions, Error, FencingToken, Guarantees, Instant, Lease, LockKind, Result, Wait,
+    async_trait,
 };
 use tokio::sync::watch;
 use zookeeper_client as zk;
@@ -30,7 +32,8 @@ pub const EXPIRY_SLACK: Duration = Duration::from_secs(2);
 /// (60 by default) connections from one IP address, for every client on that host together.
 pub const MAX_SESSIONS: usize = 16;
 
-/// Counters of the waiting machinery, for tests (herd checks). Not part of the API.
+/// Counters of the waiting machinery, for tests (herd checks; feature `test-hooks`). Not part
+/// of the API.
 #[doc(hidden)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct WaitStats {
@@ -208,7 +211,8 @@ impl ZkLock {
             })
     }
 
-    /// Waiting counters, for tests.
+    /// Waiting counters, for tests (feature `test-hooks`).
+    #[cfg(feature = "test-hooks")]
     #[doc(hidden)]
     pub fn wait_stats(&self) -> watch::Receiver<WaitStats> {
         self.inner.stats.subscribe()
@@ -342,7 +346,7 @@ impl ZkLock {
             };
             if pos == 0 {
                 // Granted. `sent` is the lease's start (see above).
-                let tracker = LeaseTracker::new(sent, session.ttl);
+                let tracker = TrackerHandle::new(sent, session.ttl);
                 let Some(reg) = session.register(tracker.clone(), node.clone()) else {
                     return Err(unavailable(
                         "the ZooKeeper session ended during the acquire",
@@ -624,12 +628,12 @@ impl Drop for WaitingGauge<'_> {
 }
 
 #[async_trait]
-impl Lock for ZkLock {
+impl LockBackend for ZkLock {
     /// Acquires `name`: creates an ephemeral sequential node under the lock's container node and
     /// waits, watching only its predecessor, until it is the lowest.
     ///
     /// # Errors
-    /// As [`Lock::acquire`], plus:
+    /// As [`Lock::acquire`](lockkit_core::Lock::acquire), plus:
     /// - [`Error::NotSupported`] for `keepalive(false)`: a ZooKeeper session's heartbeat cannot
     ///   be paused, so a lease cannot be left to lapse while its holder lives.
     /// - [`Error::InvalidConfig`] if the TTL is not a whole number of milliseconds or the server
@@ -644,7 +648,7 @@ impl Lock for ZkLock {
     /// Cancel safe: a node created by a dropped acquire is deleted in the background (found by
     /// this acquire's unique id if the create's reply had not arrived yet); if the connection is
     /// down the session's expiry deletes it.
-    async fn acquire(&self, name: &str, opts: AcquireOptions) -> Result<Lease> {
+    async fn grant(&self, name: &str, opts: AcquireOptions) -> Result<Lease> {
         validate_name(name)?;
         opts.validate()?;
         if !opts.keepalive {

@@ -31,7 +31,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
-use lockkit_core::{Error, Instant, LeaseTracker, Result};
+use lockkit_core::backend::{SuspectReason, TrackerHandle};
+use lockkit_core::{Error, Instant, LossReason, Result};
 use tokio::task::AbortHandle;
 use zookeeper_client as zk;
 
@@ -40,7 +41,7 @@ use crate::error::{connection_lost, from_zk, unavailable};
 
 /// A lease registered with its session: the monitor confirms, suspects or loses its tracker.
 struct Registered {
-    tracker: LeaseTracker,
+    tracker: TrackerHandle,
     path: String,
 }
 
@@ -173,7 +174,7 @@ impl Session {
 
     /// Registers a granted lease so the monitor drives its tracker. Returns its id, or `None` if
     /// the session died meanwhile (the tracker is then marked lost).
-    pub(crate) fn register(&self, tracker: LeaseTracker, path: String) -> Option<u64> {
+    pub(crate) fn register(&self, tracker: TrackerHandle, path: String) -> Option<u64> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         lock(&self.leases).insert(
             id,
@@ -191,7 +192,7 @@ impl Session {
             self.client.state(),
             zk::SessionState::SyncConnected | zk::SessionState::ConnectedReadOnly
         ) {
-            tracker.mark_suspect();
+            tracker.mark_suspect(SuspectReason::ConnectionLost);
         }
         Some(id)
     }
@@ -224,7 +225,7 @@ impl Session {
 
     fn suspect_all(&self) {
         for r in lock(&self.leases).values() {
-            r.tracker.mark_suspect();
+            r.tracker.mark_suspect(SuspectReason::ConnectionLost);
         }
     }
 
@@ -233,7 +234,7 @@ impl Session {
         self.dead.store(true, Ordering::SeqCst);
         let all: Vec<Registered> = lock(&self.leases).drain().map(|(_, r)| r).collect();
         for r in all {
-            r.tracker.mark_lost();
+            r.tracker.mark_lost(LossReason::SessionExpired);
         }
     }
 

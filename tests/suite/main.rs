@@ -7,6 +7,7 @@
 
 mod common;
 mod memory;
+mod observability;
 
 #[cfg(feature = "etcd")]
 mod etcd;

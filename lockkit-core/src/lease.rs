@@ -364,8 +364,9 @@ impl LeaseTracker {
         let mut rx = shared.tx.subscribe();
         async move {
             loop {
-                let state = shared.observe();
+                // Mark the state seen before reading it: a change after this wakes `changed()`.
                 let v = *rx.borrow_and_update();
+                let state = shared.observe();
                 if done(state) {
                     return state;
                 }
@@ -848,6 +849,13 @@ impl Lease {
         // Removes the lease from the scheduler's queue, or aborts its renewal task.
         drop(self.keepalive.take());
     }
+}
+
+/// Marks `lease` lost for `reason` (final; a lease already lost keeps its first reason). For
+/// backends' fence helpers that learn of a newer holder ([`LossReason::StaleWrite`]): they see
+/// only the `&Lease`. It can only end a lease, never extend one.
+pub fn mark_lost(lease: &Lease, reason: LossReason) {
+    lease.tracker.mark_lost(reason);
 }
 
 /// The `outcome` field of a renew or release span.

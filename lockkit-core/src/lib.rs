@@ -70,7 +70,7 @@ pub use options::{
 /// metrics. Only the backend holds the `TrackerHandle`, so only it can move the deadline.
 /// `lockkit-core/src/memory.rs` is a complete backend to copy from.
 pub mod backend {
-    pub use crate::lease::{LeaseOps, SuspectReason, TrackerHandle};
+    pub use crate::lease::{LeaseOps, SuspectReason, TrackerHandle, mark_lost};
     pub use crate::lock::{LockBackend, retry_transient, wait_deadline};
     pub use crate::options::{validate_name, validate_prefix, validate_ttl};
 }

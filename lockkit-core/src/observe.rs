@@ -325,6 +325,12 @@ mod tests {
                 self
             }
         }
+        async fn locks_stale() -> Lease {
+            MemoryLock::new()
+                .try_acquire("fenced", Duration::from_secs(3))
+                .await
+                .unwrap()
+        }
         let ((), m) = recorded(async {
             let ttl = Duration::from_secs(3);
             let opts = AcquireOptions::new().ttl(ttl).keepalive(false);
@@ -347,6 +353,10 @@ mod tests {
                 }
                 other => panic!("{other:?}"),
             }
+            let fenced = locks_stale().await;
+            crate::backend::mark_lost(&fenced, LossReason::StaleWrite);
+            crate::backend::mark_lost(&fenced, LossReason::NotHeldOnServer);
+            assert_eq!(fenced.loss_reason(), Some(LossReason::StaleWrite));
             // A late acknowledgement does not revive it, and the first reason stays.
             assert!(!tracker.confirm(Instant::now()));
             tracker.mark_lost(LossReason::SessionExpired);
@@ -375,6 +385,7 @@ mod tests {
             "lockkit_renewals_total{backend=unknown,result=late}",
             "lockkit_leases_lost_total{backend=unknown,reason=not_held_on_server}",
             "lockkit_leases_lost_total{backend=unknown,reason=deadline_expired}",
+            "lockkit_leases_lost_total{backend=memory,reason=stale_write}",
         ] {
             assert!(keys.contains(k), "{k} missing from {keys:?}");
         }

@@ -23,6 +23,10 @@ use std::time::Duration;
 
 use metrics::{Label, Unit};
 
+#[cfg(any(test, feature = "contract"))]
+#[cfg_attr(docsrs, doc(cfg(feature = "contract")))]
+pub mod testing;
+
 /// Histogram, seconds: how long [`Lock::acquire`](crate::Lock::acquire) took, from the call to
 /// its result. Labels: `backend`, `outcome`.
 pub const ACQUIRE_DURATION_SECONDS: &str = "lockkit_acquire_duration_seconds";
@@ -150,50 +154,25 @@ impl Labels {
 #[cfg(test)]
 mod tests {
     use std::collections::BTreeSet;
-    use std::sync::{Arc, Mutex};
+    use std::sync::Arc;
 
-    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
     use tokio::time::Instant;
 
+    use super::testing::{DebugValue, Recorded, keys, value};
     use super::*;
     use crate::{AcquireOptions, Error, Lock, LockExt, LossReason, MemoryLock, Wait};
 
-    /// Every metric recorded, as `(name{label=value,…} with sorted labels, value)`.
-    type Recorded = Vec<(String, DebugValue)>;
-
-    /// Runs `f` on a paused current-thread runtime with a local debugging recorder.
-    fn recorded<T>(f: impl std::future::Future<Output = T>) -> (T, Recorded) {
-        let recorder = DebuggingRecorder::new();
-        let snapshotter = recorder.snapshotter();
-        let rt = tokio::runtime::Builder::new_current_thread()
+    fn paused_runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
             .enable_time()
             .start_paused(true)
             .build()
-            .unwrap();
-        let out = metrics::with_local_recorder(&recorder, || rt.block_on(f));
-        let metrics = snapshotter
-            .snapshot()
-            .into_vec()
-            .into_iter()
-            .map(|(k, _, _, v)| {
-                let key = k.key();
-                let mut labels: Vec<String> = key
-                    .labels()
-                    .map(|l| format!("{}={}", l.key(), l.value()))
-                    .collect();
-                labels.sort();
-                (format!("{}{{{}}}", key.name(), labels.join(",")), v)
-            })
-            .collect();
-        (out, metrics)
+            .unwrap()
     }
 
-    fn keys(m: &Recorded) -> BTreeSet<String> {
-        m.iter().map(|(k, _)| k.clone()).collect()
-    }
-
-    fn value<'a>(m: &'a Recorded, key: &str) -> Option<&'a DebugValue> {
-        m.iter().find(|(k, _)| k == key).map(|(_, v)| v)
+    /// Runs `f` on a paused current-thread runtime with a local debugging recorder.
+    fn recorded<T>(f: impl std::future::Future<Output = T>) -> (T, Recorded) {
+        testing::recorded(&paused_runtime(), f)
     }
 
     #[test]
@@ -399,54 +378,29 @@ mod tests {
         ));
     }
 
-    /// A `MakeWriter` collecting everything a fmt subscriber writes.
-    #[derive(Clone, Default)]
-    struct Captured(Arc<Mutex<Vec<u8>>>);
-
-    impl std::io::Write for Captured {
-        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-            self.0.lock().unwrap().extend_from_slice(buf);
-            Ok(buf.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-
-    impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Captured {
-        type Writer = Captured;
-        fn make_writer(&'a self) -> Self::Writer {
-            self.clone()
-        }
-    }
-
     #[test]
     fn spans_record_outcome_and_token_and_events_name_the_lock() {
-        let out = Captured::default();
-        let subscriber = tracing_subscriber::fmt()
-            .with_writer(out.clone())
-            .with_max_level(tracing::Level::TRACE)
-            .with_span_events(tracing_subscriber::fmt::format::FmtSpan::CLOSE)
-            .with_ansi(false)
-            .finish();
-        tracing::subscriber::with_default(subscriber, || {
-            recorded(async {
-                let locks = MemoryLock::new();
-                let ttl = Duration::from_secs(3);
-                let lease = locks
-                    .acquire("spanned", AcquireOptions::new().ttl(ttl).keepalive(false))
-                    .await
-                    .unwrap();
-                let _ = locks.try_acquire("spanned", ttl).await;
-                lease.renew().await.unwrap();
-                lease.lost().await;
-                let _ = lease.release().await;
-            })
+        let ((), text) = testing::traced(&paused_runtime(), async {
+            let locks = MemoryLock::new();
+            let ttl = Duration::from_secs(3);
+            let lease = locks
+                .acquire("spanned", AcquireOptions::new().ttl(ttl).keepalive(false))
+                .await
+                .unwrap();
+            let _ = locks.try_acquire("spanned", ttl).await;
+            lease.renew().await.unwrap();
+            lease.lost().await;
+            let _ = lease.release().await;
         });
-        let text = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
+        // The span's close line, or the event's line: the first line with every needle.
         let line = |needle: &str| {
             text.lines()
-                .find(|l| l.contains(needle))
+                .find(|l| {
+                    l.contains(needle)
+                        && ![": new", ": enter", ": exit"]
+                            .iter()
+                            .any(|e| l.ends_with(e))
+                })
                 .unwrap_or_else(|| panic!("no line with {needle:?} in:\n{text}"))
                 .to_owned()
         };
@@ -457,7 +411,7 @@ mod tests {
         );
         assert!(granted.contains("token=1"), "{granted}");
         assert!(line("outcome=\"held\"").contains("wait=no"));
-        assert!(line("renew{").contains("outcome=\"ok\""));
+        assert!(line("renew{").contains("outcome=\"ok\""), "{text}");
         let lost = line("reason=\"deadline_expired\"");
         assert!(
             lost.contains("WARN") && lost.contains("lock=\"spanned\""),

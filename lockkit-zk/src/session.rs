@@ -342,7 +342,7 @@ pub(crate) fn spawn_delete(session: Arc<Session>, path: String, lease_id: Option
 /// Deletes `path` in the background at `at` (at once if `at` has passed).
 fn spawn_delete_at(session: Arc<Session>, path: String, at: Instant) {
     if at <= Instant::now() {
-        tracing::warn!(node = %path, "lease lapsed on the client side; deleting its node");
+        tracing::debug!(node = %path, "lease lapsed on the client side; deleting its node");
         return spawn_delete(session, path, None);
     }
     let Ok(rt) = tokio::runtime::Handle::try_current() else {
@@ -407,7 +407,7 @@ async fn monitor(weak: Weak<Session>, mut states: zk::StateWatcher, interval: Du
                         next = Instant::now();
                     }
                     _ => {
-                        tracing::warn!(session = %format_args!("{:#x}", s.id), ?state, "ZooKeeper session ended; its leases are lost");
+                        tracing::debug!(session = %format_args!("{:#x}", s.id), ?state, "ZooKeeper session ended; its leases are lost");
                         s.kill();
                         return;
                     }

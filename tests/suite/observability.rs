@@ -7,11 +7,11 @@
 //! in this binary never see each other's metrics or spans.
 
 use std::collections::BTreeSet;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
+use lockkit::observe::testing::{keys, recorded, traced};
 use lockkit::{AcquireOptions, Lock, LockExt, LossReason, MemoryLock, Wait};
-use metrics_util::debugging::DebuggingRecorder;
 
 #[cfg(any(
     feature = "redis",
@@ -33,24 +33,7 @@ fn runtime() -> tokio::runtime::Runtime {
 /// Runs `f` on a fresh current-thread runtime with a local debugging recorder; returns every
 /// metric key recorded, as `name{label=value,…}` with sorted labels.
 fn recorded_keys(f: impl std::future::Future<Output = ()>) -> BTreeSet<String> {
-    let recorder = DebuggingRecorder::new();
-    let snapshotter = recorder.snapshotter();
-    let rt = runtime();
-    metrics::with_local_recorder(&recorder, || rt.block_on(f));
-    snapshotter
-        .snapshot()
-        .into_vec()
-        .into_iter()
-        .map(|(k, _, _, _)| {
-            let key = k.key();
-            let mut labels: Vec<String> = key
-                .labels()
-                .map(|l| format!("{}={}", l.key(), l.value()))
-                .collect();
-            labels.sort();
-            format!("{}{{{}}}", key.name(), labels.join(","))
-        })
-        .collect()
+    keys(&recorded(&runtime(), f).1)
 }
 
 /// The sequence: granted, held (another client), timeout, a manual renewal, a release, and a
@@ -225,42 +208,6 @@ fn lock_label_is_opt_in() {
     assert!(!keys.iter().any(|k| k.contains("plain")), "{keys:?}");
 }
 
-/// A `MakeWriter` collecting everything a fmt subscriber writes.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Captured {
-    type Writer = Captured;
-    fn make_writer(&'a self) -> Self::Writer {
-        self.clone()
-    }
-}
-
-/// Runs `f` with every span (with its fields, at creation and close) and event at every level
-/// written to a buffer; returns the text.
-fn traced(f: impl std::future::Future<Output = ()>) -> String {
-    let out = Captured::default();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(out.clone())
-        .with_max_level(tracing::Level::TRACE)
-        .with_span_events(tracing_subscriber::fmt::format::FmtSpan::FULL)
-        .with_ansi(false)
-        .finish();
-    let rt = runtime();
-    tracing::subscriber::with_default(subscriber, || rt.block_on(f));
-    String::from_utf8_lossy(&out.0.lock().unwrap()).into_owned()
-}
-
 /// The password of a URL that had one is in no span field and no event, whether the
 /// connection is accepted (PostgreSQL trusts local connections: the password is ignored) or
 /// refused (Redis has no password set).
@@ -273,7 +220,7 @@ fn spans_carry_no_password_from_the_url() {
     assert!(pg.contains(SECRET), "{pg}");
     let redis =
         server_url("LOCKKIT_REDIS_URL").replacen("redis://", &format!("redis://:{SECRET}@"), 1);
-    let text = traced(async {
+    let ((), text) = traced(&runtime(), async {
         let locks = lockkit::connect(&with_prefix(&pg, &fresh_prefix()))
             .await
             .expect("connect with a password PostgreSQL ignores");

@@ -10,9 +10,10 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use lockkit::observe::testing::{keys, recorded, traced};
+use lockkit::observe::testing::{DebugValue, Recorded, keys, recorded, traced, value};
 use lockkit::{AcquireOptions, Lock, LockExt, LossReason, MemoryLock, Wait};
 
+use crate::common::wait_until;
 #[cfg(any(
     feature = "redis",
     feature = "etcd",
@@ -31,13 +32,25 @@ fn runtime() -> tokio::runtime::Runtime {
 }
 
 /// Runs `f` on a fresh current-thread runtime with a local debugging recorder; returns every
-/// metric key recorded, as `name{label=value,…}` with sorted labels.
-fn recorded_keys(f: impl std::future::Future<Output = ()>) -> BTreeSet<String> {
-    keys(&recorded(&runtime(), f).1)
+/// metric recorded, keyed `name{label=value,…}` with sorted labels.
+fn record(f: impl std::future::Future<Output = ()>) -> Recorded {
+    recorded(&runtime(), f).1
 }
 
-/// The sequence: granted, held (another client), timeout, a manual renewal, a release, and a
-/// lease lost to its deadline (the network frozen by `freeze`, or for the in-memory backend a
+/// How many renewals `backend` counted as `ok`: the keepalive's (core's loop, or the etcd and
+/// ZooKeeper session's) and the manual one of [`sequence`].
+fn ok_renewals(m: &Recorded, backend: &str) -> u64 {
+    match value(
+        m,
+        &format!("lockkit_renewals_total{{backend={backend},result=ok}}"),
+    ) {
+        Some(DebugValue::Counter(n)) => *n,
+        other => panic!("{backend}: no ok renewal counter: {other:?}"),
+    }
+}
+
+/// The sequence: granted, held (another client), timeout, a keepalive renewal, a manual renewal,
+/// a release, and a lease lost to its deadline (the network frozen by `freeze`, or for the in-memory backend a
 /// lease nobody renews).
 async fn sequence(a: Arc<dyn Lock>, b: Arc<dyn Lock>, freeze: Option<&dyn Fn()>) {
     let name = format!("obs-{:08x}", rand::random::<u32>());
@@ -51,6 +64,12 @@ async fn sequence(a: Arc<dyn Lock>, b: Arc<dyn Lock>, freeze: Option<&dyn Fn()>)
             .await,
         Err(lockkit::Error::Timeout { .. })
     ));
+    let granted = lease.tracker().confirmed_at();
+    let tracker = lease.tracker().clone();
+    wait_until("a keepalive renewal", TTL, || {
+        tracker.confirmed_at() > granted
+    })
+    .await;
     lease.renew().await.expect("renew");
     lease.release().await.expect("release");
 
@@ -109,11 +128,12 @@ fn expected() -> BTreeSet<String> {
 
 #[test]
 fn memory_records_the_documented_metrics() {
-    let keys = recorded_keys(async {
+    let m = record(async {
         let locks: Arc<dyn Lock> = Arc::new(MemoryLock::new());
         sequence(locks.clone(), locks, None).await;
     });
-    assert_eq!(without_backend(&keys, "memory"), expected());
+    assert_eq!(without_backend(&keys(&m), "memory"), expected());
+    assert!(ok_renewals(&m, "memory") >= 2);
 }
 
 /// Runs [`sequence`] against the shared server in `var` (`host:port` after `scheme://`) through
@@ -126,7 +146,7 @@ fn memory_records_the_documented_metrics() {
 ))]
 fn same_metrics_as_memory(var: &str, backend: &str) {
     let url = server_url(var);
-    let keys = recorded_keys(async {
+    let m = record(async {
         let (scheme, rest) = url.split_once("://").expect("scheme");
         let (auth, rest) = match rest.rsplit_once('@') {
             Some((a, r)) => (format!("{a}@"), r),
@@ -149,7 +169,12 @@ fn same_metrics_as_memory(var: &str, backend: &str) {
         let freeze = || proxy.freeze();
         sequence(a, b, Some(&freeze)).await;
     });
-    let mut got = without_backend(&keys, backend);
+    let n = ok_renewals(&m, backend);
+    assert!(
+        n >= 2,
+        "{backend}: {n} ok renewals, expected the keepalive's and the manual one"
+    );
+    let mut got = without_backend(&keys(&m), backend);
     // A renewal attempt that fails while the network is frozen is counted (result=failed) on
     // backends whose client gives up on a request before the lease's deadline; whether one does
     // depends on timing, so it is not part of the comparison.
@@ -187,7 +212,7 @@ fn postgres_records_the_same_metrics_as_memory() {
 
 #[test]
 fn lock_label_is_opt_in() {
-    let keys = recorded_keys(async {
+    let keys = keys(&record(async {
         let locks = MemoryLock::new();
         let opts = AcquireOptions::new().wait(Wait::No);
         let named = locks
@@ -202,7 +227,7 @@ fn lock_label_is_opt_in() {
             .release()
             .await
             .unwrap();
-    });
+    }));
     assert!(keys.contains("lockkit_acquires_total{backend=memory,lock=labelled,outcome=granted}"));
     assert!(keys.contains("lockkit_acquires_total{backend=memory,outcome=granted}"));
     assert!(!keys.iter().any(|k| k.contains("plain")), "{keys:?}");

@@ -171,18 +171,18 @@ struct Change {
 }
 
 impl Shared {
-    /// Applies `f` to the state (after latching a deadline that passed) and reports the change of
-    /// state, if any. `f` returns whether it modified the state, and a value passed back.
-    fn update<R>(&self, f: impl FnOnce(&mut Validity, Instant) -> R) -> R {
+    /// Applies `f` to the state (after latching a deadline that passed), wakes the watchers if
+    /// anything changed, reports the change of state, if any, and returns what `f` returned.
+    fn update<R: Default>(&self, f: impl FnOnce(&mut Validity, Instant) -> R) -> R {
         let now = Instant::now();
         let mut change = None;
-        let mut out = None;
+        let mut out = R::default();
         self.tx.send_if_modified(|v| {
             let before = *v;
             if v.lost.is_none() && now >= v.valid_until {
                 v.lost = Some(LossReason::DeadlineExpired);
             }
-            out = Some(f(v, now));
+            out = f(v, now);
             let state = state_at(v, self.ttl, now);
             if state != v.reported {
                 change = Some(Change {
@@ -198,7 +198,7 @@ impl Shared {
         if let Some(c) = change {
             self.report(c, now);
         }
-        out.expect("update closure ran")
+        out
     }
 
     /// The state now; reports a change the clock alone made since the last report.

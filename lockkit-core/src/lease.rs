@@ -342,9 +342,11 @@ impl Lease {
         &self.name
     }
 
-    /// The fencing token of this grant. Send it with every write to the protected resource.
+    /// The fencing token of this grant: the lock's identity and this grant's number (see
+    /// [`FencingToken`]). Send it with every write to the protected resource (as its string
+    /// form, `to_string()`, to a remote service).
     pub fn token(&self) -> FencingToken {
-        self.token
+        self.token.clone()
     }
 
     /// The lease's TTL.
@@ -674,7 +676,7 @@ mod tests {
         let opts = AcquireOptions::new().ttl(ttl).keepalive(keepalive);
         Lease::new(
             "l",
-            FencingToken::new(1),
+            FencingToken::new("memory/0/l", 1),
             LeaseTracker::new(Instant::now(), ttl),
             ops,
             &opts,
@@ -756,7 +758,7 @@ mod tests {
         let opts = AcquireOptions::new().ttl(ttl).keepalive(false);
         let lease = Lease::new(
             "l",
-            FencingToken::new(1),
+            FencingToken::new("memory/0/l", 1),
             LeaseTracker::new(Instant::now(), ttl),
             ops.clone(),
             &opts,

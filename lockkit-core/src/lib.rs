@@ -64,11 +64,12 @@ pub use options::{
 /// time; the core then owns deadlines, keepalive, the loss signal and release-on-drop.
 /// `lockkit-core/src/memory.rs` is a complete backend to copy from.
 pub mod backend {
+    pub use crate::fence::LeaseFence;
     pub use crate::lease::LeaseOps;
     pub use crate::lock::{retry_transient, wait_deadline};
     pub use crate::options::{validate_name, validate_prefix, validate_ttl};
 }
-pub use token::FencingToken;
+pub use token::{FencingToken, MAX_LOCK_ID_BYTES};
 
 /// Locks `m`, ignoring poisoning. For the crate's mutexes, whose data is consistent at every
 /// point where a panic could occur.

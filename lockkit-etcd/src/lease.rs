@@ -19,7 +19,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
-use etcd_client::{Client, Compare, CompareOp, DeleteOptions, GetOptions, Txn, TxnOp};
+use etcd_client::{
+    Client, Compare, CompareOp, DeleteOptions, GetOptions, SortOrder, SortTarget, Txn, TxnOp,
+};
 use lockkit_core::backend::LeaseOps;
 use lockkit_core::{Error, Instant, LeaseState, LeaseTracker, Result, async_trait};
 use tokio::sync::{Notify, watch};
@@ -37,6 +39,21 @@ pub(crate) async fn timed<T>(
         Ok(Err(e)) => Err(from_client(e)),
         Err(_) => Err(error::timeout(what)),
     }
+}
+
+/// The read of lock `name_prefix`'s holder: the key with the lowest create revision under it
+/// (keys only), for a transaction.
+pub(crate) fn holder_read(name_prefix: &[u8]) -> TxnOp {
+    TxnOp::get(
+        name_prefix.to_vec(),
+        Some(
+            GetOptions::new()
+                .with_prefix()
+                .with_sort(SortTarget::Create, SortOrder::Ascend)
+                .with_limit(1)
+                .with_keys_only(),
+        ),
+    )
 }
 
 /// Runs the request `f` makes until it succeeds, fails with a non-transient error, or `total`

@@ -17,6 +17,9 @@ use crate::session::{Session, spawn_delete};
 /// `lease.ops().as_any().downcast_ref::<ZkLease>()` (the fence does this for you).
 pub struct ZkLease {
     pub(crate) session: Arc<Session>,
+    /// The `ZkLock` that granted the lease (its control session carries fenced writes); typed
+    /// `Any` so that this module does not depend on the lock module.
+    pub(crate) granted_by: Arc<dyn Any + Send + Sync>,
     pub(crate) name: String,
     pub(crate) path: String,
     pub(crate) czxid: i64,

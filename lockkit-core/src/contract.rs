@@ -273,6 +273,15 @@ pub async fn lapsed_lease_cannot_touch_new_holder(h: &dyn Harness) {
         )
         .await
         .expect("re-grant");
+    match lease_a.check().await {
+        Err(Error::LeaseLost { .. } | Error::NotHeld { .. }) => {}
+        other => panic!("check of a lapsed lease: {other:?}"),
+    }
+    match lease_a.ops().check().await {
+        Err(Error::NotHeld { .. }) => {}
+        other => panic!("server-side check of a lapsed lease: {other:?}"),
+    }
+    lease_b.check().await.expect("new holder's check");
     match lease_a.renew().await {
         Err(Error::LeaseLost { .. } | Error::NotHeld { .. }) => {}
         other => panic!("renew of a lapsed lease: {other:?}"),
@@ -292,6 +301,24 @@ pub async fn lapsed_lease_cannot_touch_new_holder(h: &dyn Harness) {
     ));
     lease_b.renew().await.expect("new holder's renew");
     lease_b.release().await.expect("new holder's release");
+}
+
+/// `check` asks the server and says the lease is held, without moving its deadline.
+pub async fn check_answers_without_extending(h: &dyn Harness) {
+    let g = guarantees(h).await;
+    let a = h.client().await;
+    let name = unique("check");
+    let opts = AcquireOptions::new()
+        .ttl(Duration::from_secs(20))
+        .keepalive(!g.manual_renewal)
+        .wait(Wait::No);
+    let lease = a.acquire(&name, opts).await.expect("acquire");
+    let until = lease.valid_until();
+    lease.check().await.expect("check of a held lease");
+    lease.ops().check().await.expect("server-side check");
+    assert_eq!(lease.valid_until(), until, "check moved the deadline");
+    assert_eq!(lease.state(), LeaseState::Held);
+    lease.release().await.expect("release");
 }
 
 /// A waiting acquire with a timeout returns `Timeout` on schedule and leaves no waiter behind.
@@ -586,7 +613,7 @@ macro_rules! contract_suite {
             expiry_without_renewal, renew_extends, keepalive_holds,
             lapsed_lease_cannot_touch_new_holder, wait_timeout, dropped_waiter_leaves_nothing,
             drop_releases, with_lock_releases, tokens_name_their_lock, foreign_token_rejected,
-            own_stale_write_loses_the_lease,
+            own_stale_write_loses_the_lease, check_answers_without_extending,
             bad_input, guarantees_are_consistent, fifo_waiters);
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn fenced_counter() {

@@ -253,6 +253,21 @@ pub trait LeaseOps: Send + Sync + fmt::Debug + 'static {
     /// in the second case.
     async fn release(&self) -> Result<()>;
 
+    /// Asks the server whether this grant still holds the lock, without extending it.
+    ///
+    /// # Errors
+    /// [`Error::NotHeld`] if the grant no longer holds the lock; transport errors otherwise.
+    /// The default is [`Error::NotSupported`].
+    ///
+    /// # Cancel safety
+    /// Must be cancel safe (a read).
+    async fn check(&self) -> Result<()> {
+        Err(Error::NotSupported {
+            operation: "checking a lease",
+            backend: "unknown",
+        })
+    }
+
     /// `true` if the backend keeps the lease's [`LeaseTracker`] confirmed by itself (a session
     /// keepalive shared by many leases, as on etcd and ZooKeeper), so the core must not schedule
     /// renewals of its own. Default `false`.
@@ -447,6 +462,36 @@ impl Lease {
                 Err(e)
             }
             Err(e) => Err(e),
+        }
+    }
+
+    /// Asks the server whether this grant still holds the lock, **without** extending it: for a
+    /// holder about to start work it cannot undo, or one that suspects the lease (see
+    /// [`at_risk`](Self::at_risk)). The deadline does not move.
+    ///
+    /// An answer is a snapshot: the lease may lapse right after it. Fence the writes anyway.
+    ///
+    /// # Errors
+    /// - [`Error::LeaseLost`] if the lease is already lost on the client side (nothing is sent).
+    /// - [`Error::NotHeld`] if the server says the grant no longer holds the lock; the lease
+    ///   becomes lost.
+    /// - Transport errors ([`Error::Unavailable`]…): the state is unchanged.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: a read.
+    pub async fn check(&self) -> Result<()> {
+        if self.state() == LeaseState::Lost {
+            return Err(Error::LeaseLost {
+                name: self.name.clone(),
+            });
+        }
+        match self.ops.check().await {
+            Err(e @ Error::NotHeld { .. }) => {
+                // LossReason: the server says the lease is gone
+                self.tracker.mark_lost();
+                Err(e)
+            }
+            other => other,
         }
     }
 

@@ -263,6 +263,17 @@ impl LeaseOps for MemoryLease {
         }
     }
 
+    async fn check(&self) -> Result<()> {
+        let now = Instant::now();
+        let st = lock(&self.state);
+        match st.locks.get(&self.name).and_then(|e| e.holder.as_ref()) {
+            Some(h) if h.owner == self.owner && h.expires > now => Ok(()),
+            _ => Err(Error::NotHeld {
+                name: self.name.clone(),
+            }),
+        }
+    }
+
     async fn release(&self) -> Result<()> {
         let now = Instant::now();
         let mut st = lock(&self.state);

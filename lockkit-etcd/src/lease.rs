@@ -787,6 +787,22 @@ impl EtcdLease {
 
 #[async_trait]
 impl LeaseOps for EtcdLease {
+    /// One linearizable read: does our key still exist with our create revision? (Once a key
+    /// holds the lock it holds it for as long as it exists.)
+    ///
+    /// # Errors
+    /// [`Error::NotHeld`] if the key is gone; [`Error::Unavailable`] if etcd did not answer in
+    /// time.
+    async fn check(&self) -> Result<()> {
+        if self.released.load(Ordering::SeqCst) {
+            return Err(self.not_held());
+        }
+        match self.key_exists().await? {
+            (true, _) => Ok(()),
+            (false, _) => Err(self.not_held()),
+        }
+    }
+
     /// One `LeaseKeepAlive` exchange of this lock's etcd lease (two round trips on one stream:
     /// etcd-client keeps the first answer to itself, and the second one carries the answering
     /// member's raft term) — a session lease also confirms the other locks on it — then one

@@ -201,3 +201,15 @@ impl RedisFence {
             .map_err(from_redis)
     }
 }
+
+/// Whether the lock key `lock_key` holds `owner` now (one `GET`), for `lease.check()`.
+///
+/// # Errors
+/// [`Error::Unavailable`] and others from the server.
+pub(crate) async fn holds(conn: &Conn, lock_key: &str, owner: &str) -> Result<bool> {
+    let held: Option<String> = conn
+        .query(redis::cmd("GET").arg(lock_key))
+        .await
+        .map_err(from_redis)?;
+    Ok(held.as_deref() == Some(owner))
+}

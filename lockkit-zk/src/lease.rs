@@ -68,6 +68,12 @@ impl ZkLease {
 
 #[async_trait]
 impl LeaseOps for ZkLease {
+    /// The same `sync` + `exists` as [`renew`](Self::renew), which on ZooKeeper extends nothing
+    /// either (the session's heartbeats do).
+    async fn check(&self) -> Result<()> {
+        self.renew(self.session.ttl).await
+    }
+
     /// A lease on ZooKeeper lives as long as its session; a renewal is a `sync` (leader-ordered:
     /// it proves the session alive on the leader, see the session module) pipelined with an
     /// `exists` on the lock node, which, read after the `sync`, proves that the node (same

@@ -60,6 +60,23 @@ pub fn assert_foreign<T: std::fmt::Debug>(
     }
 }
 
+/// After the server freed `lease`'s lock (of TTL `ttl`) behind its back: the lease does not
+/// know yet, `check` says `NotHeld`, and the lease is Lost at once, long before its deadline.
+pub async fn assert_check_finds_it_freed(lease: &lockkit::Lease, ttl: Duration) {
+    use lockkit::LeaseState;
+    assert_eq!(
+        lease.state(),
+        LeaseState::Held,
+        "nothing told the lease yet"
+    );
+    match lease.check().await {
+        Err(lockkit::Error::NotHeld { .. }) => {}
+        other => panic!("check of a freed lock: {other:?}"),
+    }
+    assert_eq!(lease.state(), LeaseState::Lost);
+    assert!(lease.valid_until() > tokio::time::Instant::now() + ttl / 2);
+}
+
 /// A backend fence's `from_lease` refuses a lease of another backend (memory) with a typed
 /// error.
 pub async fn refuses_a_memory_lease<T: std::fmt::Debug>(

@@ -1,4 +1,4 @@
-//! `EtcdFence` on the shared server, made from leases of `lockkit::connect`.
+//! `EtcdFence` on the shared server, made from leases of `lockkit::connect`, and `lease.check()`.
 
 use std::time::Duration;
 
@@ -8,7 +8,8 @@ use lockkit::{Error, LeaseState, LockExt};
 use tokio::time::Instant;
 
 use crate::common::{
-    assert_foreign, fresh_prefix, refuses_a_memory_lease, server_url, with_prefix,
+    assert_check_finds_it_freed, assert_foreign, fresh_prefix, refuses_a_memory_lease, server_url,
+    with_prefix,
 };
 
 const TTL: Duration = Duration::from_secs(30);
@@ -101,4 +102,23 @@ async fn own_stale_write_loses_the_lease() {
     let now = kv.get(key, None).await.unwrap();
     assert_eq!(now.kvs()[0].value(), b"1");
     let _ = lease.release().await;
+}
+
+/// `check` asks the server: once the lease's key is gone, the lease is NotHeld and Lost at once.
+#[tokio::test]
+async fn check_sees_a_lock_freed_behind_the_leases_back() {
+    let url = with_prefix(&server_url("LOCKKIT_ETCD_URL"), &fresh_prefix());
+    let locks = EtcdLock::connect(&url).await.expect("connect");
+    let lease = locks.try_acquire("c", TTL).await.expect("acquire");
+    lease.check().await.expect("held");
+    locks
+        .client()
+        .kv_client()
+        .delete(
+            locks.name_prefix("c"),
+            Some(lockkit::etcd::etcd_client::DeleteOptions::new().with_prefix()),
+        )
+        .await
+        .unwrap();
+    assert_check_finds_it_freed(&lease, TTL).await;
 }

@@ -1,4 +1,4 @@
-//! `RedisFence` on the shared server, made from leases of `lockkit::connect`.
+//! `RedisFence` on the shared server, made from leases of `lockkit::connect`, and `lease.check()`.
 
 use std::time::Duration;
 
@@ -7,13 +7,29 @@ use lockkit::{Error, LeaseState, LockExt};
 use tokio::time::Instant;
 
 use crate::common::{
-    assert_foreign, fresh_prefix, refuses_a_memory_lease, server_url, with_prefix,
+    assert_check_finds_it_freed, assert_foreign, fresh_prefix, refuses_a_memory_lease, server_url,
+    with_prefix,
 };
 
 const TTL: Duration = Duration::from_secs(30);
 
 fn url() -> String {
     with_prefix(&server_url("LOCKKIT_REDIS_URL"), &fresh_prefix())
+}
+
+/// Deletes lock `name`'s key, behind its holder's back.
+async fn delete_lock_key(locks: &RedisLock, name: &str) {
+    let mut raw = redis::Client::open(server_url("LOCKKIT_REDIS_URL"))
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let deleted: i64 = redis::cmd("DEL")
+        .arg(locks.lock_key(name))
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert_eq!(deleted, 1, "lock {name:?} was not held");
 }
 
 /// A fence made from a lease of `Arc<dyn Lock>` writes; the key is then bound to that lock: a
@@ -79,17 +95,7 @@ async fn own_stale_write_loses_the_lease() {
     let fence_a = RedisFence::from_lease(&lease_a).unwrap();
     fence_a.set(&key, "A1").await.expect("A writes");
 
-    let mut raw = redis::Client::open(server_url("LOCKKIT_REDIS_URL"))
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap();
-    let deleted: i64 = redis::cmd("DEL")
-        .arg(locks.lock_key("s"))
-        .query_async(&mut raw)
-        .await
-        .unwrap();
-    assert_eq!(deleted, 1);
+    delete_lock_key(&locks, "s").await;
     let lease_b = b.try_acquire("s", TTL).await.expect("B acquires");
     assert!(lease_b.token() > lease_a.token());
     RedisFence::from_lease(&lease_b)
@@ -119,4 +125,15 @@ async fn own_stale_write_loses_the_lease() {
         .await
         .expect("B writes again");
     lease_b.release().await.expect("release");
+}
+
+/// `check` asks the server: once the lock key is gone, the lease is NotHeld and Lost at once.
+#[tokio::test]
+async fn check_sees_a_lock_freed_behind_the_leases_back() {
+    let url = url();
+    let locks = RedisLock::connect(&url).await.expect("connect");
+    let lease = locks.try_acquire("c", TTL).await.expect("acquire");
+    lease.check().await.expect("held");
+    delete_lock_key(&locks, "c").await;
+    assert_check_finds_it_freed(&lease, TTL).await;
 }

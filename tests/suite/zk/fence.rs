@@ -1,4 +1,4 @@
-//! `ZkFence` on the shared server, made from leases of `lockkit::connect`.
+//! `ZkFence` on the shared server, made from leases of `lockkit::connect`, and `lease.check()`.
 
 use std::time::Duration;
 
@@ -8,7 +8,8 @@ use lockkit::{Error, LeaseState, LockExt};
 use tokio::time::Instant;
 
 use crate::common::{
-    assert_foreign, fresh_prefix, refuses_a_memory_lease, server_url, with_prefix,
+    assert_check_finds_it_freed, assert_foreign, fresh_prefix, refuses_a_memory_lease, server_url,
+    with_prefix,
 };
 
 const TTL: Duration = Duration::from_secs(20);
@@ -17,6 +18,17 @@ async fn raw() -> zk::Client {
     let url = server_url("LOCKKIT_ZK_URL");
     let hostport = url.strip_prefix("zk://").expect("zk://host:port");
     zk::Client::connect(hostport).await.expect("raw connect")
+}
+
+/// Deletes the node of lock `name`'s holder, behind the holder's back.
+async fn delete_holder_node(locks: &ZkLock, name: &str) {
+    let holder = locks.contenders(name).await.unwrap();
+    let node = format!("{}/{}", locks.lock_dir(name).unwrap(), holder[0]);
+    raw()
+        .await
+        .delete(&node, None)
+        .await
+        .expect("delete the lock node");
 }
 
 /// A fence made from a lease of `Arc<dyn Lock>` writes (creating the node); the node is then
@@ -76,13 +88,7 @@ async fn own_stale_write_loses_the_lease() {
     let fence = ZkFence::from_lease(&lease).unwrap();
     fence.write(&data, b"1").await.expect("write");
 
-    let holder = inspect.contenders("s").await.unwrap();
-    let node = format!("{}/{}", inspect.lock_dir("s").unwrap(), holder[0]);
-    raw()
-        .await
-        .delete(&node, None)
-        .await
-        .expect("delete the lock node");
+    delete_holder_node(&inspect, "s").await;
     assert_eq!(lease.state(), LeaseState::Held, "A cannot know yet");
     match fence.write(&data, b"2").await {
         Err(Error::StaleToken { token, .. }) => assert_eq!(token, lease.token()),
@@ -92,4 +98,15 @@ async fn own_stale_write_loses_the_lease() {
     assert!(lease.valid_until() > Instant::now() + TTL / 2);
     assert_eq!(fence.read(&data).await.unwrap().as_deref(), Some(&b"1"[..]));
     let _ = lease.release().await;
+}
+
+/// `check` asks the server: once the lock node is gone, the lease is NotHeld and Lost at once.
+#[tokio::test]
+async fn check_sees_a_lock_freed_behind_the_leases_back() {
+    let url = with_prefix(&server_url("LOCKKIT_ZK_URL"), &fresh_prefix());
+    let locks = ZkLock::connect(&url).await.expect("connect");
+    let lease = locks.try_acquire("c", TTL).await.expect("acquire");
+    lease.check().await.expect("held");
+    delete_holder_node(&locks, "c").await;
+    assert_check_finds_it_freed(&lease, TTL).await;
 }

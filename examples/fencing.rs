@@ -8,7 +8,8 @@
 //!
 //! Client A acquires the lock (token n) and stalls past its TTL, as in a stop-the-world GC pause.
 //! Client B then acquires it (token > n) and writes. A wakes up, still believing it holds the
-//! lock, and writes with token n: the protected resource rejects the stale write.
+//! lock, and writes with token n: the protected resource rejects the stale write. Last, a holder
+//! of another lock writes: its token belongs to that lock, and the resource rejects it too.
 //!
 //! On a network backend A's stall is simulated by freezing all of A's traffic in a local TCP
 //! relay (the server sees a holder that went silent, keepalive included). On `memory://` A just
@@ -181,6 +182,30 @@ async fn run(args: Args) -> Result<(), Error> {
         Err(e) => t.say("A", format!("release failed ({e}); B's lock is untouched")),
         Ok(()) => t.say("A", "release returned Ok (the lock had been freed already)"),
     }
+    // A token belongs to one lock: a holder of another lock cannot write the file, however
+    // large its number.
+    let other = b
+        .acquire(
+            &format!("{name}-other"),
+            AcquireOptions::new().ttl(args.ttl * 5).wait(Wait::No),
+        )
+        .await?;
+    t.say(
+        "C",
+        format!("holds another lock, token {}, and writes", other.token()),
+    );
+    match storage.write(file, other.token(), "written under another lock".into()) {
+        Err(e @ Error::ForeignToken { .. }) => t.say("storage", format!("REJECTED C's write: {e}")),
+        Err(e) => return Err(e),
+        Ok(()) => {
+            t.say(
+                "storage",
+                "accepted a token of another lock: fencing failed!",
+            );
+            std::process::exit(2);
+        }
+    }
+    other.release().await?;
     t.say(
         "storage",
         format!("{file:?} = {:?}", storage.read(file).unwrap_or_default()),

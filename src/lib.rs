@@ -36,18 +36,30 @@
 //! token: keep the highest token seen and reject lower ones ([`MemoryFence`], and each backend's
 //! fence for data stored in it).
 //!
-//! The wrong way and the right way, for a table you own (`fence_token BIGINT` next to the data):
+//! A token belongs to one lock ([`FencingToken::lock`], e.g. `etcd/lockkit/report`): a resource
+//! guarded by lock `X` must also refuse a token of lock `Y`, whatever its number. Every fence
+//! binds a resource to the lock of its first fenced write and rejects other locks' tokens with
+//! [`Error::ForeignToken`]. To travel to a remote service a token is one string,
+//! `v1:<number>:<lock>` (`to_string()`, `parse()`, serde with feature `serde`).
+//!
+//! The wrong way and the right way, for a table you own (`fence_token BIGINT`,
+//! `fence_lock TEXT` next to the data):
 //! ```text
 //! let lease = locks.acquire("job", opts).await?;
 //! // WRONG: a holder that paused past its TTL overwrites the new holder's data.
 //! UPDATE reports SET body = $1 WHERE id = $2
-//! // RIGHT: the resource keeps the highest token and rejects older ones (0 rows = stale).
-//! UPDATE reports SET body = $1, fence_token = $3 WHERE id = $2 AND fence_token <= $3   -- $3 = lease.token().get()
+//! // RIGHT: the resource keeps the highest token of its lock and rejects older ones and other
+//! // locks' (0 rows = stale or foreign). $3 = lease.token().get(), $4 = lease.token().lock()
+//! UPDATE reports SET body = $1, fence_token = $3, fence_lock = $4
+//!   WHERE id = $2 AND (fence_lock IS NULL OR fence_lock = $4) AND (fence_token IS NULL OR fence_token <= $3)
 //! ```
-//! Ready-made fences: [`MemoryFence`] in process, and for data kept in the lock's own backend,
-//! `lockkit::etcd::EtcdFence` (a txn compare on the holder key), `lockkit::zk::ZkFence` (a
-//! multi-op check on the holder node) and `lockkit::postgres::PgFence` (the conditional UPDATE
-//! above, in your transaction).
+//! Ready-made fences: [`MemoryFence`] in process (tokens from anywhere), and for data kept in a
+//! backend, each made from a [`Lease`] (also one from [`connect`]'s `Arc<dyn Lock>`), whose lease
+//! turns [`Lost`](LeaseState::Lost) at once when its own write is rejected as stale:
+//! `lockkit::etcd::EtcdFence::from_lease` (a txn compare on the holder key),
+//! `lockkit::zk::ZkFence::from_lease` (a multi-op check on the holder node),
+//! `lockkit::redis::RedisFence::from_lease` (a script keeping the highest token per key) and
+//! `lockkit::postgres::PgFence::update_as` (the conditional UPDATE above, in your transaction).
 //!
 //! ## What each backend guarantees
 //! Each backend declares it in [`Lock::guarantees`]; the contract suite checks it.

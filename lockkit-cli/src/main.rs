@@ -5,7 +5,7 @@
 //! lockkit guarantees redis://127.0.0.1:6379
 //! ```
 //!
-//! `run` acquires the lock, starts the command with `LOCKKIT_FENCING_TOKEN` (and `LOCKKIT_LOCK`) in
+//! `run` acquires the lock, starts the command with `LOCKKIT_FENCING_TOKEN` (string form `v1:N:LOCK`) and `LOCKKIT_LOCK` in
 //! its environment, keeps the lease alive while the command runs, and releases the lock when it
 //! exits. If the lease is lost (the deadline passed without an acknowledged renewal), the command
 //! is killed at once: it must not run on past its lease. Pass the token to whatever the command

@@ -14,7 +14,13 @@ fn runs_the_command_with_the_token_and_passes_its_exit_code() {
         .output()
         .expect("run lockkit");
     assert_eq!(out.status.code(), Some(3));
-    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "job 1");
+    // The token's string form: version, number, lock identity (`memory/{table}/{name}`).
+    let shown = String::from_utf8_lossy(&out.stdout);
+    let (lock, token) = shown.trim().split_once(' ').expect("two words");
+    assert_eq!(lock, "job");
+    let token: lockkit::FencingToken = token.parse().expect("a fencing token");
+    assert_eq!(token.get(), 1);
+    assert!(token.lock().starts_with("memory/") && token.lock().ends_with("/job"));
 }
 
 #[test]

@@ -273,6 +273,15 @@ pub async fn lapsed_lease_cannot_touch_new_holder(h: &dyn Harness) {
         )
         .await
         .expect("re-grant");
+    match lease_a.check().await {
+        Err(Error::LeaseLost { .. } | Error::NotHeld { .. }) => {}
+        other => panic!("check of a lapsed lease: {other:?}"),
+    }
+    match lease_a.ops().check().await {
+        Err(Error::NotHeld { .. }) => {}
+        other => panic!("server-side check of a lapsed lease: {other:?}"),
+    }
+    lease_b.check().await.expect("new holder's check");
     match lease_a.renew().await {
         Err(Error::LeaseLost { .. } | Error::NotHeld { .. }) => {}
         other => panic!("renew of a lapsed lease: {other:?}"),
@@ -292,6 +301,24 @@ pub async fn lapsed_lease_cannot_touch_new_holder(h: &dyn Harness) {
     ));
     lease_b.renew().await.expect("new holder's renew");
     lease_b.release().await.expect("new holder's release");
+}
+
+/// `check` asks the server and says the lease is held, without moving its deadline.
+pub async fn check_answers_without_extending(h: &dyn Harness) {
+    let g = guarantees(h).await;
+    let a = h.client().await;
+    let name = unique("check");
+    let opts = AcquireOptions::new()
+        .ttl(Duration::from_secs(20))
+        .keepalive(!g.manual_renewal)
+        .wait(Wait::No);
+    let lease = a.acquire(&name, opts).await.expect("acquire");
+    let until = lease.valid_until();
+    lease.check().await.expect("check of a held lease");
+    lease.ops().check().await.expect("server-side check");
+    assert_eq!(lease.valid_until(), until, "check moved the deadline");
+    assert_eq!(lease.state(), LeaseState::Held);
+    lease.release().await.expect("release");
 }
 
 /// A waiting acquire with a timeout returns `Timeout` on schedule and leaves no waiter behind.
@@ -356,24 +383,128 @@ pub async fn drop_releases(h: &dyn Harness) {
     again.leak();
 }
 
-/// `with_lock` runs the closure with the lease's token and releases afterwards.
+/// `with_lock` runs the closure with the held lease and releases afterwards.
 pub async fn with_lock_releases(h: &dyn Harness) {
     let (a, b) = (h.client().await, h.client().await);
     let name = unique("with-lock");
-    let token = a
+    let (token, state) = a
         .with_lock(
             &name,
             AcquireOptions::new().ttl(Duration::from_secs(10)),
-            |t| async move { t },
+            |lease| {
+                let got = (lease.token(), lease.state());
+                async move { got }
+            },
         )
         .await
         .expect("with_lock");
+    assert_eq!(state, LeaseState::Held);
     let lease = b
         .try_acquire(&name, Duration::from_secs(10))
         .await
         .expect("released");
     assert!(lease.token() > token);
     lease.release().await.expect("release");
+}
+
+/// A token names its lock: `{backend}/…/{name}`, the same for every client of the backend and
+/// another for another name; its string form parses back to it.
+pub async fn tokens_name_their_lock(h: &dyn Harness) {
+    let (a, b) = (h.client().await, h.client().await);
+    let backend = a.guarantees().backend;
+    let (name, other) = (unique("token-lock"), unique("token-lock"));
+    let ttl = Duration::from_secs(10);
+    let l1 = a.try_acquire(&name, ttl).await.expect("acquire");
+    let l2 = b.try_acquire(&other, ttl).await.expect("acquire");
+    let (t1, t2) = (l1.token(), l2.token());
+    for (t, n) in [(&t1, &name), (&t2, &other)] {
+        assert!(
+            t.lock().starts_with(&format!("{backend}/")) && t.lock().ends_with(&format!("/{n}")),
+            "token {t} of lock {n:?} on {backend}"
+        );
+        let s = t.to_string();
+        assert_eq!(s.parse::<FencingToken>().expect("string form parses"), *t);
+    }
+    assert!(!t1.same_lock(&t2));
+    assert_eq!(t1.partial_cmp(&t2), None, "tokens of two locks compared");
+    l1.release().await.expect("release");
+    let again = b.try_acquire(&name, ttl).await.expect("acquire");
+    assert!(
+        again.token().same_lock(&t1),
+        "another client, another lock identity"
+    );
+    assert!(again.token() > t1);
+    again.release().await.expect("release");
+    l2.release().await.expect("release");
+}
+
+/// A fence binds a resource to the lock of its first writer: a token of another lock is
+/// rejected with `ForeignToken` whatever its number, and the rightful holder is not locked out.
+pub async fn foreign_token_rejected(h: &dyn Harness) {
+    let (a, b) = (h.client().await, h.client().await);
+    let (guard, other) = (unique("guard"), unique("other"));
+    let ttl = Duration::from_secs(10);
+    let fence = MemoryFence::new();
+    let rightful = a.try_acquire(&guard, ttl).await.expect("acquire");
+    fence
+        .write("resource", rightful.token(), 1)
+        .expect("first write");
+    // Acquired later: on most backends its number is higher than the rightful holder's.
+    let intruder = b.try_acquire(&other, ttl).await.expect("acquire");
+    match fence.write_as(&intruder, "resource", 2) {
+        Err(Error::ForeignToken {
+            expected_lock,
+            token,
+            ..
+        }) => {
+            assert_eq!(expected_lock, rightful.token().lock());
+            assert_eq!(token, intruder.token());
+        }
+        other => panic!("a token of another lock: expected ForeignToken, got {other:?}"),
+    }
+    fence
+        .write_as(&rightful, "resource", 3)
+        .expect("the rightful holder locked out");
+    assert_eq!(fence.read("resource"), Some(3));
+    assert_eq!(rightful.state(), LeaseState::Held);
+    assert_eq!(
+        intruder.state(),
+        LeaseState::Held,
+        "a foreign write cost its lease"
+    );
+    intruder.release().await.expect("release");
+    rightful.release().await.expect("release");
+}
+
+/// A holder whose own fenced write is rejected as stale (a newer grant of its lock wrote, here
+/// one the resource saw after a failover) is told at once: its lease is `Lost` long before its
+/// deadline.
+pub async fn own_stale_write_loses_the_lease(h: &dyn Harness) {
+    let a = h.client().await;
+    let name = unique("stale-write");
+    let lease = a
+        .try_acquire(&name, Duration::from_secs(30))
+        .await
+        .expect("acquire");
+    let fence = MemoryFence::new();
+    fence
+        .write_as(&lease, "resource", 1)
+        .expect("the holder's write");
+    let newer = FencingToken::new(lease.token().lock(), lease.token().get() + 1);
+    fence
+        .write("resource", newer.clone(), 2)
+        .expect("a newer grant's write");
+    match fence.write_as(&lease, "resource", 3) {
+        Err(Error::StaleToken { token, current, .. }) => {
+            assert_eq!(token, lease.token());
+            assert_eq!(current, newer);
+        }
+        other => panic!("the old holder's write: expected StaleToken, got {other:?}"),
+    }
+    assert_eq!(lease.state(), LeaseState::Lost, "told only by the clock");
+    assert!(lease.valid_until() > Instant::now() + Duration::from_secs(20));
+    assert_eq!(fence.read("resource"), Some(2));
+    let _ = lease.release().await;
 }
 
 /// Bad names and TTLs get typed errors before any I/O, and nothing panics.
@@ -481,7 +612,9 @@ macro_rules! contract_suite {
             acquire_release, try_acquire_while_held, new_client_larger_token,
             expiry_without_renewal, renew_extends, keepalive_holds,
             lapsed_lease_cannot_touch_new_holder, wait_timeout, dropped_waiter_leaves_nothing,
-            drop_releases, with_lock_releases, bad_input, guarantees_are_consistent, fifo_waiters);
+            drop_releases, with_lock_releases, tokens_name_their_lock, foreign_token_rejected,
+            own_stale_write_loses_the_lease, check_answers_without_extending,
+            bad_input, guarantees_are_consistent, fifo_waiters);
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn fenced_counter() {
             let h = $harness;

@@ -65,6 +65,29 @@ pub enum Error {
         current: FencingToken,
     },
 
+    /// A fenced write carried a token of another lock than the one guarding the resource. Every
+    /// fence binds a resource to the lock of the first token that wrote it; nothing was written.
+    #[error(
+        "fencing token {token} for {resource:?} belongs to another lock: the resource is \
+         guarded by lock {expected_lock:?}"
+    )]
+    ForeignToken {
+        /// The protected resource.
+        resource: String,
+        /// The lock guarding the resource (see [`FencingToken::lock`]).
+        expected_lock: String,
+        /// The token that was rejected (its [`lock`](FencingToken::lock) is the other lock).
+        token: FencingToken,
+    },
+
+    /// A string is not a fencing token in its
+    /// [documented form](crate::FencingToken#string-form-version-1).
+    #[error("invalid fencing token: {reason}")]
+    InvalidToken {
+        /// What is wrong.
+        reason: &'static str,
+    },
+
     /// The lock name is empty, too long, or could escape the backend's key namespace.
     #[error("invalid lock name {name:?}: {reason}")]
     InvalidName {

@@ -604,6 +604,21 @@ pub trait LeaseOps: Send + Sync + fmt::Debug + 'static {
     /// in the second case.
     async fn release(&self) -> Result<()>;
 
+    /// Asks the server whether this grant still holds the lock, without extending it.
+    ///
+    /// # Errors
+    /// [`Error::NotHeld`] if the grant no longer holds the lock; transport errors otherwise.
+    /// The default is [`Error::NotSupported`].
+    ///
+    /// # Cancel safety
+    /// Must be cancel safe (a read).
+    async fn check(&self) -> Result<()> {
+        Err(Error::NotSupported {
+            operation: "checking a lease",
+            backend: "unknown",
+        })
+    }
+
     /// `true` if the backend keeps the lease's [`LeaseTracker`] confirmed by itself (a session
     /// keepalive shared by many leases, as on etcd and ZooKeeper), so the core must not schedule
     /// renewals of its own. Default `false`.
@@ -676,7 +691,7 @@ impl Lease {
         let backend = opts.observed_backend.unwrap_or("unknown");
         tracker.attach(
             &name,
-            token,
+            token.clone(),
             Labels::new(backend, &name, opts.lock_name_label),
         );
         let keepalive = if opts.keepalive && !ops.self_renewing() {
@@ -705,9 +720,11 @@ impl Lease {
         &self.name
     }
 
-    /// The fencing token of this grant. Send it with every write to the protected resource.
+    /// The fencing token of this grant: the lock's identity and this grant's number (see
+    /// [`FencingToken`]). Send it with every write to the protected resource (as its string
+    /// form, `to_string()`, to a remote service).
     pub fn token(&self) -> FencingToken {
-        self.token
+        self.token.clone()
     }
 
     /// The lease's TTL.
@@ -772,6 +789,11 @@ impl Lease {
         self.tracker.view()
     }
 
+    /// The backend's handle, for core's fences (which may end the lease, never extend it).
+    pub(crate) fn tracker_handle(&self) -> &TrackerHandle {
+        &self.tracker
+    }
+
     /// The backend's half of the lease; fence helpers downcast it with [`LeaseOps::as_any`].
     pub fn ops(&self) -> &dyn LeaseOps {
         &*self.ops
@@ -807,6 +829,36 @@ impl Lease {
             .await;
         span.record("outcome", outcome_of(&res));
         res
+    }
+
+    /// Asks the server whether this grant still holds the lock, **without** extending it: for a
+    /// holder about to start work it cannot undo, or one that suspects the lease (see
+    /// [`at_risk`](Self::at_risk)). The deadline does not move.
+    ///
+    /// An answer is a snapshot: the lease may lapse right after it. Fence the writes anyway.
+    ///
+    /// # Errors
+    /// - [`Error::LeaseLost`] if the lease is already lost on the client side (nothing is sent).
+    /// - [`Error::NotHeld`] if the server says the grant no longer holds the lock; the lease
+    ///   becomes lost.
+    /// - Transport errors ([`Error::Unavailable`]…): the state is unchanged.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: a read.
+    pub async fn check(&self) -> Result<()> {
+        if let Some(reason) = self.loss_reason() {
+            return Err(Error::LeaseLost {
+                name: self.name.clone(),
+                reason,
+            });
+        }
+        match self.ops.check().await {
+            Err(e @ Error::NotHeld { .. }) => {
+                self.tracker.mark_lost(LossReason::NotHeldOnServer);
+                Err(e)
+            }
+            other => other,
+        }
     }
 
     /// Releases the lock if this grant still holds it (compare-and-delete), and stops keepalive.
@@ -1109,7 +1161,7 @@ mod tests {
         let opts = AcquireOptions::new().ttl(ttl).keepalive(keepalive);
         Lease::new(
             "l",
-            FencingToken::new(1),
+            FencingToken::new("memory/0/l", 1),
             TrackerHandle::new(Instant::now(), ttl),
             ops,
             &opts,
@@ -1191,7 +1243,7 @@ mod tests {
         let opts = AcquireOptions::new().ttl(ttl).keepalive(false);
         let lease = Lease::new(
             "l",
-            FencingToken::new(1),
+            FencingToken::new("memory/0/l", 1),
             TrackerHandle::new(Instant::now(), ttl),
             ops.clone(),
             &opts,

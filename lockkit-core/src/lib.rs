@@ -70,11 +70,12 @@ pub use options::{
 /// metrics. Only the backend holds the `TrackerHandle`, so only it can move the deadline.
 /// `lockkit-core/src/memory.rs` is a complete backend to copy from.
 pub mod backend {
+    pub use crate::fence::LeaseFence;
     pub use crate::lease::{LeaseOps, SuspectReason, TrackerHandle, mark_lost};
     pub use crate::lock::{LockBackend, retry_transient, wait_deadline};
     pub use crate::options::{validate_name, validate_prefix, validate_ttl};
 }
-pub use token::FencingToken;
+pub use token::{FencingToken, MAX_LOCK_ID_BYTES};
 
 /// Locks `m`, ignoring poisoning. For the crate's mutexes, whose data is consistent at every
 /// point where a panic could occur.

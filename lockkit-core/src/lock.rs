@@ -10,7 +10,7 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use crate::observe::{Labels, TARGET};
-use crate::{AcquireOptions, Error, FencingToken, Lease, Result, Wait};
+use crate::{AcquireOptions, Error, Lease, Result, Wait};
 
 /// Whether a lock may be trusted for correctness or only for efficiency.
 ///
@@ -81,7 +81,7 @@ impl Guarantees {
 /// - `acquire` validates the name ([`validate_name`](crate::backend::validate_name)) and options
 ///   ([`AcquireOptions::validate`]) before any I/O.
 /// - At most one lease per name is [`Held`](crate::LeaseState::Held) at a time (up to the
-///   backend's [`Guarantees`]), and every grant's [`FencingToken`] is larger than every earlier
+///   backend's [`Guarantees`]), and every grant's [`FencingToken`](crate::FencingToken) is larger than every earlier
 ///   grant's for that name.
 /// - Waiting follows [`AcquireOptions::wait`]; transient errors are retried per
 ///   [`AcquireOptions::retry`].
@@ -255,9 +255,24 @@ pub trait LockExt: Lock {
 
     /// Runs `f` while holding the lock, then releases it.
     ///
-    /// `f` gets the fencing token to send with its writes. If the lease is lost before `f`
-    /// finishes, `f`'s future is **dropped** and [`Error::LeaseLost`] is returned: the critical
-    /// section never runs on past the lease.
+    /// `f` gets the [`Lease`]: take what the critical section needs from it (its
+    /// [`token`](Lease::token), or a backend fence built from it, such as
+    /// `EtcdFence::from_lease(lease)`) and return a future that owns it. If the lease is lost
+    /// before that future finishes, it is **dropped** and [`Error::LeaseLost`] is returned: the
+    /// critical section never runs on past the lease.
+    ///
+    /// ```
+    /// # use lockkit_core::{AcquireOptions, LockExt, MemoryFence, MemoryLock};
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> lockkit_core::Result<()> {
+    /// # let (locks, storage) = (MemoryLock::new(), std::sync::Arc::new(MemoryFence::new()));
+    /// locks
+    ///     .with_lock("report", AcquireOptions::new(), |lease| {
+    ///         let (token, storage) = (lease.token(), storage.clone());
+    ///         async move { storage.write("report.csv", token, "rows…") }
+    ///     })
+    ///     .await??;
+    /// # Ok(()) }
+    /// ```
     ///
     /// # Errors
     /// As [`Lock::acquire`]; [`Error::LeaseLost`] as above. A failed release after `f` finished is
@@ -272,17 +287,18 @@ pub trait LockExt: Lock {
         f: F,
     ) -> impl Future<Output = Result<T>> + Send
     where
-        F: FnOnce(FencingToken) -> Fut + Send,
+        F: FnOnce(&Lease) -> Fut + Send,
         Fut: Future<Output = T> + Send,
         T: Send,
     {
         async move {
             let lease = self.acquire(name, opts).await?;
             let lost = lease.lost();
+            let section = f(&lease);
             let out = tokio::select! {
                 biased;
                 _ = lost => None,
-                out = f(lease.token()) => Some(out),
+                out = section => Some(out),
             };
             match out {
                 Some(out) => {

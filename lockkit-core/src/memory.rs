@@ -3,6 +3,7 @@
 use std::any::Any;
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -52,9 +53,26 @@ impl Entry {
 /// Clones share one lock table, so clones behave like separate clients of one server. Tokens
 /// start at 1 and are kept per name for the life of the table (one `u64` per name ever locked).
 /// Nothing survives the process.
-#[derive(Clone, Default)]
+///
+/// The lock identity of a token is `memory/{table}/{name}`, `table` numbering the tables of
+/// the process from 1 (see [`FencingToken`]), so tokens of two tables never pass each other's
+/// fences.
+#[derive(Clone)]
 pub struct MemoryLock {
     state: Arc<Mutex<State>>,
+    /// `memory/{table}/`, the start of every token's lock identity.
+    lock_id_prefix: Arc<str>,
+}
+
+impl Default for MemoryLock {
+    fn default() -> Self {
+        static TABLES: AtomicU64 = AtomicU64::new(1);
+        let table = TABLES.fetch_add(1, AtomicOrdering::Relaxed);
+        Self {
+            state: Arc::default(),
+            lock_id_prefix: format!("memory/{table}/").into(),
+        }
+    }
 }
 
 impl fmt::Debug for MemoryLock {
@@ -150,7 +168,7 @@ impl LockBackend for MemoryLock {
                     let tracker = TrackerHandle::new(sent, opts.ttl);
                     return Ok(Lease::new(
                         name,
-                        FencingToken::new(token),
+                        FencingToken::new(format!("{}{name}", self.lock_id_prefix), token),
                         tracker,
                         ops,
                         &opts,
@@ -236,6 +254,17 @@ impl LeaseOps for MemoryLease {
                 h.expires = now + ttl;
                 Ok(())
             }
+            _ => Err(Error::NotHeld {
+                name: self.name.clone(),
+            }),
+        }
+    }
+
+    async fn check(&self) -> Result<()> {
+        let now = Instant::now();
+        let st = lock(&self.state);
+        match st.locks.get(&self.name).and_then(|e| e.holder.as_ref()) {
+            Some(h) if h.owner == self.owner && h.expires > now => Ok(()),
             _ => Err(Error::NotHeld {
                 name: self.name.clone(),
             }),

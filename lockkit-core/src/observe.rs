@@ -316,7 +316,7 @@ mod tests {
             let tracker = TrackerHandle::new(Instant::now(), ttl);
             let lease = Lease::new(
                 "g",
-                FencingToken::new(1),
+                FencingToken::new("memory/0/l", 1),
                 tracker.clone(),
                 Arc::new(Gone),
                 &opts,
@@ -346,7 +346,7 @@ mod tests {
             let tracker = TrackerHandle::new(Instant::now(), ttl);
             let late = Lease::new(
                 "late",
-                FencingToken::new(2),
+                FencingToken::new("memory/0/l", 2),
                 tracker.clone(),
                 Arc::new(Gone),
                 &opts,

@@ -19,7 +19,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
-use etcd_client::{Client, Compare, CompareOp, DeleteOptions, GetOptions, Txn, TxnOp};
+use etcd_client::{
+    Client, Compare, CompareOp, DeleteOptions, GetOptions, SortOrder, SortTarget, Txn, TxnOp,
+};
 use lockkit_core::backend::{LeaseOps, SuspectReason, TrackerHandle};
 use lockkit_core::{Error, Instant, LeaseState, LossReason, Result, async_trait};
 use tokio::sync::{Notify, watch};
@@ -37,6 +39,21 @@ pub(crate) async fn timed<T>(
         Ok(Err(e)) => Err(from_client(e)),
         Err(_) => Err(error::timeout(what)),
     }
+}
+
+/// The read of lock `name_prefix`'s holder: the key with the lowest create revision under it
+/// (keys only), for a transaction.
+pub(crate) fn holder_read(name_prefix: &[u8]) -> TxnOp {
+    TxnOp::get(
+        name_prefix.to_vec(),
+        Some(
+            GetOptions::new()
+                .with_prefix()
+                .with_sort(SortTarget::Create, SortOrder::Ascend)
+                .with_limit(1)
+                .with_keys_only(),
+        ),
+    )
 }
 
 /// Runs the request `f` makes until it succeeds, fails with a non-transient error, or `total`
@@ -771,6 +788,22 @@ impl EtcdLease {
 
 #[async_trait]
 impl LeaseOps for EtcdLease {
+    /// One linearizable read: does our key still exist with our create revision? (Once a key
+    /// holds the lock it holds it for as long as it exists.)
+    ///
+    /// # Errors
+    /// [`Error::NotHeld`] if the key is gone; [`Error::Unavailable`] if etcd did not answer in
+    /// time.
+    async fn check(&self) -> Result<()> {
+        if self.released.load(Ordering::SeqCst) {
+            return Err(self.not_held());
+        }
+        match self.key_exists().await? {
+            (true, _) => Ok(()),
+            (false, _) => Err(self.not_held()),
+        }
+    }
+
     /// One `LeaseKeepAlive` exchange of this lock's etcd lease (two round trips on one stream:
     /// etcd-client keeps the first answer to itself, and the second one carries the answering
     /// member's raft term) — a session lease also confirms the other locks on it — then one

@@ -20,7 +20,7 @@
 //!     _ = lease.lost() => { /* stop at once: another holder may have the lock */ }
 //!     written = async {
 //!         // Applied only while this lease still holds the lock (one etcd transaction).
-//!         EtcdFence::new(&lease)?.put("reports/nightly", "rows…").await
+//!         EtcdFence::from_lease(&lease)?.put("reports/nightly", "rows…").await
 //!     } => written?,
 //! }
 //! lease.release().await?;
@@ -71,8 +71,10 @@
 //! exception: restoring a cluster from an old snapshot (`etcdctl snapshot restore`) rewinds the
 //! revision, and tokens handed out after the snapshot may repeat.
 //!
-//! For data kept in etcd itself, [`EtcdFence`] makes each write a transaction that checks the
-//! holder key's create revision, so a stale holder's write is rejected atomically.
+//! For data kept in etcd itself, [`EtcdFence::from_lease`] makes each write a transaction that
+//! checks the holder key's create revision, so a stale holder's write is rejected atomically
+//! (and the lease is lost at once), and that the key's guard record names the lease's lock, so a
+//! holder of another lock cannot write it.
 //!
 //! ## Leases and keepalive
 //! - Locks acquired with keepalive on (the default) share **one etcd lease per client and TTL**
@@ -154,5 +156,5 @@ pub use lease::EtcdLease;
 pub use lock::EtcdLock;
 
 /// The etcd client crate this backend is built on, re-exported so users name the same version
-/// (for [`EtcdFence::txn`] operations and reads through [`EtcdLock::client`]).
+/// (for reads through [`EtcdLock::client`]).
 pub use etcd_client;

@@ -38,7 +38,7 @@ use tokio::sync::watch;
 use crate::config::EtcdConfig;
 use crate::error::{self, BACKEND, from_client, is_lease_not_found};
 use crate::lease::{
-    Binding, EtcdLease, Reservation, SharedLease, TaskCtx, delete_while_lease_lives,
+    Binding, EtcdLease, Reservation, SharedLease, TaskCtx, delete_while_lease_lives, holder_read,
     keepalive_task, timed, ttl_secs, with_retries,
 };
 
@@ -216,6 +216,11 @@ impl EtcdLock {
         &self.inner.config
     }
 
+    /// The identity of lock `name` in its tokens ([`FencingToken::lock`]): `etcd/{prefix}/{name}`.
+    pub fn lock_id(&self, name: &str) -> String {
+        format!("etcd/{}/{}", self.inner.config.get_prefix(), name)
+    }
+
     /// `{prefix}/{name}/`, the key prefix of every contender for lock `name`.
     ///
     /// Names contain no `/` ([`validate_name`]), and the prefix ends with `/`, so no name's
@@ -315,16 +320,7 @@ impl EtcdLock {
         only_if_free: bool,
         uncertain: &AtomicBool,
     ) -> std::result::Result<Enqueued, Error> {
-        let owner = TxnOp::get(
-            name_prefix.to_vec(),
-            Some(
-                GetOptions::new()
-                    .with_prefix()
-                    .with_sort(SortTarget::Create, SortOrder::Ascend)
-                    .with_limit(1)
-                    .with_keys_only(),
-            ),
-        );
+        let owner = holder_read(name_prefix);
         let put = TxnOp::put(
             key.to_vec(),
             Vec::new(),
@@ -649,7 +645,7 @@ impl EtcdLock {
             create_uncertain,
             release_attempted: AtomicBool::new(false),
         });
-        let token = FencingToken::new(u64::try_from(my_rev).unwrap_or(0));
+        let token = FencingToken::new(self.lock_id(name), u64::try_from(my_rev).unwrap_or(0));
         Ok(Some(Lease::new(name, token, tracker, ops, opts)))
     }
 }

@@ -1,37 +1,42 @@
 //! [`PgFence`]: fenced updates of data kept in PostgreSQL.
 
-use lockkit_core::{Error, FencingToken, Result};
+use lockkit_core::backend::LeaseFence;
+use lockkit_core::{Error, FencingToken, Lease, Result};
 use sqlx::postgres::PgArguments;
 use sqlx::{Arguments, PgConnection};
 
 use crate::error::{Msg, from_sqlx};
 
-/// A fence for rows of one of **your** tables that carry a fencing-token column: an `UPDATE`
-/// that only touches rows whose stored token is not newer than the writer's, and records the
-/// writer's token in them.
+/// A fence for rows of one of **your** tables that carry a fencing-token column and a lock
+/// column: an `UPDATE` that only touches rows bound to the writer's lock whose stored token is
+/// not newer than the writer's, and records the writer's token and lock in them.
 ///
 /// This is the check Kleppmann's storage service does ("reject a write with token 33 after one
 /// with 34"), done by PostgreSQL in the caller's transaction: the same statement that writes the
-/// data compares and stores the token, so no later holder can slip in between.
+/// data compares and stores the token, so no later holder can slip in between. The token may
+/// come from any lockkit backend (a PostgreSQL table can be guarded by an etcd lock).
 ///
 /// [`update`](Self::update) runs one statement that locks the rows matching your filter
-/// (`SELECT … FOR UPDATE`), checks that none of them stores a newer token, and only then runs
+/// (`SELECT … FOR UPDATE`), checks that all of them are bound to the token's lock (or to none
+/// yet) and that none stores a newer token, and only then runs
 ///
 /// ```sql
-/// UPDATE {table} SET {set}, {token_column} = $t WHERE ({filter})
+/// UPDATE {table} SET {set}, {token_column} = $t, {lock_column} = $l WHERE ({filter})
 /// ```
 ///
-/// where `$t` is the lease's token, bound after your own arguments. Rows whose token is `NULL`
-/// have never been written under a fence and are accepted. Equal tokens pass: the same holder
-/// may write several times.
+/// where `$t` is the token's number and `$l` its lock ([`FencingToken::lock`]), bound after
+/// your own arguments. A row whose lock column is `NULL` has never been written under a fence
+/// and is bound by its first fenced update to that update's lock; from then on a token of any
+/// other lock fails with [`Error::ForeignToken`]. Equal tokens pass: the same holder may write
+/// several times.
 ///
 /// ```no_run
 /// use lockkit_core::{Lock, LockExt};
 /// use lockkit_postgres::{PgFence, PgLock};
 /// use sqlx::{Arguments, Connection, postgres::PgArguments};
 /// # async fn f(locks: PgLock, mut db: sqlx::PgConnection) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-/// // CREATE TABLE reports (id int PRIMARY KEY, body text, fence_token bigint);
-/// let fence = PgFence::new("reports", "fence_token")?;
+/// // CREATE TABLE reports (id int PRIMARY KEY, body text, fence_token bigint, fence_lock text);
+/// let fence = PgFence::new("reports", "fence_token", "fence_lock")?;
 /// let lease = locks.try_acquire("report-7", std::time::Duration::from_secs(10)).await?;
 ///
 /// let mut tx = db.begin().await?;
@@ -39,8 +44,8 @@ use crate::error::{Msg, from_sqlx};
 /// args.add("new body")?; // $1
 /// args.add(7_i32)?; // $2
 /// // WRONG: UPDATE reports SET body = $1 WHERE id = $2   -- a paused holder overwrites a newer one
-/// // RIGHT: the stale write fails with Error::StaleToken and changes nothing
-/// fence.update(&mut *tx, lease.token(), "body = $1", "id = $2", args).await?;
+/// // RIGHT: the stale write fails with Error::StaleToken, changes nothing, and the lease is lost
+/// fence.update_as(&mut *tx, &lease, "body = $1", "id = $2", args).await?;
 /// tx.commit().await?;
 /// lease.release().await?;
 /// # Ok(()) }
@@ -52,26 +57,33 @@ pub struct PgFence {
     table_sql: String,
     /// The token column, folded to lower case and quoted, for the SQL text.
     column_sql: String,
+    /// The lock column, folded to lower case and quoted, for the SQL text.
+    lock_column_sql: String,
 }
 
 impl PgFence {
     /// A fence on `table` (`name` or `schema.name`) whose token column is `token_column`
-    /// (a `bigint`). Both must be plain SQL identifiers (`[A-Za-z_][A-Za-z0-9_]*`); they are
-    /// folded to lower case (as PostgreSQL does with unquoted names) and quoted, so reserved
-    /// words such as `user` work.
+    /// (a `bigint`) and whose lock column is `lock_column` (`text`). All must be plain SQL
+    /// identifiers (`[A-Za-z_][A-Za-z0-9_]*`); they are folded to lower case (as PostgreSQL
+    /// does with unquoted names) and quoted, so reserved words such as `user` work.
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] if a name is not a plain identifier.
-    pub fn new(table: &str, token_column: &str) -> Result<Self> {
+    /// [`Error::InvalidConfig`] if a name is not a plain identifier, or the two columns are one.
+    pub fn new(table: &str, token_column: &str, lock_column: &str) -> Result<Self> {
         let parts: Vec<&str> = table.split('.').collect();
         if parts.len() > 2 || !parts.iter().all(|p| is_ident(p)) {
             return Err(Error::config(
                 "fence table must be `name` or `schema.name` of plain SQL identifiers",
             ));
         }
-        if !is_ident(token_column) {
+        if !is_ident(token_column) || !is_ident(lock_column) {
             return Err(Error::config(
-                "fence token column must be a plain SQL identifier",
+                "fence token and lock columns must be plain SQL identifiers",
+            ));
+        }
+        if token_column.eq_ignore_ascii_case(lock_column) {
+            return Err(Error::config(
+                "fence token and lock columns must be two columns",
             ));
         }
         // Folding to lower case is what PostgreSQL does with unquoted names; quoting then lets
@@ -81,18 +93,22 @@ impl PgFence {
             table: table.to_owned(),
             table_sql: parts.iter().map(|p| q(p)).collect::<Vec<_>>().join("."),
             column_sql: q(token_column),
+            lock_column_sql: q(lock_column),
         })
     }
 
-    /// Runs `UPDATE {table} SET {set} … WHERE ({filter})` if none of the rows matching `filter`
-    /// stores a token newer than `token`, stores `token` in them, and returns how many rows were
-    /// updated. All or nothing: if any matching row is newer, no row is changed.
+    /// Runs `UPDATE {table} SET {set} … WHERE ({filter})` if every row matching `filter` is
+    /// bound to `token`'s lock (or to none yet) and none stores a token newer than `token`,
+    /// stores `token` and its lock in them, and returns how many rows were updated. All or
+    /// nothing: if any matching row fails a check, no row is changed.
     ///
     /// `set` and `filter` are SQL fragments written by you (never user input), using `$1…$n`
     /// for the values in `args`. `conn` is usually your transaction (`&mut tx`): the update
     /// commits or rolls back with it.
     ///
     /// # Errors
+    /// - [`Error::ForeignToken`] if a row matching `filter` is bound to another lock
+    ///   (`expected_lock` is one of them); nothing was changed.
     /// - [`Error::StaleToken`] if any row matching `filter` carries a newer token (`current`
     ///   is the newest); nothing was changed.
     /// - [`Error::Backend`] for an SQL error (the transaction is then aborted, as usual), or
@@ -114,35 +130,75 @@ impl PgFence {
         let t = i64::try_from(token.get())
             .map_err(|_| Error::config("fencing token does not fit a bigint"))?;
         let n = args.len() + 1;
-        let (table, col) = (&self.table_sql, &self.column_sql);
-        // One statement, all or nothing: lock the matching rows, check that none carries a
-        // newer token, and update them only if so.
+        let l = n + 1;
+        let (table, col, lcol) = (&self.table_sql, &self.column_sql, &self.lock_column_sql);
+        // One statement, all or nothing: lock the matching rows, check that all are bound to
+        // our lock (or none) and none carries a newer token, and update them only if so.
         let sql = format!(
-            "WITH m AS (SELECT {col} AS t FROM {table} WHERE ({filter}) FOR UPDATE), \
-                  c AS (SELECT count(*) AS n, max(t) AS newest, \
-                               coalesce(bool_and(t IS NULL OR t <= ${n}), true) AS ok FROM m), \
-                  u AS (UPDATE {table} SET {set}, {col} = ${n} \
-                        WHERE ({filter}) AND (SELECT ok FROM c) RETURNING 1) \
-             SELECT (SELECT count(*) FROM u), c.ok, c.newest FROM c"
+            "WITH m AS (SELECT {col} AS t, {lcol} AS l FROM {table} WHERE ({filter}) FOR UPDATE), \
+                  c AS (SELECT coalesce(bool_and(l IS NULL OR l = ${l}), true) AS mine, \
+                               min(l) FILTER (WHERE l <> ${l}) AS other, \
+                               coalesce(bool_and(t IS NULL OR t <= ${n}), true) AS fresh, \
+                               max(t) AS newest FROM m), \
+                  u AS (UPDATE {table} SET {set}, {col} = ${n}, {lcol} = ${l} \
+                        WHERE ({filter}) AND (SELECT mine AND fresh FROM c) RETURNING 1) \
+             SELECT (SELECT count(*) FROM u), c.mine, c.other, c.fresh, c.newest FROM c"
         );
         let mut all = args;
         all.add(t)
             .map_err(|e| Error::config_with("cannot encode the fencing token", e))?;
-        let (done, ok, newest): (i64, bool, Option<i64>) = sqlx::query_as_with(&sql, all)
-            .fetch_one(&mut *conn)
-            .await
-            .map_err(from_sqlx)?;
-        if ok {
+        all.add(token.lock())
+            .map_err(|e| Error::config_with("cannot encode the fencing token's lock", e))?;
+        let (done, mine, other, fresh, newest): (i64, bool, Option<String>, bool, Option<i64>) =
+            sqlx::query_as_with(&sql, all)
+                .fetch_one(&mut *conn)
+                .await
+                .map_err(from_sqlx)?;
+        if !mine {
+            return Err(Error::ForeignToken {
+                resource: self.table.clone(),
+                expected_lock: other.unwrap_or_default(),
+                token,
+            });
+        }
+        if fresh {
             return Ok(u64::try_from(done).unwrap_or(0));
         }
         let current = newest.unwrap_or(i64::MAX);
         Err(Error::StaleToken {
             resource: self.table.clone(),
+            current: FencingToken::new(
+                token.lock(),
+                u64::try_from(current).map_err(|_| {
+                    crate::error::backend(Msg("negative token in the fenced table".into()))
+                })?,
+            ),
             token,
-            current: FencingToken::new(u64::try_from(current).map_err(|_| {
-                crate::error::backend(Msg("negative token in the fenced table".into()))
-            })?),
         })
+    }
+
+    /// As [`update`](Self::update) with the token of `lease` (granted by any lockkit backend);
+    /// if the update is rejected as stale (a newer grant of the lock wrote), `lease` becomes
+    /// [`Lost`](lockkit_core::LeaseState::Lost) at once.
+    ///
+    /// # Errors
+    /// As [`update`](Self::update).
+    ///
+    /// # Cancel safety
+    /// As [`update`](Self::update).
+    pub async fn update_as(
+        &self,
+        conn: &mut PgConnection,
+        lease: &Lease,
+        set: &str,
+        filter: &str,
+        args: PgArguments,
+    ) -> Result<u64> {
+        let fence = LeaseFence::new(lease);
+        let res = self
+            .update(conn, fence.token().clone(), set, filter, args)
+            .await;
+        fence.outcome(res)
     }
 
     /// The table this fence guards.
@@ -165,16 +221,17 @@ mod tests {
 
     #[test]
     fn names_are_checked() {
-        PgFence::new("reports", "fence_token").unwrap();
-        PgFence::new("app.reports", "tok").unwrap();
+        PgFence::new("reports", "fence_token", "fence_lock").unwrap();
+        PgFence::new("app.reports", "tok", "lck").unwrap();
         for (t, c) in [
             ("", "t"),
             ("a.b.c", "t"),
             ("x; drop", "t"),
             ("r", "t t"),
             ("\"r\"", "t"),
+            ("r", "L"),
         ] {
-            assert!(PgFence::new(t, c).is_err(), "{t} {c}");
+            assert!(PgFence::new(t, c, "l").is_err(), "{t} {c}");
         }
     }
 }

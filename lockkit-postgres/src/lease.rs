@@ -186,6 +186,55 @@ impl LeaseOps for PgLease {
         }
     }
 
+    /// Asks `pg_locks`, on the lease's own session, whether that session holds the advisory
+    /// lock. Like any statement it restarts the session's `idle_session_timeout`: the server
+    /// then frees a silent holder's lock later, never earlier, than the client's deadline.
+    ///
+    /// # Errors
+    /// [`Error::NotHeld`] if the session is gone or does not hold the lock (or the lease is
+    /// lost on the client side); [`Error::Unavailable`] if no answer came before the lease's
+    /// deadline.
+    async fn check(&self) -> Result<()> {
+        let mut guard = self.conn.lock().await;
+        let Some(c) = guard.as_mut() else {
+            return Err(self.not_held());
+        };
+        if self.tracker.state() == LeaseState::Lost {
+            return Err(self.not_held());
+        }
+        let (hi, lo) = (
+            (self.key as u64 >> 32) as i64,
+            (self.key as u64 & 0xffff_ffff) as i64,
+        );
+        let sent = Instant::now();
+        let res = tokio::time::timeout_at(
+            self.tracker.valid_until(),
+            sqlx::query_scalar::<_, bool>(
+                "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted \
+                 AND pid = pg_backend_pid() AND classid = $1::bigint::oid \
+                 AND objid = $2::bigint::oid AND objsubid = 1)",
+            )
+            .bind(hi)
+            .bind(lo)
+            .fetch_one(&mut c.conn),
+        )
+        .await;
+        match res {
+            Ok(Ok(true)) => {
+                c.last_sent = sent;
+                Ok(())
+            }
+            Ok(Ok(false)) => Err(self.not_held()),
+            Ok(Err(e)) => {
+                tracing::debug!(lock = %self.name, error = %e, "check failed: session gone");
+                Err(self.not_held())
+            }
+            Err(_) => Err(crate::error::unavailable(crate::error::Msg(
+                "no answer to the lease check before the lease's deadline".into(),
+            ))),
+        }
+    }
+
     /// Unlocks with `pg_advisory_unlock(key)`; see [`PgLease`].
     ///
     /// # Errors

@@ -21,9 +21,9 @@
 //! let lease = locks.acquire("invoice-run", opts).await?;
 //!
 //! // The protected data lives in PostgreSQL too: every write is fenced by the lease's token,
-//! // in your own transaction. (CREATE TABLE invoices (id int PRIMARY KEY, state text,
-//! // fence_token bigint))
-//! let fence = PgFence::new("invoices", "fence_token")?;
+//! // in your own transaction, and each row is bound to the lock of its first fenced write.
+//! // (CREATE TABLE invoices (id int PRIMARY KEY, state text, fence_token bigint, fence_lock text))
+//! let fence = PgFence::new("invoices", "fence_token", "fence_lock")?;
 //! let mut db = sqlx::PgConnection::connect("postgres://postgres@127.0.0.1:5432/postgres").await?;
 //! let mut tx = db.begin().await?;
 //! let mut args = PgArguments::default();
@@ -31,9 +31,10 @@
 //! args.add(42_i32)?; // $2
 //! tokio::select! {
 //!     _ = lease.lost() => return Err("lease lost: another holder may run now".into()),
-//!     res = fence.update(&mut *tx, lease.token(), "state = $1", "id = $2", args) => match res {
+//!     res = fence.update_as(&mut *tx, &lease, "state = $1", "id = $2", args) => match res {
 //!         Ok(_) => tx.commit().await?,
-//!         // A holder with a newer token already wrote: we were paused past our TTL.
+//!         // A holder with a newer token already wrote: we were paused past our TTL (the lease
+//!         // is now Lost).
 //!         Err(Error::StaleToken { .. }) => tx.rollback().await?,
 //!         Err(e) => return Err(e.into()),
 //!     },

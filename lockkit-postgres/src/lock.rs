@@ -794,6 +794,13 @@ impl PgLock {
         let c = &self.inner.config;
         lock_key_in(&c.schema, &c.prefix, name)
     }
+
+    /// The identity of lock `name` in its tokens ([`FencingToken::lock`]):
+    /// `postgres/{schema}/{prefix}/{name}`.
+    pub fn lock_id(&self, name: &str) -> String {
+        let c = &self.inner.config;
+        format!("postgres/{}/{}/{name}", c.schema, c.prefix)
+    }
 }
 
 #[async_trait]
@@ -856,7 +863,7 @@ impl LockBackend for PgLock {
         ));
         Ok(Lease::new(
             name,
-            FencingToken::new(token),
+            FencingToken::new(self.lock_id(name), token),
             tracker,
             ops,
             &opts,

@@ -218,6 +218,13 @@ impl LeaseOps for RedisLease {
         }
     }
 
+    async fn check(&self) -> Result<()> {
+        crate::fence::holds(&self.conn, &self.lock_key, &self.owner)
+            .await?
+            .then_some(())
+            .ok_or_else(|| self.not_held())
+    }
+
     fn as_any(&self) -> &dyn Any {
         self
     }

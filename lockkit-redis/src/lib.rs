@@ -84,6 +84,10 @@
 //!   pointing at a plain-text port fails with `Unavailable` only after the connect timeout: the
 //!   plain server waits for the rest of what it takes for a command and never answers the TLS
 //!   handshake. Commands time out after the response timeout (default 2 s).
+//! - **Data kept in Redis**: [`RedisFence::from_lease`] writes keys with one script that checks
+//!   each key's guard record: the key is bound to the lock of its first fenced write, a token of
+//!   another lock fails with [`ForeignToken`](lockkit_core::Error::ForeignToken), an older token
+//!   with [`StaleToken`](lockkit_core::Error::StaleToken) (and the writer's lease is lost).
 //! - **Errors**: `LOADING`, `BUSY`, `TRYAGAIN` and `MASTERDOWN` replies are transient
 //!   ([`Error::Unavailable`](lockkit_core::Error::Unavailable), retried); `READONLY` (the URL
 //!   names a read-only replica) and `NOPERM` are [`Error::Backend`](lockkit_core::Error::Backend)
@@ -97,6 +101,7 @@
 //! | `P:lock:N` | the holder's owner value, with the lease's TTL |
 //! | `P:fence:N` | the fence counter (the last token), no expiry |
 //! | `P:cancelled:OWNER` | tombstone of a cancelled acquire attempt (see *Cancel safety*), expires |
+//! | `P:guard:K` | for a key `K` written through [`RedisFence`]: the lock guarding it and the highest token that wrote it, no expiry |
 //! | channel `P:released:N` | a message on every release |
 //!
 //! Fence counters are never deleted (deleting one would let tokens repeat, were it not for the
@@ -158,6 +163,7 @@
 mod config;
 mod conn;
 mod error;
+mod fence;
 mod lease;
 mod lock;
 mod waiters;
@@ -166,6 +172,7 @@ pub use config::{
     DEFAULT_CONNECT_TIMEOUT, DEFAULT_PREFIX, DEFAULT_RESPONSE_TIMEOUT, MAX_CA_FILE_BYTES,
     MAX_PREFIX_BYTES, RedisConfig, validate_prefix,
 };
+pub use fence::RedisFence;
 pub use lock::{EXPIRY_JITTER, EXPIRY_SLACK, MAX_WAIT_POLL, RedisLock};
 
 /// The redis crate this backend is built on, for users who need its types.

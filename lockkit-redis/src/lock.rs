@@ -256,6 +256,12 @@ impl RedisLock {
         &self.inner.config.prefix
     }
 
+    /// The identity of lock `name` in its tokens ([`FencingToken::lock`]):
+    /// `redis/{prefix}/{name}`.
+    pub fn lock_id(&self, name: &str) -> String {
+        format!("redis/{}/{name}", self.prefix())
+    }
+
     /// The Redis key holding lock `name` (its value is the holder's random owner value), for
     /// inspection and tests. Does not validate `name`.
     pub fn lock_key(&self, name: &str) -> String {
@@ -514,7 +520,7 @@ impl LockBackend for RedisLock {
                     });
                     return Ok(Lease::new(
                         name,
-                        FencingToken::new(token),
+                        FencingToken::new(self.lock_id(name), token),
                         tracker,
                         ops,
                         &opts,

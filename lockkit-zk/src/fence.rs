@@ -1,69 +1,165 @@
-//! A fence for data kept in ZooKeeper itself.
+//! [`ZkFence`]: writes to data kept in ZooKeeper itself that succeed only while the writer holds
+//! its lock.
 
+use std::fmt;
+
+use lockkit_core::backend::LeaseFence;
 use lockkit_core::{Error, FencingToken, Lease, Result};
 use zookeeper_client as zk;
 
 use crate::ZkLock;
+use crate::config::encode_name;
 use crate::error::from_zk;
 use crate::lease::ZkLease;
+use crate::session::shared_acls;
 
-/// Fenced writes to nodes of your own: each write is one
-/// [multi-op](https://zookeeper.apache.org/doc/r3.8.0/zookeeperProgrammers.html#ch_zkDataModel)
-/// transaction `check(lock node, version 0) + setData/create(path)`, so it is applied only if the
-/// lease's own lock node still exists, that is, only while the lease holds the lock. A holder that
-/// paused past its session's expiry wakes up to [`Error::StaleToken`], whatever it believes.
+/// Fenced writes to nodes of your own, made from a ZooKeeper [`Lease`] (also one obtained as
+/// `Arc<dyn Lock>` from `lockkit::connect`).
 ///
-/// The check runs on the server, atomically with the write; it does not depend on the writer's
-/// clock or on the lease's session being alive (writes go through a session of their own).
+/// Each write is one
+/// [multi-op](https://zookeeper.apache.org/doc/r3.8.0/zookeeperProgrammers.html#ch_zkDataModel)
+/// transaction
+/// - `check(lock node, version 0)`: applied only if the lease's own lock node still exists,
+///   that is, only while the lease holds the lock. A holder that paused past its session's
+///   expiry wakes up to [`Error::StaleToken`], whatever it believes, and its lease becomes
+///   [`Lost`](lockkit_core::LeaseState::Lost) at once.
+/// - `check` (or, on the first fenced write of the node, `create`) of the node's **guard
+///   record** `/{prefix}/%fence/{path, percent-encoded}` (`%` never starts a lock's node, which
+///   encodes it), whose data is the identity of the lock guarding the node
+///   ([`FencingToken::lock`]): a write under another lock fails with [`Error::ForeignToken`] and
+///   changes nothing.
+/// - `setData` (or `create`) of the node.
+///
+/// The checks run on the server, atomically with the write; they do not depend on the writer's
+/// clock or on the lease's session being alive (writes go through a session of their own, the
+/// granting [`ZkLock`]'s control session).
 ///
 /// ```no_run
 /// use std::time::Duration;
-/// use lockkit_core::{Lock, LockExt};
-/// use lockkit_zk::ZkLock;
+/// use lockkit_core::LockExt;
+/// use lockkit_zk::{ZkFence, ZkLock};
 ///
 /// # async fn f() -> lockkit_core::Result<()> {
 /// let locks = ZkLock::connect("zk://127.0.0.1:2181").await?;
-/// let fence = locks.fence();
 /// let lease = locks.try_acquire("config-writer", Duration::from_secs(10)).await?;
-/// fence.write(&lease, "/app-config", b"v2").await?; // Err(StaleToken) once the lease is gone
+/// let fence = ZkFence::from_lease(&lease)?;
+/// fence.write("/app-config", b"v2").await?; // Err(StaleToken) once the lease is gone
 /// lease.release().await?;
 /// # Ok(()) }
 /// ```
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct ZkFence {
+    lease: LeaseFence,
     lock: ZkLock,
+    /// The lease's lock node.
+    node: String,
+    /// `/{prefix}`, the parent of the lock containers and of the guard records' directory.
+    prefix_dir: String,
+}
+
+impl fmt::Debug for ZkFence {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ZkFence")
+            .field("token", self.lease.token())
+            .field("node", &self.node)
+            .finish()
+    }
 }
 
 impl ZkFence {
-    pub(crate) fn new(lock: ZkLock) -> Self {
-        Self { lock }
+    /// The fence for writes made under `lease`. It keeps what it needs, so it may outlive the
+    /// borrow; writes fail once the lease is gone.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] if `lease` was not granted by a [`ZkLock`].
+    pub fn from_lease(lease: &Lease) -> Result<Self> {
+        let not_zk = || Error::config("ZkFence needs a lease granted by a ZkLock");
+        let zl = lease
+            .ops()
+            .as_any()
+            .downcast_ref::<ZkLease>()
+            .ok_or_else(not_zk)?;
+        let lock = zl
+            .granted_by
+            .downcast_ref::<ZkLock>()
+            .ok_or_else(not_zk)?
+            .clone();
+        // `/{prefix}/{name}/{node}`.
+        let prefix_dir = zl
+            .path
+            .rsplitn(3, '/')
+            .nth(2)
+            .ok_or_else(not_zk)?
+            .to_owned();
+        Ok(Self {
+            lease: LeaseFence::new(lease),
+            lock,
+            node: zl.path.clone(),
+            prefix_dir,
+        })
+    }
+
+    /// The fencing token of the lease (its lock node's `czxid`).
+    pub fn token(&self) -> &FencingToken {
+        self.lease.token()
+    }
+
+    /// The path of `path`'s guard record: `path` percent-encoded as a lock name is, and `/` as
+    /// `%2F` (unambiguous, since `%` itself is encoded as `%25`).
+    pub fn guard_path(&self, path: &str) -> String {
+        format!(
+            "{}/%fence/{}",
+            self.prefix_dir,
+            encode_name(path).replace('/', "%2F")
+        )
     }
 
     /// Writes `data` to the node `path` (below the chroot), creating it as a persistent node if
-    /// it does not exist (its parent must exist), if and only if `lease` still holds its lock.
+    /// it does not exist (its parent must exist), if and only if the lease still holds its lock
+    /// and `path` is not guarded by another lock.
     ///
     /// # Errors
     /// - [`Error::StaleToken`] if the lease's lock node is gone (the lease lapsed; another holder
-    ///   may have the lock). Nothing was written. `current` is the current holder's token if
-    ///   there is one, else the lease's own.
-    /// - [`Error::InvalidConfig`] if `lease` is not a ZooKeeper lease.
+    ///   may have the lock). Nothing was written; the lease is now lost. `current` is the current
+    ///   holder's token if there is one, else the lease's own.
+    /// - [`Error::ForeignToken`] if another lock guards `path`. Nothing was written.
+    /// - [`Error::InvalidConfig`] for a path ZooKeeper refuses.
     /// - [`Error::Unavailable`] and others from the server. On a lost connection the write may or
     ///   may not have been applied (it was applied only if the lease held the lock).
     ///
     /// # Cancel safety
     /// Cancel safe in the same sense: a dropped write was applied entirely or not at all.
-    pub async fn write(&self, lease: &Lease, path: &str, data: &[u8]) -> Result<()> {
-        let zl = zk_lease(lease)?;
+    pub async fn write(&self, path: &str, data: &[u8]) -> Result<()> {
         let session = self.lock.control_session().await?;
+        let guard = self.guard_path(path);
+        let lock_id = self.token().lock().as_bytes();
+        let own = zk::CreateMode::Persistent.with_acls(session.own_acls());
+        // What we believe of the guard record (`None`: missing) and of the node.
+        let mut recorded = true;
         let mut create = false;
-        for _ in 0..4 {
+        for _ in 0..8 {
+            if recorded {
+                match session.client.get_data(&guard).await {
+                    Ok((owner, _)) if owner != lock_id => {
+                        return Err(self.lease.foreign(path, String::from_utf8_lossy(&owner)));
+                    }
+                    Ok(_) => {}
+                    Err(zk::Error::NoNode) => recorded = false,
+                    Err(e @ zk::Error::BadArguments(_)) => return Err(bad_path(e)),
+                    Err(e) => return Err(from_zk(e)),
+                }
+            }
             let mut w = session
                 .client
-                .new_check_writer(&zl.path, Some(0))
+                .new_check_writer(&self.node, Some(0))
                 .map_err(bad_path)?;
+            if recorded {
+                w.add_check_version(&guard, 0).map_err(bad_path)?;
+            } else {
+                w.add_create(&guard, lock_id, &own).map_err(bad_path)?;
+            }
             if create {
-                let mode = zk::CreateMode::Persistent.with_acls(session.own_acls());
-                w.add_create(path, data, &mode).map_err(bad_path)?;
+                w.add_create(path, data, &own).map_err(bad_path)?;
             } else {
                 w.add_set_data(path, data, None).map_err(bad_path)?;
             }
@@ -72,20 +168,34 @@ impl ZkFence {
                 Err(zk::CheckWriteError::CheckFailed {
                     source: zk::Error::NoNode | zk::Error::BadVersion,
                 }) => {
-                    let current = self.current_token(zl).await.unwrap_or(lease.token());
-                    return Err(Error::StaleToken {
-                        resource: path.to_owned(),
-                        token: lease.token(),
-                        current,
-                    });
+                    let current = self
+                        .current_token(&session)
+                        .await
+                        .unwrap_or_else(|| self.token().clone());
+                    return Err(self.lease.stale(path, current));
+                }
+                // The guard record: gone since we read it, or (creating it) its directory is
+                // missing, or someone else created it first.
+                Err(zk::CheckWriteError::OperationFailed {
+                    index: 0,
+                    source: zk::Error::NoNode | zk::Error::BadVersion,
+                }) => {
+                    if !recorded {
+                        self.create_guard_dir(&session).await?;
+                    }
+                    recorded = false;
                 }
                 Err(zk::CheckWriteError::OperationFailed {
+                    index: 0,
+                    source: zk::Error::NodeExists,
+                }) if !recorded => recorded = true,
+                Err(zk::CheckWriteError::OperationFailed {
+                    index: 1,
                     source: zk::Error::NoNode,
-                    ..
                 }) if !create => create = true,
                 Err(zk::CheckWriteError::OperationFailed {
+                    index: 1,
                     source: zk::Error::NodeExists,
-                    ..
                 }) if create => create = false,
                 Err(
                     zk::CheckWriteError::CheckFailed { source }
@@ -96,7 +206,7 @@ impl ZkFence {
         }
         Err(Error::Backend {
             backend: crate::error::BACKEND,
-            source: "the fenced node kept being created and deleted concurrently".into(),
+            source: "the fenced node or its guard record kept changing concurrently".into(),
         })
     }
 
@@ -122,10 +232,23 @@ impl ZkFence {
             .await
     }
 
+    /// Creates `/{prefix}` and `/{prefix}/%fence` as containers open to everyone (as the lock
+    /// containers are), if missing.
+    async fn create_guard_dir(&self, session: &crate::session::Session) -> Result<()> {
+        let mode = zk::CreateMode::Container.with_acls(shared_acls());
+        let dir = format!("{}/%fence", self.prefix_dir);
+        for path in [self.prefix_dir.as_str(), dir.as_str()] {
+            match session.client.create(path, &[], &mode).await {
+                Ok(_) | Err(zk::Error::NodeExists) => {}
+                Err(e) => return Err(from_zk(e)),
+            }
+        }
+        Ok(())
+    }
+
     /// The token of the lock's current holder (lowest node), if any.
-    async fn current_token(&self, zl: &ZkLease) -> Option<FencingToken> {
-        let (dir, _) = zl.path.rsplit_once('/')?;
-        let session = self.lock.control_session().await.ok()?;
+    async fn current_token(&self, session: &crate::session::Session) -> Option<FencingToken> {
+        let (dir, _) = self.node.rsplit_once('/')?;
         let children = session.client.list_children(dir).await.ok()?;
         let lowest = children
             .iter()
@@ -140,16 +263,9 @@ impl ZkFence {
             .check_stat(&format!("{dir}/{}", lowest.1))
             .await
             .ok()??;
-        u64::try_from(stat.czxid).ok().map(FencingToken::new)
+        let czxid = u64::try_from(stat.czxid).ok()?;
+        Some(FencingToken::new(self.token().lock(), czxid))
     }
-}
-
-fn zk_lease(lease: &Lease) -> Result<&ZkLease> {
-    lease
-        .ops()
-        .as_any()
-        .downcast_ref::<ZkLease>()
-        .ok_or_else(|| Error::config("ZkFence needs a lease granted by a ZkLock"))
 }
 
 fn bad_path(e: zk::Error) -> Error {

@@ -17,6 +17,9 @@ use crate::session::{Session, spawn_delete};
 /// `lease.ops().as_any().downcast_ref::<ZkLease>()` (the fence does this for you).
 pub struct ZkLease {
     pub(crate) session: Arc<Session>,
+    /// The `ZkLock` that granted the lease (its control session carries fenced writes); typed
+    /// `Any` so that this module does not depend on the lock module.
+    pub(crate) granted_by: Arc<dyn Any + Send + Sync>,
     pub(crate) name: String,
     pub(crate) path: String,
     pub(crate) czxid: i64,
@@ -65,6 +68,12 @@ impl ZkLease {
 
 #[async_trait]
 impl LeaseOps for ZkLease {
+    /// The same `sync` + `exists` as [`renew`](Self::renew), which on ZooKeeper extends nothing
+    /// either (the session's heartbeats do).
+    async fn check(&self) -> Result<()> {
+        self.renew(self.session.ttl).await
+    }
+
     /// A lease on ZooKeeper lives as long as its session; a renewal is a `sync` (leader-ordered:
     /// it proves the session alive on the leader, see the session module) pipelined with an
     /// `exists` on the lock node, which, read after the `sync`, proves that the node (same

@@ -7,20 +7,19 @@
 //! ```no_run
 //! use std::time::Duration;
 //! use lockkit_core::{AcquireOptions, Lock, Wait};
-//! use lockkit_zk::ZkLock;
+//! use lockkit_zk::{ZkFence, ZkLock};
 //!
 //! # #[tokio::main] async fn main() -> lockkit_core::Result<()> {
 //! // zk://[user:password@]host:port[,host:port…][/chroot][?prefix=…&connect_timeout_ms=…]
 //! let locks = ZkLock::connect("zk://127.0.0.1:2181,127.0.0.1:2182/apps/billing?prefix=locks").await?;
-//! let fence = locks.fence();
-//!
 //! let opts = AcquireOptions::new()
 //!     .ttl(Duration::from_secs(10)) // = the ZooKeeper session timeout of this lease
 //!     .wait(Wait::Timeout(Duration::from_secs(30)));
 //! let lease = locks.acquire("nightly-invoices", opts).await?;
+//! let fence = ZkFence::from_lease(&lease)?;
 //! tokio::select! {
 //!     _ = lease.lost() => { /* session expired or deadline passed: stop, someone else may hold it */ }
-//!     res = fence.write(&lease, "/invoice-run", b"started") => res?,
+//!     res = fence.write("/invoice-run", b"started") => res?,
 //! }
 //! lease.release().await?;
 //! # Ok(()) }
@@ -62,8 +61,10 @@
 //! - **Release** is a version-checked delete of the lease's own node. If it cannot be
 //!   acknowledged, it keeps going in the background and the lease stays registered with its
 //!   session until the node is gone (deleted, or with its expired session).
-//! - [`ZkFence`] writes your own ZooKeeper data only while a lease holds its lock: a multi-op
-//!   checking the lease's node.
+//! - [`ZkFence::from_lease`] writes your own ZooKeeper data only while a lease holds its lock: a
+//!   multi-op checking the lease's node and the data node's guard record, which binds the node to
+//!   the lock of its first fenced write (a holder of another lock gets
+//!   [`ForeignToken`](lockkit_core::Error::ForeignToken)).
 //!
 //! ## Limits
 //! - `keepalive(false)` is [`NotSupported`](lockkit_core::Error::NotSupported): session heartbeats
@@ -75,7 +76,8 @@
 //!   tick after a heartbeat reached it, the leader may time the session out from an earlier
 //!   activity report (at most about TTL/3 earlier) while the client counts from that heartbeat.
 //!   Connecting to the leader, or to a standalone server, has no such window.
-//! - Authentication: with `user:password`, lock nodes and fenced data nodes are creator-only;
+//! - Authentication: with `user:password`, lock nodes, fenced data nodes and their guard records
+//!   are creator-only;
 //!   the shared prefix and lock container nodes are open to everyone, so clients with other or
 //!   no credentials can queue on the same locks. ZooKeeper's `digest` scheme never refuses a
 //!   password: a wrong one is another identity, and an ACL refusing it is

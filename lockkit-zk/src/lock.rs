@@ -18,7 +18,6 @@ use zookeeper_client as zk;
 
 use crate::config::{CONTROL_SESSION_TTL, ZkConfig, encode_name};
 use crate::error::{BACKEND, connection_lost, from_zk, unavailable};
-use crate::fence::ZkFence;
 use crate::lease::ZkLease;
 use crate::session::{Session, shared_acls, spawn_delete, spawn_delete_own};
 
@@ -151,10 +150,13 @@ impl ZkLock {
         &self.inner.cfg
     }
 
-    /// A fence for data kept in ZooKeeper: writes that succeed only while a given lease still
-    /// holds its lock.
-    pub fn fence(&self) -> ZkFence {
-        ZkFence::new(self.clone())
+    /// The identity of lock `name` in its tokens ([`FencingToken::lock`]):
+    /// `zk{chroot}/{prefix}/{name}`, e.g. `zk/lockkit/report`, or `zk/apps/x/lockkit/report`
+    /// with chroot `/apps/x`.
+    pub fn lock_id(&self, name: &str) -> String {
+        let chroot = self.inner.cfg.get_chroot().unwrap_or("");
+        let chroot = chroot.trim_end_matches('/');
+        format!("zk{chroot}/{}/{name}", self.inner.cfg.get_prefix())
     }
 
     /// The path (below the chroot) of the node under which lock `name`'s nodes are created.
@@ -355,12 +357,14 @@ impl ZkLock {
                 pending.armed = false;
                 let ops = Arc::new(ZkLease {
                     session: session.clone(),
+                    granted_by: Arc::new(self.clone()),
                     name: name.to_owned(),
                     path: node,
                     czxid,
                     reg,
                 });
-                let token = FencingToken::new(u64::try_from(czxid).unwrap_or(0));
+                let token =
+                    FencingToken::new(self.lock_id(name), u64::try_from(czxid).unwrap_or(0));
                 return Ok(Lease::new(name, token, tracker, ops, opts));
             }
             if opts.wait == Wait::No {

@@ -38,6 +38,64 @@ pub fn with_prefix(url: &str, prefix: &str) -> String {
     format!("{base}{sep}prefix={prefix}{fragment}")
 }
 
+/// `res` is the `ForeignToken` error of a fenced write with `token` to `resource`, which the lock
+/// of `guard` guards.
+pub fn assert_foreign<T: std::fmt::Debug>(
+    res: lockkit::Result<T>,
+    resource: &str,
+    guard: &lockkit::FencingToken,
+    token: &lockkit::FencingToken,
+) {
+    match res {
+        Err(lockkit::Error::ForeignToken {
+            resource: r,
+            expected_lock,
+            token: t,
+        }) => {
+            assert_eq!(r, resource);
+            assert_eq!(expected_lock, guard.lock());
+            assert_eq!(t, *token);
+        }
+        other => panic!("a token of another lock: expected ForeignToken, got {other:?}"),
+    }
+}
+
+/// After the server freed `lease`'s lock (of TTL `ttl`) behind its back: the lease does not
+/// know yet, `check` says `NotHeld`, and the lease is Lost at once, long before its deadline.
+pub async fn assert_check_finds_it_freed(lease: &lockkit::Lease, ttl: Duration) {
+    use lockkit::LeaseState;
+    assert_eq!(
+        lease.state(),
+        LeaseState::Held,
+        "nothing told the lease yet"
+    );
+    match lease.check().await {
+        Err(lockkit::Error::NotHeld { .. }) => {}
+        other => panic!("check of a freed lock: {other:?}"),
+    }
+    assert_eq!(lease.state(), LeaseState::Lost);
+    assert!(lease.valid_until() > tokio::time::Instant::now() + ttl / 2);
+}
+
+/// A backend fence's `from_lease` refuses a lease of another backend (memory) with a typed
+/// error.
+pub async fn refuses_a_memory_lease<T: std::fmt::Debug>(
+    from_lease: impl FnOnce(&lockkit::Lease) -> lockkit::Result<T>,
+) {
+    use lockkit::LockExt;
+    let memory = lockkit::connect("memory://").await.unwrap();
+    let lease = memory
+        .try_acquire("m", Duration::from_secs(10))
+        .await
+        .unwrap();
+    let made = from_lease(&lease);
+    assert!(
+        matches!(made, Err(lockkit::Error::InvalidConfig { .. })),
+        "a fence from a memory lease: {made:?}"
+    );
+    lease.release().await.unwrap();
+}
+
 /// A harness that connects a new client through `lockkit::connect` for every `client()` call.
 pub struct UrlHarness {
     pub url: String,

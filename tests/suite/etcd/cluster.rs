@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use lockkit::etcd::etcd_client::{GetOptions, PutOptions, TxnOp};
+use lockkit::etcd::etcd_client::GetOptions;
 use lockkit::etcd::{EtcdFence, EtcdLock};
 use lockkit::{AcquireOptions, Error, FencingToken, Lock, Wait};
 use tokio::time::Instant;
@@ -25,7 +25,7 @@ enum Outcome {
     NoWrite,
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Grant {
     token: FencingToken,
     acquired_at: Instant,
@@ -98,13 +98,16 @@ async fn leader_sigkill_during_fenced_increments() {
                             .first()
                             .and_then(|kv| std::str::from_utf8(kv.value()).ok()?.parse().ok())
                             .unwrap_or(0);
-                        let fence = EtcdFence::new(&lease).expect("etcd lease");
-                        let marker = format!("{markers}{}-{c}-{i}", lease.token());
-                        let ops = vec![
-                            TxnOp::put(counter.clone(), (v + 1).to_string(), None::<PutOptions>),
-                            TxnOp::put(marker, "", None::<PutOptions>),
+                        let fence = EtcdFence::from_lease(&lease).expect("etcd lease");
+                        let marker = format!("{markers}{}-{c}-{i}", lease.token().get());
+                        let writes = [
+                            (
+                                counter.clone().into_bytes(),
+                                (v + 1).to_string().into_bytes(),
+                            ),
+                            (marker.into_bytes(), Vec::new()),
                         ];
-                        match fence.txn(ops).await {
+                        match fence.put_all(writes).await {
                             Ok(_) => Outcome::Acked,
                             Err(Error::StaleToken { .. }) => Outcome::Stale,
                             Err(_) => Outcome::Uncertain,
@@ -343,7 +346,7 @@ async fn frozen_leader_keeps_fenced_writes_safe() {
                         panic!("{}: old holder not told it lost the lock", l.name())
                     });
                 let data = format!("{prefix}-data/{}", l.name());
-                match EtcdFence::new(l).unwrap().put(data, "stale").await {
+                match EtcdFence::from_lease(l).unwrap().put(data, "stale").await {
                     Err(Error::StaleToken { .. }) => {}
                     r => panic!("{}: stale holder's fenced write: {r:?}", l.name()),
                 }

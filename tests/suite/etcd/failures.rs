@@ -100,7 +100,7 @@ async fn holder_loss_behind_blackholed_proxy() {
     // The network heals; the stale holder tries to write.
     proxy.thaw();
     let data = format!("{prefix}-data/report");
-    match EtcdFence::new(&lease_a)
+    match EtcdFence::from_lease(&lease_a)
         .unwrap()
         .put(data.clone(), "from A")
         .await
@@ -111,7 +111,7 @@ async fn holder_loss_behind_blackholed_proxy() {
         }
         other => panic!("stale holder's fenced write: {other:?}"),
     }
-    EtcdFence::new(&lease_b)
+    EtcdFence::from_lease(&lease_b)
         .unwrap()
         .put(data.clone(), "from B")
         .await

@@ -3,6 +3,7 @@
 
 mod cluster;
 mod failures;
+mod fence;
 mod support;
 
 use std::time::Duration;

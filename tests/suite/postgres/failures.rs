@@ -80,7 +80,7 @@ async fn holder_child_process() {
     assert_eq!(line.trim(), "GO");
     println!("HOLDER STATE {:?}", lease.state());
     // The paused holder still tries its write, with its old token.
-    let fence = PgFence::new(&table, "fence_token").expect("fence");
+    let fence = PgFence::new(&table, "fence_token", "fence_lock").expect("fence");
     let mut tx = db.begin().await.expect("begin");
     match fence
         .update(
@@ -146,7 +146,11 @@ async fn paused_holder_is_fenced_out() {
             }
         }
     };
-    let old_token: u64 = next("TOKEN").await.parse().expect("token");
+    let old_token = next("TOKEN")
+        .await
+        .parse::<lockkit::FencingToken>()
+        .expect("token")
+        .get();
 
     signal(pid, "STOP");
     let stopped = Instant::now();
@@ -166,7 +170,7 @@ async fn paused_holder_is_fenced_out() {
         "granted {took:?} after the holder froze (TTL {ttl:?})"
     );
     assert!(lease.token().get() > old_token);
-    let fence = PgFence::new(&table, "fence_token").unwrap();
+    let fence = PgFence::new(&table, "fence_token", "fence_lock").unwrap();
     let mut db = admin(&base_url()).await;
     let mut tx = db.begin().await.unwrap();
     fence

@@ -3,6 +3,7 @@
 //! paused holders, killed sessions, server restarts and cancelled waits.
 
 mod failures;
+mod fence;
 mod review;
 mod server;
 
@@ -69,6 +70,11 @@ pub async fn wait_no_advisory_lock(url: &str, key: i64, limit: Duration) {
     }
 }
 
+/// A token of the lock these tests pretend guards the scratch table.
+fn tok(n: u64) -> FencingToken {
+    FencingToken::new("postgres/test/report", n)
+}
+
 fn args2(a: &str, b: i32) -> PgArguments {
     let mut args = PgArguments::default();
     args.add(a.to_owned()).expect("encode");
@@ -76,15 +82,17 @@ fn args2(a: &str, b: i32) -> PgArguments {
     args
 }
 
-/// A scratch table `(id int primary key, body text, fence_token bigint)` with row 1.
+/// A scratch table `(id int primary key, body text, fence_token bigint, fence_lock text)` with
+/// row 1.
 pub async fn scratch_table(url: &str) -> String {
     let table = format!("lk_fenced_{:08x}", rand::random::<u32>());
     let mut db = admin(url).await;
     sqlx::Executor::execute(
         &mut db,
         format!(
-            "CREATE TABLE {table} (id int PRIMARY KEY, body text, fence_token bigint); \
-             INSERT INTO {table} VALUES (1, 'initial', NULL);"
+            "CREATE TABLE {table} (id int PRIMARY KEY, body text, fence_token bigint, \
+                                    fence_lock text); \
+             INSERT INTO {table} VALUES (1, 'initial', NULL, NULL);"
         )
         .as_str(),
     )
@@ -99,18 +107,12 @@ pub async fn scratch_table(url: &str) -> String {
 async fn fenced_update_rejects_older_tokens() {
     let url = base_url();
     let table = scratch_table(&url).await;
-    let fence = PgFence::new(&table, "fence_token").unwrap();
+    let fence = PgFence::new(&table, "fence_token", "fence_lock").unwrap();
     let mut db = admin(&url).await;
 
     let mut tx = db.begin().await.unwrap();
     let n = fence
-        .update(
-            &mut tx,
-            FencingToken::new(34),
-            "body = $1",
-            "id = $2",
-            args2("by 34", 1),
-        )
+        .update(&mut tx, tok(34), "body = $1", "id = $2", args2("by 34", 1))
         .await
         .expect("first fenced write");
     assert_eq!(n, 1);
@@ -121,7 +123,7 @@ async fn fenced_update_rejects_older_tokens() {
     fence
         .update(
             &mut tx,
-            FencingToken::new(34),
+            tok(34),
             "body = $1",
             "id = $2",
             args2("by 34 again", 1),
@@ -133,13 +135,7 @@ async fn fenced_update_rejects_older_tokens() {
     // The paused holder with token 33 wakes up.
     let mut tx = db.begin().await.unwrap();
     match fence
-        .update(
-            &mut tx,
-            FencingToken::new(33),
-            "body = $1",
-            "id = $2",
-            args2("by 33", 1),
-        )
+        .update(&mut tx, tok(33), "body = $1", "id = $2", args2("by 33", 1))
         .await
     {
         Err(Error::StaleToken {
@@ -147,11 +143,37 @@ async fn fenced_update_rejects_older_tokens() {
             current,
             resource,
         }) => {
-            assert_eq!(token, FencingToken::new(33));
-            assert_eq!(current, FencingToken::new(34));
+            assert_eq!(token, tok(33));
+            assert_eq!(current, tok(34));
             assert_eq!(resource, table);
         }
         other => panic!("expected StaleToken, got {other:?}"),
+    }
+    tx.commit().await.unwrap();
+
+    // A token of another lock, even a higher one: ForeignToken, nothing changed.
+    let mut tx = db.begin().await.unwrap();
+    let foreign = FencingToken::new("postgres/test/other", 99);
+    match fence
+        .update(
+            &mut tx,
+            foreign.clone(),
+            "body = $1",
+            "id = $2",
+            args2("by another lock", 1),
+        )
+        .await
+    {
+        Err(Error::ForeignToken {
+            token,
+            expected_lock,
+            resource,
+        }) => {
+            assert_eq!(token, foreign);
+            assert_eq!(expected_lock, "postgres/test/report");
+            assert_eq!(resource, table);
+        }
+        other => panic!("expected ForeignToken, got {other:?}"),
     }
     tx.commit().await.unwrap();
 
@@ -160,7 +182,7 @@ async fn fenced_update_rejects_older_tokens() {
     fence
         .update(
             &mut tx,
-            FencingToken::new(40),
+            tok(40),
             "body = $1",
             "id = $2",
             args2("rolled back", 1),
@@ -171,13 +193,7 @@ async fn fenced_update_rejects_older_tokens() {
 
     // No row matches the filter: not a stale write.
     let n = fence
-        .update(
-            &mut db,
-            FencingToken::new(50),
-            "body = $1",
-            "id = $2",
-            args2("x", 99),
-        )
+        .update(&mut db, tok(50), "body = $1", "id = $2", args2("x", 99))
         .await
         .unwrap();
     assert_eq!(n, 0);

@@ -111,10 +111,7 @@ async fn waiting_acquire_holds_no_table_lock() {
     other.release().await.unwrap();
     held.release().await.unwrap();
     let next = waiter.await.unwrap().expect("the waiter got the lock");
-    assert!(
-        next.token() > FencingToken::new(1),
-        "token bumped after the grant"
-    );
+    assert!(next.token().get() > 1, "token bumped after the grant");
     next.release().await.unwrap();
     sqlx::Executor::execute(&mut db, format!("DROP SCHEMA {schema} CASCADE").as_str())
         .await
@@ -216,14 +213,15 @@ async fn fenced_multi_row_write_is_all_or_nothing() {
     sqlx::Executor::execute(
         &mut db,
         format!(
-            "CREATE TABLE {table} (id int PRIMARY KEY, body text, fence_token bigint); \
-             INSERT INTO {table} VALUES (1, 'a', 10), (2, 'b', 3), (3, 'c', NULL);"
+            "CREATE TABLE {table} (id int PRIMARY KEY, body text, fence_token bigint, \
+                                    fence_lock text); \
+             INSERT INTO {table} VALUES (1, 'a', 10, 't'), (2, 'b', 3, 't'), (3, 'c', NULL, NULL);"
         )
         .as_str(),
     )
     .await
     .unwrap();
-    let fence = PgFence::new(&table, "fence_token").unwrap();
+    let fence = PgFence::new(&table, "fence_token", "fence_lock").unwrap();
     let args = || {
         let mut a = PgArguments::default();
         a.add("new").unwrap();
@@ -232,14 +230,14 @@ async fn fenced_multi_row_write_is_all_or_nothing() {
     let res = fence
         .update(
             &mut db,
-            FencingToken::new(5),
+            FencingToken::new("t", 5),
             "body = $1",
             "id IN (1, 2, 3)",
             args(),
         )
         .await;
     match res {
-        Err(Error::StaleToken { current, .. }) => assert_eq!(current, FencingToken::new(10)),
+        Err(Error::StaleToken { current, .. }) => assert_eq!(current, FencingToken::new("t", 10)),
         other => panic!("stale multi-row write: {other:?}"),
     }
     let changed: i64 = sqlx::query_scalar(&format!(
@@ -252,7 +250,7 @@ async fn fenced_multi_row_write_is_all_or_nothing() {
     let n = fence
         .update(
             &mut db,
-            FencingToken::new(10),
+            FencingToken::new("t", 10),
             "body = $1",
             "id IN (1, 2, 3)",
             args(),
@@ -263,7 +261,7 @@ async fn fenced_multi_row_write_is_all_or_nothing() {
     let n = fence
         .update(
             &mut db,
-            FencingToken::new(11),
+            FencingToken::new("t", 11),
             "body = $1",
             "id = 99",
             args(),
@@ -478,14 +476,15 @@ async fn config_mistakes_are_typed_and_reserved_words_work() {
         &mut db,
         format!(
             "CREATE SCHEMA {schema}; \
-             CREATE TABLE {schema}.\"user\" (id int PRIMARY KEY, body text, \"order\" bigint); \
-             INSERT INTO {schema}.\"user\" VALUES (1, 'x', NULL);"
+             CREATE TABLE {schema}.\"user\" (id int PRIMARY KEY, body text, \"order\" bigint, \
+                                           \"table\" text); \
+             INSERT INTO {schema}.\"user\" VALUES (1, 'x', NULL, NULL);"
         )
         .as_str(),
     )
     .await
     .unwrap();
-    let fence = PgFence::new(&format!("{schema}.user"), "order").unwrap();
+    let fence = PgFence::new(&format!("{schema}.user"), "order", "table").unwrap();
     let mut args = PgArguments::default();
     args.add("y").unwrap();
     let n = fence

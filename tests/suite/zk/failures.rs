@@ -4,7 +4,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use lockkit::zk::{ZkConfig, ZkLock};
+use lockkit::zk::{ZkConfig, ZkFence, ZkLock};
 use lockkit::{AcquireOptions, Error, LeaseState, Lock, LockExt, Wait};
 use tokio::time::Instant;
 
@@ -199,9 +199,9 @@ async fn shared_nodes_are_open_and_wrong_password_is_another_identity() {
         .await
         .expect("acquire");
     let data = format!("/{prefix}-alice-data");
-    alice
-        .fence()
-        .write(&lease, &data, b"a")
+    ZkFence::from_lease(&lease)
+        .expect("zk lease")
+        .write(&data, b"a")
         .await
         .expect("alice's fenced write");
 
@@ -220,7 +220,18 @@ async fn shared_nodes_are_open_and_wrong_password_is_another_identity() {
     let cfg = ZkConfig::from_url(&url).unwrap();
     assert!(!format!("{cfg:?}").contains("wrong-pass-123"));
     let mallory = ZkLock::with_config(cfg).await.expect("connect");
-    match mallory.fence().write(&lease, &data, b"m").await {
+    // Mallory holds a lock of her own and tries alice's node (creator-only, as is its guard
+    // record).
+    let own = mallory
+        .try_acquire(&unique("mallory"), TTL)
+        .await
+        .expect("mallory's own lock");
+    let write = ZkFence::from_lease(&own)
+        .expect("zk lease")
+        .write(&data, b"m")
+        .await;
+    own.release().await.expect("release");
+    match write {
         Err(e @ Error::Backend { .. }) => {
             let shown = format!("{e} {e:?} {:?}", std::error::Error::source(&e));
             assert!(shown.contains("no permission"), "{shown}");
@@ -327,8 +338,9 @@ async fn frozen_holder_loses_its_session_and_is_fenced() {
     let data = format!("/{prefix}-data");
 
     let lease_a = a.try_acquire(&name, TTL).await.expect("A acquires");
-    a.fence()
-        .write(&lease_a, &data, b"A1")
+    let fence_a = ZkFence::from_lease(&lease_a).expect("zk lease");
+    fence_a
+        .write(&data, b"A1")
         .await
         .expect("A's fenced write while holding");
 
@@ -361,14 +373,12 @@ async fn frozen_holder_loses_its_session_and_is_fenced() {
         .expect("A's loss signal")
         .unwrap();
     assert_eq!(lease_a.state(), LeaseState::Lost);
-    b.fence()
-        .write(&lease_b, &data, b"B1")
-        .await
-        .expect("B's fenced write");
+    let fence_b = ZkFence::from_lease(&lease_b).expect("zk lease");
+    fence_b.write(&data, b"B1").await.expect("B's fenced write");
 
     proxy.thaw();
     // A wakes up and writes anyway: the server-side check on A's node rejects it.
-    match a.fence().write(&lease_a, &data, b"A2-stale").await {
+    match fence_a.write(&data, b"A2-stale").await {
         Err(Error::StaleToken { token, current, .. }) => {
             assert_eq!(token, lease_a.token());
             assert_eq!(current, lease_b.token());
@@ -376,7 +386,7 @@ async fn frozen_holder_loses_its_session_and_is_fenced() {
         other => panic!("A's stale write: {other:?}"),
     }
     assert_eq!(
-        b.fence().read(&data).await.unwrap().as_deref(),
+        fence_b.read(&data).await.unwrap().as_deref(),
         Some(&b"B1"[..])
     );
     // Reconnecting (under a new session) never revives A's lease.
@@ -756,13 +766,9 @@ async fn frozen_connection_bounds_try_once_acquire_and_reads() {
     let name = unique("frozen-try");
     // Open the TTL's session first, so the frozen acquire uses a live session.
     let ttl = Duration::from_secs(20);
-    locks
-        .try_acquire(&name, ttl)
-        .await
-        .expect("acquire")
-        .release()
-        .await
-        .expect("release");
+    let lease = locks.try_acquire(&name, ttl).await.expect("acquire");
+    let fence = ZkFence::from_lease(&lease).expect("zk lease");
+    lease.release().await.expect("release");
     proxy.freeze();
     let bound = Duration::from_secs(1) + TOLERANCE * 2;
 
@@ -792,7 +798,7 @@ async fn frozen_connection_bounds_try_once_acquire_and_reads() {
     );
 
     let start = Instant::now();
-    let res = tokio::time::timeout(Duration::from_secs(30), locks.fence().read("/x"))
+    let res = tokio::time::timeout(Duration::from_secs(30), fence.read("/x"))
         .await
         .expect("fence read hung for 30 s");
     assert!(matches!(res, Err(Error::Unavailable { .. })), "{res:?}");

@@ -20,5 +20,6 @@ mod contract {
 
 mod ensemble;
 mod failures;
+mod fence;
 mod private;
 mod server;

@@ -61,7 +61,11 @@ pub use options::{
 /// [`AcquireOptions::validate`]), retries transient failures with
 /// [`retry_transient`](backend::retry_transient) and hands
 /// each grant to [`Lease::new`] with a [`LeaseTracker`] started at the granting request's send
-/// time; the core then owns deadlines, keepalive, the loss signal and release-on-drop.
+/// time; the core then owns deadlines, keepalive, the loss signal and release-on-drop. A fence
+/// for data kept in the backend is made from a [`Lease`] (`from_lease`, downcasting
+/// [`Lease::ops`] with [`LeaseOps::as_any`](backend::LeaseOps::as_any)) and keeps a
+/// [`LeaseFence`](backend::LeaseFence), which marks the lease lost when its own write is
+/// rejected as stale; tokens carry the backend's lock identity (`backend/namespace/name`).
 /// `lockkit-core/src/memory.rs` is a complete backend to copy from.
 pub mod backend {
     pub use crate::fence::LeaseFence;

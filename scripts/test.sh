@@ -23,16 +23,16 @@ fail() {
 failed=0
 cargo test --workspace --all-features --no-fail-fast "$@" || failed=1
 
-# The fencing demo, on the embedded default and on every real server: the stale write must be
-# rejected.
+# The fencing demo, on the embedded default and on every real server: the stale write and the
+# write with another lock's token must be rejected.
 for url in memory:// "$LOCKKIT_REDIS_URL" "$LOCKKIT_ETCD_URL" "$LOCKKIT_ZK_URL" "$LOCKKIT_POSTGRES_URL"; do
   if ! out=$(cargo run -q --all-features --example fencing -- --backend "$url" 2>&1); then
     echo "$out"; failed=1; continue
   fi
-  if grep -q "REJECTED A's write" <<<"$out"; then
-    echo "fencing demo on ${url%%://*}: stale write rejected"
+  if grep -q "REJECTED A's write" <<<"$out" && grep -q "REJECTED C's write" <<<"$out"; then
+    echo "fencing demo on ${url%%://*}: stale and foreign writes rejected"
   else
-    echo "$out"; echo "demo on ${url%%:*}: stale write not rejected"; failed=1
+    echo "$out"; echo "demo on ${url%%:*}: stale or foreign write not rejected"; failed=1
   fi
 done
 
@@ -41,4 +41,4 @@ if [ "$failed" != 0 ]; then
   fail
 fi
 
-echo "scripts/test.sh: all tests passed; the fencing demo rejected the stale write on every backend"
+echo "scripts/test.sh: all tests passed; the fencing demo rejected the stale and foreign writes on every backend"

@@ -67,7 +67,12 @@ pub use options::{
 /// [`retry_transient`](backend::retry_transient) and hands each grant to [`Lease::new`] with a
 /// [`TrackerHandle`](backend::TrackerHandle) started at the granting request's send time; the
 /// core then owns deadlines, keepalive, the loss signal, release-on-drop, the lease events and
-/// metrics. Only the backend holds the `TrackerHandle`, so only it can move the deadline.
+/// metrics. Only the backend holds the `TrackerHandle`, so only it can move the deadline. A fence
+/// for data kept in the backend is made from a [`Lease`] (`from_lease`, downcasting
+/// [`Lease::ops`] with [`LeaseOps::as_any`](backend::LeaseOps::as_any)) and keeps a
+/// [`LeaseFence`](backend::LeaseFence), which marks the lease lost
+/// ([`LossReason::StaleWrite`]) when its own write is rejected as stale; tokens carry the
+/// backend's lock identity (`backend/namespace/name`).
 /// `lockkit-core/src/memory.rs` is a complete backend to copy from.
 pub mod backend {
     pub use crate::fence::LeaseFence;

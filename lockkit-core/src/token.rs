@@ -46,6 +46,10 @@ use crate::Error;
 ///
 /// Numbers of one lock need not be consecutive: only the order is meaningful.
 ///
+/// A token is not a credential: anyone can write `v1:99999:etcd/lockkit/report`. Fences protect
+/// the resource from confused and paused holders, not from forgers; authenticate the writer
+/// separately where that matters.
+///
 /// # String form (version 1)
 /// To travel to a remote service as one value, a token is written (by [`Display`](fmt::Display),
 /// and by serde with feature `serde`) and parsed back (by [`FromStr`], and serde) as

@@ -109,7 +109,8 @@ impl EtcdFence {
     ///
     /// # Errors
     /// [`Error::StaleToken`] if the lease no longer holds its lock (nothing was written; the lease
-    /// is now lost); [`Error::ForeignToken`] if another lock guards `key`; transport errors as
+    /// is now lost); [`Error::ForeignToken`] if another lock guards `key`;
+    /// [`Error::InvalidConfig`] if `key` is a guard record; transport errors as
     /// [`Error::Unavailable`] (the write may or may not have been applied).
     ///
     /// # Cancel safety
@@ -158,6 +159,11 @@ impl EtcdFence {
     /// every key's guard record names the lease's lock; a missing record is created in the same
     /// transaction. A record found missing, then created by someone else, is looked at again.
     async fn guarded(&self, keys: Vec<Vec<u8>>, ops: Vec<TxnOp>) -> Result<()> {
+        if keys.iter().any(|k| k.starts_with(&self.guard_prefix)) {
+            return Err(Error::config(
+                "a fenced write cannot touch a guard record (a key under {prefix}/./fence/)",
+            ));
+        }
         let lock = self.lease.token().lock().to_owned();
         let guards: Vec<Vec<u8>> = keys.iter().map(|k| self.guard_key(k)).collect();
         // Whether each record is believed to exist already; first try the common case.

@@ -130,6 +130,7 @@ impl RedisFence {
     /// - [`Error::ForeignToken`]: another lock guards `key`; nothing was written.
     /// - [`Error::StaleToken`]: a newer token wrote `key`; nothing was written, the lease is now
     ///   lost.
+    /// - [`Error::InvalidConfig`]: `key` is a guard record.
     /// - [`Error::Unavailable`] and others from the server: the write may or may not have been
     ///   applied (entirely or not at all).
     ///
@@ -153,6 +154,14 @@ impl RedisFence {
         V: AsRef<[u8]>,
     {
         let pairs: Vec<(K, V)> = pairs.into_iter().collect();
+        if pairs
+            .iter()
+            .any(|(k, _)| k.as_ref().starts_with(&self.guard_prefix))
+        {
+            return Err(Error::config(
+                "a fenced write cannot touch a guard record (a key under {prefix}:guard:)",
+            ));
+        }
         let mut call = WRITE.prepare_invoke();
         for (k, _) in &pairs {
             call.key(k.as_ref());

@@ -123,13 +123,18 @@ impl ZkFence {
     ///   may have the lock). Nothing was written; the lease is now lost. `current` is the current
     ///   holder's token if there is one, else the lease's own.
     /// - [`Error::ForeignToken`] if another lock guards `path`. Nothing was written.
-    /// - [`Error::InvalidConfig`] for a path ZooKeeper refuses.
+    /// - [`Error::InvalidConfig`] for a path ZooKeeper refuses, or a guard record's.
     /// - [`Error::Unavailable`] and others from the server. On a lost connection the write may or
     ///   may not have been applied (it was applied only if the lease held the lock).
     ///
     /// # Cancel safety
     /// Cancel safe in the same sense: a dropped write was applied entirely or not at all.
     pub async fn write(&self, path: &str, data: &[u8]) -> Result<()> {
+        if path.starts_with(&format!("{}/%fence", self.prefix_dir)) {
+            return Err(Error::config(
+                "a fenced write cannot touch a guard record (a node under /{prefix}/%fence)",
+            ));
+        }
         let session = self.lock.control_session().await?;
         let guard = self.guard_path(path);
         let lock_id = self.token().lock().as_bytes();

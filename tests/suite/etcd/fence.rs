@@ -57,6 +57,14 @@ async fn fence_from_a_connected_lease_binds_keys_to_its_lock() {
     assert_eq!(fresh_now.count(), 0, "not all or nothing");
     let now = kv.get(key.clone(), None).await.unwrap();
     assert_eq!(now.kvs()[0].value(), b"by x");
+    // Nor can it rebind the key by writing its guard record.
+    let rebind = fence_y
+        .put(fence_y.guard_key(key.as_bytes()), y.token().lock())
+        .await;
+    assert!(
+        matches!(rebind, Err(Error::InvalidConfig { .. })),
+        "{rebind:?}"
+    );
     assert_eq!(y.state(), LeaseState::Held);
     fence_x
         .put(key.clone(), "by x again")

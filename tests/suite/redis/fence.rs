@@ -68,6 +68,14 @@ async fn fence_from_a_connected_lease_binds_keys_to_its_lock() {
         fence_x.get(&key).await.unwrap().as_deref(),
         Some(&b"by x"[..])
     );
+    // Nor can it rebind the key by writing its guard record.
+    let rebind = fence_y
+        .set(&fence_y.guard_key(&key), y.token().lock())
+        .await;
+    assert!(
+        matches!(rebind, Err(Error::InvalidConfig { .. })),
+        "{rebind:?}"
+    );
     assert_eq!(y.state(), LeaseState::Held);
     fence_x
         .set(&key, "by x again")

@@ -64,6 +64,14 @@ async fn fence_from_a_connected_lease_binds_nodes_to_its_lock() {
         fence_y.read(&data).await.unwrap().as_deref(),
         Some(&b"by x, 2"[..])
     );
+    // Nor can it rebind the node by writing its guard record.
+    let rebind = fence_y
+        .write(&fence_y.guard_path(&data), y.token().lock().as_bytes())
+        .await;
+    assert!(
+        matches!(rebind, Err(Error::InvalidConfig { .. })),
+        "{rebind:?}"
+    );
     assert_eq!(y.state(), LeaseState::Held);
     fence_x
         .write(&data, b"by x, 3")

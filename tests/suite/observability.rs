@@ -10,7 +10,7 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use lockkit::observe::testing::{DebugValue, Recorded, keys, recorded, traced, value};
+use lockkit::observe::testing::{DebugValue, Recorded, keys, recorded, value};
 use lockkit::{AcquireOptions, Lock, LockExt, LossReason, MemoryLock, Wait};
 
 use crate::common::wait_until;
@@ -245,7 +245,7 @@ fn spans_carry_no_password_from_the_url() {
     assert!(pg.contains(SECRET), "{pg}");
     let redis =
         server_url("LOCKKIT_REDIS_URL").replacen("redis://", &format!("redis://:{SECRET}@"), 1);
-    let ((), text) = traced(&runtime(), async {
+    let ((), text) = lockkit::observe::testing::traced(&runtime(), async {
         let locks = lockkit::connect(&with_prefix(&pg, &fresh_prefix()))
             .await
             .expect("connect with a password PostgreSQL ignores");

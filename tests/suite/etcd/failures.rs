@@ -580,14 +580,18 @@ async fn acquires_dropped_at_any_point_leave_nothing() {
         if let Some(h) = held {
             h.release().await.unwrap();
         }
-    }
-    // Every key created is deleted (in the background after the drops): wait on the watch for
-    // deletions until none is left.
-    let deadline = Instant::now() + TOLERANCE * 3;
-    while count_under(a.client(), &prefix).await > 0 {
-        let left = deadline.saturating_duration_since(Instant::now());
-        assert!(!left.is_zero(), "keys left behind by dropped acquires");
-        watch.next(EventType::Delete, left).await;
+        // Every key created is deleted (in the background after the drops; a key whose create
+        // went unanswered is swept by the keepalive tick, up to TTL/3 later): wait on the watch
+        // for deletions until none is left, before the next round takes the lock.
+        let deadline = Instant::now() + TOLERANCE * 3;
+        while count_under(a.client(), &prefix).await > 0 {
+            let left = deadline.saturating_duration_since(Instant::now());
+            assert!(
+                !left.is_zero(),
+                "keys left behind by dropped acquires in round {round}"
+            );
+            watch.next(EventType::Delete, left).await;
+        }
     }
     let lease = c
         .acquire_timeout("cancel", ttl, TOLERANCE)

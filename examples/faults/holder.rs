@@ -1,0 +1,239 @@
+//! The holder process: one lockkit client that the harness can SIGKILL, SIGSTOP or cut off.
+//!
+//! Reports JSON lines on stdout, each `{"t": <CLOCK_REALTIME ns>, "ev": <event>, …}`:
+//! `connected`, `acquired {token}`, `acquire_error {error}`, `wrote {token, ok}`,
+//! `at_risk {state}`, `lost`, `act {state, write}`, `state {state}`, `released {result}`,
+//! `round {i, token, read, write, release}`, `done {rounds}`.
+//!
+//! Modes:
+//! - `hold`: acquire once (waiting up to `--wait`; `0s` = try once), write once through the
+//!   fence, then obey stdin: `act` (check the lease state first, then write through the fence
+//!   regardless, as a paused process that checked nothing would), `state`, `release`, `exit`.
+//! - `stress`: `--rounds` rounds of acquire → fenced read → fenced write of value + 1 → release.
+//!
+//! Every wait is bounded: the process exits after `--limit` whatever happens.
+
+use std::time::Duration;
+
+use lockkit::{AcquireOptions, Lease, Wait};
+use serde_json::{Value, json};
+
+use crate::fence::{Answer, FenceClient};
+use crate::{error_kind, now_ns};
+
+#[derive(clap::Args, Debug)]
+pub struct HolderArgs {
+    /// Lock service URL.
+    #[arg(long)]
+    url: String,
+    /// Lock name.
+    #[arg(long)]
+    name: String,
+    /// Lease TTL.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    ttl: Duration,
+    /// The fence service, host:port.
+    #[arg(long)]
+    fence: String,
+    /// The fence key this holder writes.
+    #[arg(long)]
+    key: String,
+    #[arg(long, value_enum, default_value = "hold")]
+    mode: Mode,
+    /// How long one acquire may wait (0s: try once).
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "30s")]
+    wait: Duration,
+    /// Stress rounds.
+    #[arg(long, default_value_t = 250)]
+    rounds: u32,
+    /// The process exits after this long, whatever happens.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "300s")]
+    limit: Duration,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+enum Mode {
+    Hold,
+    Stress,
+}
+
+/// Prints one event line (stdout is line-buffered: each line is flushed as written).
+pub fn emit(ev: &str, mut fields: Value) {
+    fields["t"] = json!(now_ns());
+    fields["ev"] = json!(ev);
+    println!("{fields}");
+}
+
+pub async fn run(args: HolderArgs) -> i32 {
+    match tokio::time::timeout(args.limit, body(&args)).await {
+        Ok(code) => code,
+        Err(_) => {
+            emit("limit", json!({}));
+            3
+        }
+    }
+}
+
+async fn body(args: &HolderArgs) -> i32 {
+    let locks = match lockkit::connect(&args.url).await {
+        Ok(l) => l,
+        Err(e) => {
+            emit("connect_error", json!({ "error": error_kind(&e) }));
+            return 2;
+        }
+    };
+    let mut fence = match FenceClient::connect(&args.fence).await {
+        Ok(f) => f,
+        Err(e) => {
+            emit("fence_error", json!({ "error": e.to_string() }));
+            return 2;
+        }
+    };
+    emit("connected", json!({ "pid": std::process::id() }));
+    let wait = if args.wait.is_zero() {
+        Wait::No
+    } else {
+        Wait::Timeout(args.wait)
+    };
+    let opts = AcquireOptions::new().ttl(args.ttl).wait(wait);
+    match args.mode {
+        Mode::Hold => hold(args, &*locks, opts, &mut fence).await,
+        Mode::Stress => stress(args, &*locks, opts, &mut fence).await,
+    }
+}
+
+fn state_name(lease: &Lease) -> String {
+    format!("{:?}", lease.state())
+}
+
+async fn fenced_write(fence: &mut FenceClient, key: &str, token: u64) -> &'static str {
+    match fence.write(key, token, token).await {
+        Ok(Answer::Ok(_)) => "accepted",
+        Ok(Answer::Stale) => "rejected",
+        Err(_) => "error",
+    }
+}
+
+/// Stdin's lines, read on a thread of their own (closed at EOF).
+fn stdin_lines() -> tokio::sync::mpsc::UnboundedReceiver<String> {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    std::thread::spawn(move || {
+        for line in std::io::stdin().lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+async fn hold(
+    args: &HolderArgs,
+    locks: &dyn lockkit::Lock,
+    opts: AcquireOptions,
+    fence: &mut FenceClient,
+) -> i32 {
+    let lease = match locks.acquire(&args.name, opts).await {
+        Ok(l) => l,
+        Err(e) => {
+            emit("acquire_error", json!({ "error": error_kind(&e) }));
+            return 0;
+        }
+    };
+    let token = lease.token().get();
+    emit("acquired", json!({ "token": token }));
+    let lost = lease.lost();
+    tokio::spawn(async move {
+        lost.await;
+        emit("lost", json!({}));
+    });
+    let risk = lease.at_risk();
+    tokio::spawn(async move {
+        let state = risk.await;
+        emit("at_risk", json!({ "state": format!("{state:?}") }));
+    });
+    let w = fenced_write(fence, &args.key, token).await;
+    emit("wrote", json!({ "token": token, "write": w }));
+
+    let mut lease = Some(lease);
+    let mut stdin = stdin_lines();
+    while let Some(cmd) = stdin.recv().await {
+        match cmd.trim() {
+            "act" => {
+                // The state first: a holder that checks before acting sees Lost here.
+                let state = lease.as_ref().map_or("Released".into(), state_name);
+                let w = fenced_write(fence, &args.key, token).await;
+                emit("act", json!({ "state": state, "write": w }));
+            }
+            "state" => {
+                let state = lease.as_ref().map_or("Released".into(), state_name);
+                emit("state", json!({ "state": state }));
+            }
+            "release" => {
+                let result = match lease.take() {
+                    Some(l) => match l.release().await {
+                        Ok(()) => "Ok".to_owned(),
+                        Err(e) => error_kind(&e),
+                    },
+                    None => "AlreadyReleased".to_owned(),
+                };
+                emit("released", json!({ "result": result }));
+            }
+            _ => break,
+        }
+    }
+    0
+}
+
+async fn stress(
+    args: &HolderArgs,
+    locks: &dyn lockkit::Lock,
+    opts: AcquireOptions,
+    fence: &mut FenceClient,
+) -> i32 {
+    let mut done = 0;
+    while done < args.rounds {
+        let lease = match locks.acquire(&args.name, opts.clone()).await {
+            Ok(l) => l,
+            Err(e) => {
+                // The server may be down for a restart: try again, within --limit.
+                emit("acquire_error", json!({ "error": error_kind(&e) }));
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let token = lease.token().get();
+        let read = match fence.read(&args.key, token).await {
+            Ok(Answer::Ok(v)) => Some(v),
+            Ok(Answer::Stale) => None,
+            Err(e) => {
+                emit("fence_error", json!({ "error": e.to_string() }));
+                return 2;
+            }
+        };
+        let write = match read {
+            Some(v) => fence.write(&args.key, token, v + 1).await,
+            None => Ok(Answer::Stale),
+        };
+        let write = match write {
+            Ok(Answer::Ok(_)) => "accepted",
+            Ok(Answer::Stale) => "rejected",
+            Err(e) => {
+                emit("fence_error", json!({ "error": e.to_string() }));
+                return 2;
+            }
+        };
+        let release = match lease.release().await {
+            Ok(()) => "Ok".to_owned(),
+            Err(e) => error_kind(&e),
+        };
+        emit(
+            "round",
+            json!({ "i": done, "token": token, "read": read.is_some(), "write": write, "release": release }),
+        );
+        done += 1;
+    }
+    emit("done", json!({ "rounds": done }));
+    0
+}

@@ -1,0 +1,896 @@
+//! The scenarios of issue #15, each applied the same way to every backend, and the table.
+//!
+//! Every figure comes from events: the holders' JSON lines (stamped with CLOCK_REALTIME, the
+//! clock the harness stamps its faults with) and the fence's log. Sleeps only set how long a
+//! fault lasts; every wait for a result is bounded.
+
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::time::Duration;
+
+use lockkit::{AcquireOptions, Wait};
+use tokio::sync::Semaphore;
+use tokio::time::Instant;
+
+use crate::fence::Fence;
+use crate::harness::{Holder, Spec, secs};
+use crate::now_ns;
+use crate::proxy::Proxy;
+use crate::servers::{Kind, Server, signal};
+
+#[derive(clap::Args, Debug)]
+pub struct RunArgs {
+    /// Backends to run, comma-separated: redis, etcd, zk, postgres.
+    #[arg(long, default_value = "redis,etcd,zk,postgres", value_delimiter = ',')]
+    backends: Vec<String>,
+    /// Lease TTL of every holder.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "2s")]
+    ttl: Duration,
+    /// Stress: holder processes.
+    #[arg(long, default_value_t = 8)]
+    holders: u32,
+    /// Stress: rounds per holder.
+    #[arg(long, default_value_t = 250)]
+    rounds: u32,
+    /// Backends run at once (each on its own private server).
+    #[arg(long, default_value_t = 2)]
+    jobs: usize,
+    /// Where to write the Markdown table.
+    #[arg(long)]
+    out: Option<std::path::PathBuf>,
+}
+
+/// Added to time bounds for a loaded machine (2 cores shared with other work): scheduling, not
+/// the backend.
+const LOAD_TOLERANCE: Duration = Duration::from_millis(1500);
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Status {
+    Pass,
+    Fail,
+    /// A limit the guarantee table declares.
+    Declared,
+    NotRun,
+}
+
+#[derive(Clone, Debug)]
+struct Cell {
+    status: Status,
+    /// The figures, short, for the table.
+    summary: String,
+    /// Everything measured, for the notes under the table.
+    details: Vec<String>,
+}
+
+const SCENARIOS: [&str; 7] = [
+    "1 holder SIGKILL",
+    "2 holder SIGSTOP > TTL",
+    "3 holder partitioned > TTL",
+    "4 server SIGKILL + restart",
+    "5 server SIGSTOP > TTL",
+    "6 failover",
+    "7 stress",
+];
+
+/// One backend's private server and what every scenario on it shares.
+struct Ctx {
+    kind: Kind,
+    server: Server,
+    fence: Arc<Fence>,
+    ttl: Duration,
+    holders: u32,
+    rounds: u32,
+}
+
+/// Collects the checks of one scenario: figures and failed checks.
+#[derive(Default)]
+struct Checks {
+    details: Vec<String>,
+    failed: Vec<String>,
+}
+
+impl Checks {
+    fn note(&mut self, s: impl Into<String>) {
+        self.details.push(s.into());
+    }
+    fn check(&mut self, ok: bool, what: impl Into<String>) {
+        if !ok {
+            self.failed.push(what.into());
+        }
+    }
+    fn cell(mut self, summary: String) -> Cell {
+        let status = if self.failed.is_empty() {
+            Status::Pass
+        } else {
+            Status::Fail
+        };
+        for f in &self.failed {
+            self.details.push(format!("FAILED: {f}"));
+        }
+        let summary = if self.failed.is_empty() {
+            summary
+        } else {
+            format!("{summary}; FAILED: {}", self.failed.join("; "))
+        };
+        Cell {
+            status,
+            summary,
+            details: self.details,
+        }
+    }
+}
+
+impl Ctx {
+    fn prefix(&self, scenario: &str) -> String {
+        format!("faults-{scenario}-{:08x}", rand::random::<u32>())
+    }
+
+    fn url(&self, prefix: &str) -> String {
+        format!("{}?prefix={prefix}", self.server.url())
+    }
+
+    fn spec(&self, prefix: &str) -> Spec {
+        Spec {
+            url: self.url(prefix),
+            name: "lock".into(),
+            ttl: self.ttl,
+            fence: self.fence.port,
+            key: format!("{:?}-{prefix}", self.kind),
+            stress_rounds: None,
+            wait: Duration::from_secs(30),
+            limit: Duration::from_secs(120),
+        }
+    }
+
+    /// How long after a fault another process may have to wait for the lock.
+    fn regrant_bound(&self) -> Duration {
+        self.ttl + self.kind.expiry_slack() + LOAD_TOLERANCE
+    }
+
+    /// Waits (bounded) until the server holds nothing for `prefix` any more, then checks that a
+    /// fresh client gets the lock at once: nothing left stuck.
+    async fn settle(&self, prefix: &str, c: &mut Checks) {
+        let deadline = Instant::now() + self.ttl * 2 + self.kind.expiry_slack() + LOAD_TOLERANCE;
+        let left = loop {
+            match self.server.leftovers(prefix).await {
+                Ok(0) => break Ok(0),
+                Ok(n) if Instant::now() > deadline => break Ok(n),
+                Err(e) if Instant::now() > deadline => break Err(e),
+                _ => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        };
+        match left {
+            Ok(n) => {
+                c.note(format!("left on the server afterwards: {n}"));
+                c.check(n == 0, format!("{n} lock entries left on the server"));
+            }
+            Err(e) => c.check(false, format!("leftover count: {e}")),
+        }
+        let free = async {
+            let locks = lockkit::connect(&self.url(prefix)).await?;
+            let lease = locks
+                .acquire("lock", AcquireOptions::new().ttl(self.ttl).wait(Wait::No))
+                .await?;
+            lease.release().await
+        };
+        match tokio::time::timeout(Duration::from_secs(20), free).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => c.check(false, format!("fresh try-acquire afterwards: {e}")),
+            Err(_) => c.check(false, "fresh try-acquire afterwards: no answer in 20 s"),
+        }
+    }
+}
+
+fn token(e: &crate::harness::Event) -> u64 {
+    e.u64("token")
+}
+
+/// Waits for a holder's grant; any other outcome is an error for the scenario.
+async fn acquired(
+    h: &mut Holder,
+    who: &str,
+    limit: Duration,
+) -> Result<crate::harness::Event, String> {
+    match h
+        .wait(
+            &["acquired", "acquire_error", "connect_error", "fence_error"],
+            limit,
+        )
+        .await
+    {
+        Some(e) if e.ev() == "acquired" => Ok(e),
+        Some(e) => Err(format!("{who}: {} {}", e.ev(), e.str("error"))),
+        None => Err(format!("{who}: no grant within {limit:?}")),
+    }
+}
+
+async fn wrote(h: &mut Holder, who: &str) -> Result<String, String> {
+    h.wait(&["wrote"], Duration::from_secs(10))
+        .await
+        .map(|e| e.str("write").to_owned())
+        .ok_or_else(|| format!("{who}: no fenced write reported"))
+}
+
+async fn released(h: &mut Holder) -> String {
+    h.send("release").await;
+    h.wait(&["released"], Duration::from_secs(15))
+        .await
+        .map_or("no answer".into(), |e| e.str("result").to_owned())
+}
+
+/// Sends `act` and returns (state seen first, fence answer).
+async fn act(h: &mut Holder, who: &str) -> Result<(String, String), String> {
+    h.send("act").await;
+    h.wait(&["act"], Duration::from_secs(15))
+        .await
+        .map(|e| (e.str("state").to_owned(), e.str("write").to_owned()))
+        .ok_or_else(|| format!("{who}: did not act"))
+}
+
+fn fmt_s(d: f64) -> String {
+    format!("{d:.2} s")
+}
+
+/// 1. Holder SIGKILLed: time until another process holds the lock, larger token.
+async fn holder_killed(ctx: &mut Ctx) -> Result<Cell, String> {
+    let mut c = Checks::default();
+    let prefix = ctx.prefix("s1");
+    let spec = ctx.spec(&prefix);
+    let mut a = Holder::spawn(&spec)?;
+    let ta = token(&acquired(&mut a, "A", Duration::from_secs(30)).await?);
+    let mut b = Holder::spawn(&spec)?;
+    b.wait(&["connected"], Duration::from_secs(30))
+        .await
+        .ok_or("B did not connect")?;
+    let t_kill = now_ns();
+    a.kill().await;
+    let eb = acquired(&mut b, "B", ctx.regrant_bound() + Duration::from_secs(20)).await?;
+    let regrant = secs(t_kill, eb.t());
+    c.note(format!(
+        "re-grant {} after SIGKILL (TTL {:?}, bound {:?}); tokens {ta} -> {}",
+        fmt_s(regrant),
+        ctx.ttl,
+        ctx.regrant_bound(),
+        token(&eb)
+    ));
+    c.check(
+        token(&eb) > ta,
+        format!("token {} not above {ta}", token(&eb)),
+    );
+    c.check(
+        regrant <= ctx.regrant_bound().as_secs_f64(),
+        format!("re-grant {} over the bound", fmt_s(regrant)),
+    );
+    let r = released(&mut b).await;
+    c.check(r == "Ok", format!("B's release: {r}"));
+    b.finish(Duration::from_secs(10)).await;
+    ctx.settle(&prefix, &mut c).await;
+    Ok(c.cell(format!(
+        "re-grant {} (TTL {}), token ↑",
+        fmt_s(regrant),
+        humantime::format_duration(ctx.ttl)
+    )))
+}
+
+/// 2. Holder SIGSTOPped past its TTL, then resumed.
+async fn holder_paused(ctx: &mut Ctx) -> Result<Cell, String> {
+    let mut c = Checks::default();
+    let prefix = ctx.prefix("s2");
+    let spec = ctx.spec(&prefix);
+    let mut a = Holder::spawn(&spec)?;
+    let ta = token(&acquired(&mut a, "A", Duration::from_secs(30)).await?);
+    let w = wrote(&mut a, "A").await?;
+    c.check(w == "accepted", format!("A's first write: {w}"));
+    let mut b = Holder::spawn(&spec)?;
+    b.wait(&["connected"], Duration::from_secs(30))
+        .await
+        .ok_or("B did not connect")?;
+    let t_stop = now_ns();
+    a.signal("STOP");
+    let eb = acquired(&mut b, "B", ctx.regrant_bound() + Duration::from_secs(20)).await;
+    let eb = match eb {
+        Ok(e) => e,
+        Err(e) => {
+            a.signal("CONT");
+            return Err(e);
+        }
+    };
+    let regrant = secs(t_stop, eb.t());
+    let wb = wrote(&mut b, "B").await?;
+    c.check(wb == "accepted", format!("B's write: {wb}"));
+    // A stays stopped at least 1.5 TTL, and until B has written.
+    let min_stop = ctx.ttl.mul_f64(1.5).as_secs_f64();
+    let stopped = secs(t_stop, now_ns());
+    if stopped < min_stop {
+        tokio::time::sleep(Duration::from_secs_f64(min_stop - stopped)).await;
+    }
+    a.send("act").await; // waits in A's stdin: A's first action after SIGCONT
+    let stopped = secs(t_stop, now_ns());
+    a.signal("CONT");
+    let (state, write) = act(&mut a, "A").await?;
+    a.drain();
+    c.note(format!(
+        "A stopped {}; B granted {} after the SIGSTOP (bound {:?}); tokens {ta} -> {}; \
+         A on resume: state {state}, fenced write {write}",
+        fmt_s(stopped),
+        fmt_s(regrant),
+        ctx.regrant_bound(),
+        token(&eb)
+    ));
+    c.check(
+        token(&eb) > ta,
+        format!("token {} not above {ta}", token(&eb)),
+    );
+    c.check(
+        regrant <= ctx.regrant_bound().as_secs_f64(),
+        format!("re-grant {} over the bound", fmt_s(regrant)),
+    );
+    c.check(state == "Lost", format!("A's lease on resume: {state}"));
+    c.check(write == "rejected", format!("A's stale write: {write}"));
+    let r = released(&mut a).await;
+    c.note(format!("A's release after resuming: {r}"));
+    c.check(r != "Ok", "A's release after losing the lease returned Ok");
+    let r = released(&mut b).await;
+    c.check(r == "Ok", format!("B's release: {r}"));
+    a.finish(Duration::from_secs(10)).await;
+    b.finish(Duration::from_secs(10)).await;
+    ctx.settle(&prefix, &mut c).await;
+    Ok(c.cell(format!(
+        "re-grant {}; resumed A: {state}, write {write}",
+        fmt_s(regrant)
+    )))
+}
+
+/// 3. Holder partitioned (traffic blackholed in the proxy, sockets open) past its TTL.
+async fn holder_partitioned(ctx: &mut Ctx) -> Result<Cell, String> {
+    let mut c = Checks::default();
+    let prefix = ctx.prefix("s3");
+    let spec = ctx.spec(&prefix);
+    let proxy = Proxy::start_local(ctx.server.port).await;
+    let mut spec_a = spec.clone();
+    spec_a.url = format!("{}?prefix={prefix}", ctx.server.url_via(proxy.port));
+    let mut a = Holder::spawn(&spec_a)?;
+    let ta = token(&acquired(&mut a, "A", Duration::from_secs(30)).await?);
+    let w = wrote(&mut a, "A").await?;
+    c.check(w == "accepted", format!("A's first write: {w}"));
+    let mut b = Holder::spawn(&spec)?;
+    b.wait(&["connected"], Duration::from_secs(30))
+        .await
+        .ok_or("B did not connect")?;
+    let t_cut = now_ns();
+    proxy.freeze();
+    let lost = a.wait(&["lost"], ctx.ttl + Duration::from_secs(5)).await;
+    let eb = acquired(&mut b, "B", ctx.regrant_bound() + Duration::from_secs(20)).await?;
+    let regrant = secs(t_cut, eb.t());
+    let wb = wrote(&mut b, "B").await?;
+    c.check(wb == "accepted", format!("B's write: {wb}"));
+    let (state, write) = act(&mut a, "A").await?;
+    proxy.thaw();
+    let lost_after = lost.as_ref().map(|l| secs(t_cut, l.t()));
+    c.note(format!(
+        "A's loss signal {} after the cut (TTL {:?}); B granted {} after the cut; tokens {ta} -> {}; \
+         A then: state {state}, fenced write {write}",
+        lost_after.map_or("never".into(), fmt_s),
+        ctx.ttl,
+        fmt_s(regrant),
+        token(&eb)
+    ));
+    match (&lost, lost_after) {
+        (Some(l), Some(after)) => {
+            // The deadline is the last acknowledged renewal's send time + TTL - margin, so at
+            // most one TTL after the cut; 250 ms for the event to be printed on a loaded host.
+            c.check(
+                after <= ctx.ttl.as_secs_f64() + 0.25,
+                format!(
+                    "loss signal {} after the cut, TTL {:?}",
+                    fmt_s(after),
+                    ctx.ttl
+                ),
+            );
+            c.check(
+                l.t() < eb.t(),
+                "B was granted the lock before A's loss signal fired",
+            );
+        }
+        _ => c.check(false, "A's loss signal never fired while partitioned"),
+    }
+    c.check(
+        regrant <= ctx.regrant_bound().as_secs_f64(),
+        format!("re-grant {} over the bound", fmt_s(regrant)),
+    );
+    c.check(
+        token(&eb) > ta,
+        format!("token {} not above {ta}", token(&eb)),
+    );
+    c.check(state == "Lost", format!("A's lease: {state}"));
+    c.check(write == "rejected", format!("A's stale write: {write}"));
+    let r = released(&mut b).await;
+    c.check(r == "Ok", format!("B's release: {r}"));
+    let r = released(&mut a).await;
+    c.note(format!("A's release after the thaw: {r}"));
+    c.check(r != "Ok", "A's release after losing the lease returned Ok");
+    a.finish(Duration::from_secs(10)).await;
+    b.finish(Duration::from_secs(10)).await;
+    drop(proxy);
+    ctx.settle(&prefix, &mut c).await;
+    Ok(c.cell(format!(
+        "Lost {} after cut, before B's grant ({}); write {write}",
+        lost_after.map_or("never".into(), fmt_s),
+        fmt_s(regrant)
+    )))
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Restart {
+    Kill,
+    Clean,
+}
+
+/// 4. (and PostgreSQL's 6.) Server SIGKILLed (or cleanly restarted) while a lease is held.
+async fn server_restarted(ctx: &mut Ctx, how: Restart) -> Result<Cell, String> {
+    let mut c = Checks::default();
+    let prefix = ctx.prefix(if how == Restart::Kill { "s4" } else { "s6" });
+    let spec = ctx.spec(&prefix);
+    let mut a = Holder::spawn(&spec)?;
+    let ta = token(&acquired(&mut a, "A", Duration::from_secs(30)).await?);
+    wrote(&mut a, "A").await?;
+    let t_kill = now_ns();
+    match how {
+        Restart::Kill => ctx.server.kill_and_restart().await?,
+        Restart::Clean => ctx.server.clean_restart().await?,
+    }
+    let down = secs(t_kill, now_ns());
+    // Give A two TTLs with the server back to renew, or to learn that its lease is gone.
+    let lost = a.wait(&["lost"], ctx.ttl * 2).await;
+    a.send("state").await;
+    let state = a
+        .wait(&["state"], Duration::from_secs(10))
+        .await
+        .map_or("no answer".into(), |e| e.str("state").to_owned());
+    let outcome;
+    if state == "Held" {
+        // It survived: then nobody else may get it.
+        let mut probe_spec = spec.clone();
+        probe_spec.wait = Duration::ZERO;
+        let mut p = Holder::spawn(&probe_spec)?;
+        let e = p
+            .wait(
+                &["acquired", "acquire_error", "connect_error"],
+                Duration::from_secs(20),
+            )
+            .await;
+        let probe = e.map_or("no answer".into(), |e| {
+            if e.ev() == "acquired" {
+                "acquired".into()
+            } else {
+                e.str("error").to_owned()
+            }
+        });
+        c.check(
+            probe == "Held",
+            format!("try-acquire while A still Held: {probe}"),
+        );
+        p.finish(Duration::from_secs(10)).await;
+        let r = released(&mut a).await;
+        c.check(
+            r == "Ok",
+            format!("A's release of its surviving lease: {r}"),
+        );
+        outcome = "lease survived".to_owned();
+        c.note(format!("A's lease survived (Held {} after the server was back, renewed); another process's try-acquire: {probe}; A's release: {r}", humantime::format_duration(ctx.ttl * 2)));
+    } else {
+        let after = lost.as_ref().map(|l| secs(t_kill, l.t()));
+        c.check(
+            state == "Lost" && lost.is_some(),
+            format!(
+                "A's state after the restart: {state} (loss signal: {})",
+                lost.is_some()
+            ),
+        );
+        outcome = format!("Lost {} after the kill", after.map_or("?".into(), fmt_s));
+        c.note(format!(
+            "A's lease reported Lost {} after the {}",
+            after.map_or("?".into(), fmt_s),
+            if how == Restart::Kill {
+                "SIGKILL"
+            } else {
+                "restart began"
+            }
+        ));
+    }
+    let mut b = Holder::spawn(&spec)?;
+    let eb = acquired(&mut b, "B", ctx.regrant_bound() + Duration::from_secs(20)).await?;
+    c.check(
+        token(&eb) > ta,
+        format!("token after the restart {} not above {ta}", token(&eb)),
+    );
+    let r = released(&mut b).await;
+    c.check(r == "Ok", format!("B's release: {r}"));
+    c.note(format!(
+        "server down and back in {}; tokens {ta} -> {} (after)",
+        fmt_s(down),
+        token(&eb)
+    ));
+    a.finish(Duration::from_secs(10)).await;
+    b.finish(Duration::from_secs(10)).await;
+    ctx.settle(&prefix, &mut c).await;
+    Ok(c.cell(format!("{outcome}; token after > before")))
+}
+
+/// 5. Server SIGSTOPped past the TTL, then resumed.
+async fn server_paused(ctx: &mut Ctx) -> Result<Cell, String> {
+    let mut c = Checks::default();
+    let prefix = ctx.prefix("s5");
+    let spec = ctx.spec(&prefix);
+    let mut a = Holder::spawn(&spec)?;
+    let ta = token(&acquired(&mut a, "A", Duration::from_secs(30)).await?);
+    wrote(&mut a, "A").await?;
+    let t_stop = now_ns();
+    ctx.server.stop();
+    let lost = a.wait(&["lost"], ctx.ttl + Duration::from_secs(5)).await;
+    let min_stop = ctx.ttl.mul_f64(1.5).as_secs_f64();
+    let stopped = secs(t_stop, now_ns());
+    if stopped < min_stop {
+        tokio::time::sleep(Duration::from_secs_f64(min_stop - stopped)).await;
+    }
+    let stopped = secs(t_stop, now_ns());
+    ctx.server.cont();
+    let t_cont = now_ns();
+    let lost_after = lost.as_ref().map(|l| secs(t_stop, l.t()));
+    c.check(
+        lost_after.is_some_and(|s| s <= ctx.ttl.as_secs_f64() + 0.25),
+        format!(
+            "A's loss signal {} after the server froze (TTL {:?})",
+            lost_after.map_or("never".into(), fmt_s),
+            ctx.ttl
+        ),
+    );
+    let mut b = Holder::spawn(&spec)?;
+    let eb = acquired(&mut b, "B", ctx.regrant_bound() + Duration::from_secs(20)).await?;
+    let regrant = secs(t_cont, eb.t());
+    let wb = wrote(&mut b, "B").await?;
+    let (state, write) = act(&mut a, "A").await?;
+    c.note(format!(
+        "server stopped {}; A's loss signal {} after the SIGSTOP; B (started after SIGCONT) granted {} \
+         after it; tokens {ta} -> {}; B's write {wb}; A then: state {state}, write {write}",
+        fmt_s(stopped),
+        lost_after.map_or("never".into(), fmt_s),
+        fmt_s(regrant),
+        token(&eb)
+    ));
+    c.check(
+        token(&eb) > ta,
+        format!("token {} not above {ta}", token(&eb)),
+    );
+    c.check(wb == "accepted", format!("B's write: {wb}"));
+    c.check(state == "Lost", format!("A's lease: {state}"));
+    c.check(write == "rejected", format!("A's stale write: {write}"));
+    let r = released(&mut b).await;
+    c.check(r == "Ok", format!("B's release: {r}"));
+    a.finish(Duration::from_secs(10)).await;
+    b.finish(Duration::from_secs(10)).await;
+    ctx.settle(&prefix, &mut c).await;
+    Ok(c.cell(format!(
+        "Lost {} after freeze; after resume B granted in {}, A's write {write}",
+        lost_after.map_or("never".into(), fmt_s),
+        fmt_s(regrant)
+    )))
+}
+
+/// 6. Failover, where the backend has one in this matrix.
+async fn failover(ctx: &mut Ctx) -> Result<Cell, String> {
+    match ctx.kind {
+        Kind::Redis => Ok(Cell {
+            status: Status::Declared,
+            summary: "declared: single Redis has no failover; with a replica promoted, a failover can grant twice".into(),
+            details: vec!["not run: a single node has nothing to fail over to (README guarantee table: \
+                           'safe across failover: no')".into()],
+        }),
+        Kind::Postgres => {
+            let mut cell = server_restarted(ctx, Restart::Clean).await?;
+            cell.details.insert(
+                0,
+                "PostgreSQL's failover case here is a server restart (pg_ctl restart -m fast): \
+                 advisory locks are not replicated, so a promoted standby holds none (declared)"
+                    .into(),
+            );
+            if cell.status == Status::Pass {
+                cell.status = Status::Declared;
+                cell.summary = format!(
+                    "restart: {} (standby promotion not covered: advisory locks are not replicated)",
+                    cell.summary
+                );
+            }
+            Ok(cell)
+        }
+        Kind::Etcd | Kind::Zk => Ok(Cell {
+            status: Status::NotRun,
+            summary: "not run yet: needs the 3-member cluster / ensemble in the harness".into(),
+            details: vec![],
+        }),
+    }
+}
+
+/// 7. Stress: N holder processes × R rounds of acquire → fenced read-increment-write → release,
+/// with random SIGSTOPs of 1.5–3× the TTL and one server SIGKILL + restart.
+async fn stress(ctx: &mut Ctx) -> Result<Cell, String> {
+    let mut c = Checks::default();
+    let prefix = ctx.prefix("s7");
+    let mut spec = ctx.spec(&prefix);
+    spec.stress_rounds = Some(ctx.rounds);
+    spec.limit = Duration::from_secs(300);
+    let started = Instant::now();
+    let mut holders = Vec::new();
+    for _ in 0..ctx.holders {
+        holders.push(Holder::spawn(&spec)?);
+    }
+    let total = u64::from(ctx.holders) * u64::from(ctx.rounds);
+    let progress = |f: &Fence| {
+        let cell = f.cell(&spec.key);
+        cell.accepted.len() as u64 + cell.rejected
+    };
+    // The chaos plan, by progress (fenced operations over all rounds): SIGSTOP a random
+    // holder at 10 %, 60 % and 80 %, SIGKILL + restart the server at 35 %.
+    let plan = [(10, "stop"), (35, "server"), (60, "stop"), (80, "stop")];
+    let deadline = started + spec.limit;
+    let mut stops = Vec::new();
+    let mut faults = Vec::new();
+    for (pct, what) in plan {
+        while progress(&ctx.fence) * 100 < total * pct && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        if Instant::now() >= deadline {
+            break;
+        }
+        if what == "stop" {
+            let i = rand::random_range(0..holders.len());
+            let pid = holders[i].pid;
+            let d = ctx.ttl.mul_f64(rand::random_range(1.5..3.0));
+            faults.push(format!(
+                "SIGSTOP holder {i} for {} at {pct} %",
+                fmt_s(d.as_secs_f64())
+            ));
+            stops.push(tokio::spawn(async move {
+                signal(pid, "STOP");
+                tokio::time::sleep(d).await;
+                signal(pid, "CONT");
+            }));
+        } else {
+            let t = Instant::now();
+            ctx.server.kill_and_restart().await?;
+            faults.push(format!(
+                "server SIGKILL + restart at {pct} % (back in {})",
+                fmt_s(t.elapsed().as_secs_f64())
+            ));
+        }
+    }
+    for s in stops {
+        let _ = s.await;
+    }
+    let mut rounds = 0u64;
+    let mut accepted_by_holders = 0u64;
+    let mut rejected_by_holders = 0u64;
+    for (i, h) in holders.iter_mut().enumerate() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let done = h
+            .wait(&["done", "limit", "fence_error", "connect_error"], left)
+            .await;
+        match done {
+            Some(e) if e.ev() == "done" => {}
+            Some(e) => c.check(false, format!("holder {i}: {} {}", e.ev(), e.str("error"))),
+            None => c.check(false, format!("holder {i} did not finish in time")),
+        }
+        h.finish(Duration::from_secs(10)).await;
+        for e in h.log.iter().filter(|e| e.ev() == "round") {
+            rounds += 1;
+            match e.str("write") {
+                "accepted" => accepted_by_holders += 1,
+                _ => rejected_by_holders += 1,
+            }
+        }
+    }
+    let took = started.elapsed().as_secs_f64();
+    let cell = ctx.fence.cell(&spec.key);
+    let accepted = cell.accepted.len() as u64;
+    // Accepted writes whose token is not above every earlier accepted one: a second grant
+    // with the same token (the fence itself refuses lower tokens).
+    let not_increasing = cell.accepted.windows(2).filter(|w| w[1] <= w[0]).count();
+    c.note(format!(
+        "{} holders × {} rounds: {rounds} rounds in {}; faults: {}",
+        ctx.holders,
+        ctx.rounds,
+        fmt_s(took),
+        faults.join(", ")
+    ));
+    c.note(format!(
+        "fence: final value {}, accepted writes {accepted} (holders saw {accepted_by_holders}), \
+         stale reads/writes rejected {}, accepted tokens not strictly increasing: {not_increasing}",
+        cell.value, cell.rejected
+    ));
+    c.check(rounds == total, format!("{rounds} of {total} rounds done"));
+    c.check(
+        cell.value == accepted,
+        format!(
+            "final value {} != accepted writes {accepted} (lost update)",
+            cell.value
+        ),
+    );
+    c.check(
+        accepted == accepted_by_holders,
+        format!("fence accepted {accepted}, holders saw {accepted_by_holders}"),
+    );
+    c.check(
+        not_increasing == 0,
+        format!("{not_increasing} accepted writes with a token not above the previous"),
+    );
+    c.check(
+        faults.len() == plan.len(),
+        "not every planned fault was applied",
+    );
+    ctx.settle(&prefix, &mut c).await;
+    let _ = rejected_by_holders;
+    Ok(c.cell(format!(
+        "{rounds} rounds in {}: value {} = accepted {accepted}; stale rejected {}, accepted 0{}",
+        fmt_s(took),
+        cell.value,
+        cell.rejected,
+        if not_increasing == 0 { "" } else { " (NOT)" }
+    )))
+}
+
+fn failed(e: String) -> Cell {
+    Cell {
+        status: Status::Fail,
+        summary: format!("FAILED: {e}"),
+        details: vec![format!("FAILED: {e}")],
+    }
+}
+
+async fn run_backend(kind: Kind, fence: Arc<Fence>, args: &RunArgs) -> Vec<Cell> {
+    let t = Instant::now();
+    let server = match Server::start(kind).await {
+        Ok(s) => s,
+        Err(e) => return vec![failed(format!("server did not start: {e}")); SCENARIOS.len()],
+    };
+    eprintln!(
+        "faults: {kind:?} server up in {:.1} s",
+        t.elapsed().as_secs_f64()
+    );
+    let mut ctx = Ctx {
+        kind,
+        server,
+        fence,
+        ttl: args.ttl,
+        holders: args.holders,
+        rounds: args.rounds,
+    };
+    let mut cells = Vec::new();
+    for (i, name) in SCENARIOS.iter().enumerate() {
+        let t = Instant::now();
+        let r = match i {
+            0 => holder_killed(&mut ctx).await,
+            1 => holder_paused(&mut ctx).await,
+            2 => holder_partitioned(&mut ctx).await,
+            3 => server_restarted(&mut ctx, Restart::Kill).await,
+            4 => server_paused(&mut ctx).await,
+            5 => failover(&mut ctx).await,
+            _ => stress(&mut ctx).await,
+        };
+        let cell = r.unwrap_or_else(failed);
+        eprintln!(
+            "faults: {kind:?} {name}: {:?} in {:.1} s: {}",
+            cell.status,
+            t.elapsed().as_secs_f64(),
+            cell.summary
+        );
+        cells.push(cell);
+    }
+    cells
+}
+
+fn mark(s: Status) -> &'static str {
+    match s {
+        Status::Pass => "✅",
+        Status::Fail => "❌",
+        Status::Declared => "⚠️ declared limit:",
+        Status::NotRun => "⬜",
+    }
+}
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
+}
+
+pub async fn run(args: RunArgs) -> i32 {
+    let started = Instant::now();
+    let date = humantime::format_rfc3339_seconds(std::time::SystemTime::now());
+    let load_before = loadavg();
+    let mut kinds = Vec::new();
+    for b in &args.backends {
+        match Kind::parse(b) {
+            Some(k) => kinds.push(k),
+            None => {
+                eprintln!("faults: unknown backend {b:?} (redis, etcd, zk, postgres)");
+                return 64;
+            }
+        }
+    }
+    let fence = match Fence::start().await {
+        Ok(f) => Arc::new(f),
+        Err(e) => {
+            eprintln!("faults: fence: {e}");
+            return 1;
+        }
+    };
+    let args = Arc::new(args);
+    let jobs = Arc::new(Semaphore::new(args.jobs.max(1)));
+    let mut tasks = Vec::new();
+    for &k in &kinds {
+        let (fence, args, jobs) = (fence.clone(), args.clone(), jobs.clone());
+        tasks.push(tokio::spawn(async move {
+            let _permit = jobs.acquire_owned().await;
+            run_backend(k, fence, &args).await
+        }));
+    }
+    let mut rows = Vec::new();
+    for (k, t) in kinds.iter().zip(tasks) {
+        let cells = t
+            .await
+            .unwrap_or_else(|e| vec![failed(format!("harness task: {e}")); SCENARIOS.len()]);
+        rows.push((*k, cells));
+    }
+    let took = started.elapsed().as_secs_f64();
+    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
+
+    let mut md = String::new();
+    let _ = writeln!(md, "# Fault matrix\n");
+    let _ = writeln!(
+        md,
+        "Produced by `scripts/faults.sh` on {date} in {:.0} s ({cpus} cores; load average {load_before} \
+         at the start, {} at the end). TTL {}; holders are separate processes; the fenced resource is \
+         the harness's own fence service (highest token per key, stale reads and writes refused).\n",
+        took,
+        loadavg(),
+        humantime::format_duration(args.ttl)
+    );
+    let _ = write!(md, "| backend |");
+    for s in SCENARIOS {
+        let _ = write!(md, " {s} |");
+    }
+    let _ = write!(md, "\n|---|");
+    for _ in SCENARIOS {
+        let _ = write!(md, "---|");
+    }
+    md.push('\n');
+    for (k, cells) in &rows {
+        let _ = write!(md, "| {} |", k.label());
+        for c in cells {
+            let _ = write!(md, " {} {} |", mark(c.status), c.summary.replace('|', "/"));
+        }
+        md.push('\n');
+    }
+    let _ = writeln!(
+        md,
+        "\n✅ pass · ❌ fail · ⚠️ a limit the guarantee table declares · ⬜ not run yet\n\n## Figures\n"
+    );
+    for (k, cells) in &rows {
+        let _ = writeln!(md, "### {}\n", k.label());
+        for (s, c) in SCENARIOS.iter().zip(cells) {
+            let _ = writeln!(md, "- **{s}** ({:?}): {}", c.status, c.details.join("; "));
+        }
+        md.push('\n');
+    }
+    println!("{md}");
+    if let Some(out) = &args.out {
+        if let Err(e) = std::fs::write(out, &md) {
+            eprintln!("faults: write {}: {e}", out.display());
+            return 1;
+        }
+    }
+    let any_failed = rows
+        .iter()
+        .any(|(_, cells)| cells.iter().any(|c| c.status == Status::Fail));
+    if any_failed { 1 } else { 0 }
+}

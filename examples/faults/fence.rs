@@ -99,7 +99,7 @@ fn answer(line: &str, cells: &Mutex<HashMap<String, Cell>>) -> String {
     }
 }
 
-/// A holder's connection to the fence. Every call is bounded (5 s).
+/// A holder's connection to the fence. Every call is bounded (30 s: longer than the longest SIGSTOP a holder gets).
 pub struct FenceClient {
     lines: tokio::io::Lines<BufReader<tokio::net::tcp::OwnedReadHalf>>,
     w: tokio::net::tcp::OwnedWriteHalf,
@@ -134,9 +134,9 @@ impl FenceClient {
                 Err(std::io::Error::other(format!("fence: {line:?}")))
             }
         };
-        tokio::time::timeout(Duration::from_secs(5), io)
+        tokio::time::timeout(Duration::from_secs(30), io)
             .await
-            .map_err(|_| std::io::Error::other("fence: no answer in 5 s"))?
+            .map_err(|_| std::io::Error::other("fence: no answer in 30 s"))?
     }
 
     pub async fn read(&mut self, key: &str, token: u64) -> std::io::Result<Answer> {

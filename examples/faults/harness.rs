@@ -50,6 +50,8 @@ pub struct Holder {
     events: mpsc::UnboundedReceiver<Event>,
     /// Every event received so far.
     pub log: Vec<Event>,
+    /// Events of `log` before this one have been looked at by [`Holder::wait`].
+    cursor: usize,
 }
 
 impl Holder {
@@ -93,24 +95,30 @@ impl Holder {
             pid,
             events,
             log: Vec::new(),
+            cursor: 0,
         })
     }
 
-    /// The next event named one of `evs` (earlier events are logged and skipped), within `limit`.
+    /// The next event named one of `evs` not looked at yet (others are skipped), within `limit`.
     pub async fn wait(&mut self, evs: &[&str], limit: Duration) -> Option<Event> {
         let deadline = Instant::now() + limit;
         loop {
+            while self.cursor < self.log.len() {
+                let e = &self.log[self.cursor];
+                self.cursor += 1;
+                if evs.contains(&e.ev()) {
+                    return Some(e.clone());
+                }
+            }
             let e = tokio::time::timeout_at(deadline, self.events.recv())
                 .await
                 .ok()??;
-            self.log.push(e.clone());
-            if evs.contains(&e.ev()) {
-                return Some(e);
-            }
+            self.log.push(e);
         }
     }
 
-    /// Logs every event already received, without waiting.
+    /// Logs every event already received, without waiting (a later [`Holder::wait`] still sees
+    /// them).
     pub fn drain(&mut self) {
         while let Ok(e) = self.events.try_recv() {
             self.log.push(e);

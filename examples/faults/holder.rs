@@ -9,7 +9,8 @@
 //! - `hold`: acquire once (waiting up to `--wait`; `0s` = try once), write once through the
 //!   fence, then obey stdin: `act` (check the lease state first, then write through the fence
 //!   regardless, as a paused process that checked nothing would), `state`, `release`, `exit`.
-//! - `stress`: `--rounds` rounds of acquire → fenced read → fenced write of value + 1 → release.
+//! - `stress`: `--rounds` rounds of acquire → fenced read → `--work` → fenced write of value + 1
+//!   → release.
 //!
 //! Every wait is bounded: the process exits after `--limit` whatever happens.
 
@@ -46,6 +47,9 @@ pub struct HolderArgs {
     /// Stress rounds.
     #[arg(long, default_value_t = 250)]
     rounds: u32,
+    /// Stress: time spent between the fenced read and the fenced write.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "5ms")]
+    work: Duration,
     /// The process exits after this long, whatever happens.
     #[arg(long, value_parser = humantime::parse_duration, default_value = "300s")]
     limit: Duration,
@@ -204,6 +208,7 @@ async fn stress(
             }
         };
         let token = lease.token().get();
+        emit("acquired", json!({ "token": token }));
         let read = match fence.read(&args.key, token).await {
             Ok(Answer::Ok(v)) => Some(v),
             Ok(Answer::Stale) => None,
@@ -212,6 +217,8 @@ async fn stress(
                 return 2;
             }
         };
+        // The work on the resource between the read and the write: where a pause hurts.
+        tokio::time::sleep(args.work).await;
         let write = match read {
             Some(v) => fence.write(&args.key, token, v + 1).await,
             None => Ok(Answer::Stale),

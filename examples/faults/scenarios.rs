@@ -612,7 +612,8 @@ async fn failover(ctx: &mut Ctx) -> Result<Cell, String> {
 }
 
 /// 7. Stress: N holder processes × R rounds of acquire → fenced read-increment-write → release,
-/// with random SIGSTOPs of 1.5–3× the TTL and one server SIGKILL + restart.
+/// with SIGSTOPs of 1.5–3× the TTL (random length, a random holder among those holding the lock
+/// at that moment) and one server SIGKILL + restart.
 async fn stress(ctx: &mut Ctx) -> Result<Cell, String> {
     let mut c = Checks::default();
     let prefix = ctx.prefix("s7");
@@ -636,18 +637,51 @@ async fn stress(ctx: &mut Ctx) -> Result<Cell, String> {
     let mut stops = Vec::new();
     let mut faults = Vec::new();
     for (pct, what) in plan {
+        let mut all_exited = false;
         while progress(&ctx.fence) * 100 < total * pct && Instant::now() < deadline {
+            all_exited = holders.iter_mut().all(|h| {
+                h.drain();
+                h.log.iter().any(|e| FINAL_EVENTS.contains(&e.ev()))
+            });
+            if all_exited {
+                break;
+            }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        if Instant::now() >= deadline {
+        if all_exited || Instant::now() >= deadline {
             break;
         }
         if what == "stop" {
-            let i = rand::random_range(0..holders.len());
+            // A random one of the holders that hold the lock now (their last event is a
+            // grant), so the pause lands inside a critical section; looked for during at most
+            // one second, then any holder.
+            let look = Instant::now() + Duration::from_secs(1);
+            let (i, in_lock) = loop {
+                let holding: Vec<usize> = holders
+                    .iter_mut()
+                    .enumerate()
+                    .filter_map(|(i, h)| {
+                        h.drain();
+                        (h.log.last().map(|e| e.ev()) == Some("acquired")).then_some(i)
+                    })
+                    .collect();
+                if !holding.is_empty() {
+                    break (holding[rand::random_range(0..holding.len())], true);
+                }
+                if Instant::now() > look {
+                    break (rand::random_range(0..holders.len()), false);
+                }
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            };
             let pid = holders[i].pid;
             let d = ctx.ttl.mul_f64(rand::random_range(1.5..3.0));
             faults.push(format!(
-                "SIGSTOP holder {i} for {} at {pct} %",
+                "SIGSTOP holder {i} ({}) for {} at {pct} %",
+                if in_lock {
+                    "holding the lock"
+                } else {
+                    "not holding"
+                },
                 fmt_s(d.as_secs_f64())
             ));
             stops.push(tokio::spawn(async move {
@@ -737,6 +771,9 @@ async fn stress(ctx: &mut Ctx) -> Result<Cell, String> {
         if not_increasing == 0 { "" } else { " (NOT)" }
     )))
 }
+
+/// A stress holder's last event.
+const FINAL_EVENTS: [&str; 4] = ["done", "limit", "fence_error", "connect_error"];
 
 fn failed(e: String) -> Cell {
     Cell {

@@ -360,6 +360,13 @@ impl Server {
         while !pids.iter().all(|&p| gone(p)) && std::time::Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(20));
         }
+        if self.kind == Kind::Postgres && pids.iter().all(|&p| gone(p)) {
+            // The postmaster is dead, but init reaps it late here: while it is a zombie,
+            // PostgreSQL's lock-file checks take it for alive and refuse to start.
+            let _ = std::fs::remove_file(self.pg_root().join("data/postmaster.pid"));
+            let _ =
+                std::fs::remove_file(self.pg_root().join(format!(".s.PGSQL.{}.lock", self.port)));
+        }
     }
 
     /// SIGSTOP of every server process.

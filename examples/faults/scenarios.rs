@@ -50,7 +50,6 @@ enum Status {
     Fail,
     /// A limit the guarantee table declares.
     Declared,
-    NotRun,
 }
 
 #[derive(Clone, Debug)]
@@ -150,9 +149,15 @@ impl Ctx {
     /// Waits (bounded) until the server holds nothing for `prefix` any more, then checks that a
     /// fresh client gets the lock at once: nothing left stuck.
     async fn settle(&self, prefix: &str, c: &mut Checks) {
+        self.settle_on(&self.server, &self.url(prefix), prefix, c)
+            .await
+    }
+
+    /// [`Ctx::settle`] on another instance (the failover cluster), for the lock at `url`.
+    async fn settle_on(&self, server: &Server, url: &str, prefix: &str, c: &mut Checks) {
         let deadline = Instant::now() + self.ttl * 2 + self.kind.expiry_slack() + LOAD_TOLERANCE;
         let left = loop {
-            match self.server.leftovers(prefix).await {
+            match server.leftovers(prefix).await {
                 Ok(0) => break Ok(0),
                 Ok(n) if Instant::now() > deadline => break Ok(n),
                 Err(e) if Instant::now() > deadline => break Err(e),
@@ -167,7 +172,7 @@ impl Ctx {
             Err(e) => c.check(false, format!("leftover count: {e}")),
         }
         let free = async {
-            let locks = lockkit::connect(&self.url(prefix)).await?;
+            let locks = lockkit::connect(url).await?;
             let lease = locks
                 .acquire("lock", AcquireOptions::new().ttl(self.ttl).wait(Wait::No))
                 .await?;
@@ -346,7 +351,7 @@ async fn holder_partitioned(ctx: &mut Ctx) -> Result<Cell, String> {
     let mut c = Checks::default();
     let prefix = ctx.prefix("s3");
     let spec = ctx.spec(&prefix);
-    let proxy = Proxy::start_local(ctx.server.port).await;
+    let proxy = Proxy::start_local(ctx.server.port()).await;
     let mut spec_a = spec.clone();
     spec_a.url = format!("{}?prefix={prefix}", ctx.server.url_via(proxy.port));
     let mut a = Holder::spawn(&spec_a)?;
@@ -603,12 +608,141 @@ async fn failover(ctx: &mut Ctx) -> Result<Cell, String> {
             }
             Ok(cell)
         }
-        Kind::Etcd | Kind::Zk => Ok(Cell {
-            status: Status::NotRun,
-            summary: "not run yet: needs the 3-member cluster / ensemble in the harness".into(),
-            details: vec![],
-        }),
+        Kind::Etcd | Kind::Zk => leader_killed(ctx).await,
     }
+}
+
+/// Polls the members (every 100 ms, at most `limit`) until one leads.
+async fn wait_leader(cluster: &Server, limit: Duration) -> Option<usize> {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(l) = cluster.leader().await {
+            return Some(l);
+        }
+        if Instant::now() > deadline {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// 6. for etcd and ZooKeeper: on a 3-member cluster / ensemble of its own, the leader is
+/// SIGKILLed while a lease is held (the holder connected to every member).
+async fn leader_killed(ctx: &mut Ctx) -> Result<Cell, String> {
+    let mut c = Checks::default();
+    let t = Instant::now();
+    let mut cluster = Server::start_n(ctx.kind, 3).await?;
+    let leader = wait_leader(&cluster, Duration::from_secs(30))
+        .await
+        .ok_or("no leader in 30 s")?;
+    c.note(format!(
+        "3 members up with a leader in {}",
+        fmt_s(t.elapsed().as_secs_f64())
+    ));
+    let prefix = ctx.prefix("s6");
+    let url = format!("{}?prefix={prefix}", cluster.url());
+    let mut spec = ctx.spec(&prefix);
+    spec.url = url.clone();
+    let mut a = Holder::spawn(&spec)?;
+    let ta = token(&acquired(&mut a, "A", Duration::from_secs(30)).await?);
+    let w = wrote(&mut a, "A").await?;
+    c.check(w == "accepted", format!("A's first write: {w}"));
+    let t_kill = now_ns();
+    cluster.kill_member(leader);
+    let new_leader = wait_leader(&cluster, Duration::from_secs(30)).await;
+    let elected = secs(t_kill, now_ns());
+    c.check(new_leader.is_some(), "no new leader within 30 s");
+    c.note(format!(
+        "leader (member {leader}) SIGKILLed; new leader {} after {}",
+        new_leader.map_or("none".into(), |l| format!("member {l}")),
+        fmt_s(elected)
+    ));
+    // Two TTLs after the election for A to renew through the new leader, or to learn the loss.
+    let lost = a.wait(&["lost"], ctx.ttl * 2).await;
+    a.send("state").await;
+    let state = a
+        .wait(&["state"], Duration::from_secs(10))
+        .await
+        .map_or("no answer".into(), |e| e.str("state").to_owned());
+    let outcome;
+    let mut b_spec = spec.clone();
+    if state == "Held" {
+        b_spec.wait = Duration::ZERO;
+        let mut p = Holder::spawn(&b_spec)?;
+        let e = p
+            .wait(
+                &["acquired", "acquire_error", "connect_error"],
+                Duration::from_secs(20),
+            )
+            .await;
+        let probe = e.map_or("no answer".into(), |e| {
+            if e.ev() == "acquired" {
+                "acquired".into()
+            } else {
+                e.str("error").to_owned()
+            }
+        });
+        c.check(
+            probe == "Held",
+            format!("try-acquire while A still Held: {probe}"),
+        );
+        p.finish(Duration::from_secs(10)).await;
+        let (st, write) = act(&mut a, "A").await?;
+        c.check(
+            write == "accepted",
+            format!("A's write with its surviving lease: {write}"),
+        );
+        let r = released(&mut a).await;
+        c.check(
+            r == "Ok",
+            format!("A's release of its surviving lease: {r}"),
+        );
+        outcome = "lease survived".to_owned();
+        c.note(format!(
+            "A's lease survived the failover (state {st}); another process's try-acquire: {probe}; \
+             A's fenced write {write}; A's release: {r}"
+        ));
+    } else {
+        let after = lost.as_ref().map(|l| secs(t_kill, l.t()));
+        c.check(
+            state == "Lost" && lost.is_some(),
+            format!(
+                "A's state after the failover: {state} (loss signal: {})",
+                lost.is_some()
+            ),
+        );
+        outcome = format!("Lost {} after the kill", after.map_or("?".into(), fmt_s));
+        c.note(format!(
+            "A's lease reported Lost {} after the leader's SIGKILL",
+            after.map_or("?".into(), fmt_s)
+        ));
+    }
+    b_spec.wait = Duration::from_secs(30);
+    let mut b = Holder::spawn(&b_spec)?;
+    let eb = acquired(&mut b, "B", ctx.regrant_bound() + Duration::from_secs(20)).await?;
+    let wb = wrote(&mut b, "B").await?;
+    c.check(wb == "accepted", format!("B's write: {wb}"));
+    c.check(
+        token(&eb) > ta,
+        format!("token after {} not above {ta}", token(&eb)),
+    );
+    if state != "Held" {
+        let (st, write) = act(&mut a, "A").await?;
+        c.check(st == "Lost", format!("A's lease after B's grant: {st}"));
+        c.check(write == "rejected", format!("A's stale write: {write}"));
+        c.note(format!("A then: state {st}, fenced write {write}"));
+    }
+    let r = released(&mut b).await;
+    c.check(r == "Ok", format!("B's release: {r}"));
+    c.note(format!("tokens {ta} -> {} (after)", token(&eb)));
+    a.finish(Duration::from_secs(10)).await;
+    b.finish(Duration::from_secs(10)).await;
+    cluster.restart_member(leader)?;
+    ctx.settle_on(&cluster, &url, &prefix, &mut c).await;
+    Ok(c.cell(format!(
+        "leader SIGKILL, new leader in {}: {outcome}; token after > before",
+        fmt_s(elected)
+    )))
 }
 
 /// 7. Stress: N holder processes × R rounds of acquire → fenced read-increment-write → release,
@@ -830,7 +964,6 @@ fn mark(s: Status) -> &'static str {
         Status::Pass => "✅",
         Status::Fail => "❌",
         Status::Declared => "⚠️ declared limit:",
-        Status::NotRun => "⬜",
     }
 }
 
@@ -910,7 +1043,7 @@ pub async fn run(args: RunArgs) -> i32 {
     }
     let _ = writeln!(
         md,
-        "\n✅ pass · ❌ fail · ⚠️ a limit the guarantee table declares · ⬜ not run yet\n\n## Figures\n"
+        "\n✅ pass · ❌ fail · ⚠️ a limit the guarantee table declares\n\n## Figures\n"
     );
     for (k, cells) in &rows {
         let _ = writeln!(md, "### {}\n", k.label());

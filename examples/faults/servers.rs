@@ -133,24 +133,41 @@ fn gone(pid: u32) -> bool {
     }
 }
 
+/// One server process of an instance: its ports and, while it runs, its process.
+struct Member {
+    /// Client port.
+    port: u16,
+    /// etcd peer port; ZooKeeper quorum port.
+    peer_port: u16,
+    /// ZooKeeper leader-election port.
+    election_port: u16,
+    child: Option<Child>,
+}
+
+/// A private instance: one server, or (etcd, ZooKeeper) a 3-member cluster / ensemble.
 pub struct Server {
     pub kind: Kind,
-    pub port: u16,
-    peer_port: u16,
+    members: Vec<Member>,
     dir: tempfile::TempDir,
-    child: Option<Child>,
 }
 
 impl Drop for Server {
     fn drop(&mut self) {
-        self.cont();
-        self.kill();
+        for i in 0..self.members.len() {
+            self.signal_member(i, "CONT");
+            self.kill_member(i);
+        }
     }
 }
 
 impl Server {
-    /// Starts a fresh instance and waits until a lockkit client can connect (at most 90 s).
+    /// Starts a fresh single server and waits until a lockkit client can connect (at most 90 s).
     pub async fn start(kind: Kind) -> Result<Server, String> {
+        Self::start_n(kind, 1).await
+    }
+
+    /// Starts `n` members (etcd cluster or ZooKeeper ensemble when `n` > 1), waits until ready.
+    pub async fn start_n(kind: Kind, n: usize) -> Result<Server, String> {
         // etcd and ZooKeeper fsync every write: a tmpfs data dir keeps them fast, and survives a
         // process SIGKILL (what the scenarios do) like a disk would.
         let dir = match kind {
@@ -160,13 +177,15 @@ impl Server {
             _ => tempfile::Builder::new().prefix("lockkit-faults-").tempdir(),
         }
         .map_err(|e| format!("temp dir: {e}"))?;
-        let mut s = Server {
-            kind,
-            port: free_port(),
-            peer_port: free_port(),
-            dir,
-            child: None,
-        };
+        let members = (0..n)
+            .map(|_| Member {
+                port: free_port(),
+                peer_port: free_port(),
+                election_port: free_port(),
+                child: None,
+            })
+            .collect();
+        let mut s = Server { kind, members, dir };
         if kind == Kind::Postgres {
             run("chmod", Command::new("chmod").arg("755").arg(s.dir.path()))?;
             let root = s.pg_root();
@@ -184,9 +203,16 @@ impl Server {
                     .args(["-U", "postgres", "-A", "trust", "-E", "UTF8", "--no-sync"]),
             )?;
         }
-        s.spawn()?;
+        for i in 0..n {
+            s.spawn(i)?;
+        }
         s.ready(Duration::from_secs(90)).await?;
         Ok(s)
+    }
+
+    /// The client port of the (first) server.
+    pub fn port(&self) -> u16 {
+        self.members[0].port
     }
 
     fn pg_root(&self) -> PathBuf {
@@ -194,32 +220,41 @@ impl Server {
     }
 
     pub fn url(&self) -> String {
+        let hosts = |ports: Vec<u16>| {
+            ports
+                .iter()
+                .map(|p| format!("127.0.0.1:{p}"))
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        let all = hosts(self.members.iter().map(|m| m.port).collect());
         match self.kind {
-            Kind::Redis => format!("redis://127.0.0.1:{}", self.port),
-            Kind::Etcd => format!("etcd://127.0.0.1:{}", self.port),
-            Kind::Zk => format!("zk://127.0.0.1:{}", self.port),
-            Kind::Postgres => format!("postgres://postgres@127.0.0.1:{}/postgres", self.port),
+            Kind::Redis => format!("redis://{all}"),
+            Kind::Etcd => format!("etcd://{all}"),
+            Kind::Zk => format!("zk://{all}"),
+            Kind::Postgres => format!("postgres://postgres@{all}/postgres"),
         }
     }
 
-    /// `url()` with the port replaced (to go through a proxy).
+    /// `url()` of a single server with its port replaced (to go through a proxy).
     pub fn url_via(&self, port: u16) -> String {
         self.url()
-            .replace(&format!(":{}", self.port), &format!(":{port}"))
+            .replace(&format!(":{}", self.port()), &format!(":{port}"))
     }
 
-    fn log(&self) -> std::fs::File {
+    fn log(&self, i: usize) -> std::fs::File {
         std::fs::OpenOptions::new()
             .create(true)
             .append(true)
-            .open(self.dir.path().join("server.log"))
+            .open(self.dir.path().join(format!("server-{i}.log")))
             .expect("server log")
     }
 
-    /// Starts the server process on this instance's port and data dir.
-    fn spawn(&mut self) -> Result<(), String> {
-        let d = self.dir.path().to_path_buf();
-        let p = self.port;
+    /// Starts member `i` on its ports and data dir.
+    fn spawn(&mut self, i: usize) -> Result<(), String> {
+        let d = self.dir.path().join(format!("m{i}"));
+        std::fs::create_dir_all(&d).map_err(|e| e.to_string())?;
+        let p = self.members[i].port;
         let mut cmd = match self.kind {
             Kind::Redis => {
                 let mut c = Command::new("redis-server");
@@ -230,9 +265,23 @@ impl Server {
                 c
             }
             Kind::Etcd => {
-                let pp = self.peer_port;
+                let pp = self.members[i].peer_port;
+                let cluster = self
+                    .members
+                    .iter()
+                    .enumerate()
+                    .map(|(j, m)| format!("m{j}=http://127.0.0.1:{}", m.peer_port))
+                    .collect::<Vec<_>>()
+                    .join(",");
+                // A cluster gets the timers the suite's cluster tests use on this loaded host
+                // (10/100 ms starved 3 members into elections); a single member elects itself.
+                let (hb, el) = if self.members.len() > 1 {
+                    ("50", "500")
+                } else {
+                    ("10", "100")
+                };
                 let mut c = Command::new("etcd");
-                c.args(["--name", "n1", "--data-dir"])
+                c.args(["--name", &format!("m{i}"), "--data-dir"])
                     .arg(d.join("etcd"))
                     .args(["--listen-client-urls", &format!("http://127.0.0.1:{p}")])
                     .args(["--advertise-client-urls", &format!("http://127.0.0.1:{p}")])
@@ -241,9 +290,10 @@ impl Server {
                         "--initial-advertise-peer-urls",
                         &format!("http://127.0.0.1:{pp}"),
                     ])
-                    .args(["--initial-cluster", &format!("n1=http://127.0.0.1:{pp}")])
+                    .args(["--initial-cluster", &cluster])
                     .args(["--initial-cluster-state", "new"])
-                    .args(["--heartbeat-interval", "10", "--election-timeout", "100"])
+                    .args(["--initial-cluster-token", "lockkit-faults"])
+                    .args(["--heartbeat-interval", hb, "--election-timeout", el])
                     .args([
                         "--logger",
                         "zap",
@@ -256,14 +306,29 @@ impl Server {
             }
             Kind::Zk => {
                 let cfg = d.join("zoo.cfg");
-                std::fs::create_dir_all(d.join("data")).map_err(|e| e.to_string())?;
+                let data = d.join("data");
+                std::fs::create_dir_all(&data).map_err(|e| e.to_string())?;
+                let mut ensemble = String::new();
+                if self.members.len() > 1 {
+                    std::fs::write(data.join("myid"), format!("{}\n", i + 1))
+                        .map_err(|e| e.to_string())?;
+                    ensemble.push_str("initLimit=20\nsyncLimit=5\n");
+                    for (j, m) in self.members.iter().enumerate() {
+                        ensemble.push_str(&format!(
+                            "server.{}=127.0.0.1:{}:{}\n",
+                            j + 1,
+                            m.peer_port,
+                            m.election_port
+                        ));
+                    }
+                }
                 std::fs::write(
                     &cfg,
                     format!(
                         "tickTime=500\nminSessionTimeout=1000\nmaxSessionTimeout=60000\n\
                          dataDir={}\nclientPortAddress=127.0.0.1\nclientPort={p}\n\
-                         admin.enableServer=false\n4lw.commands.whitelist=ruok,srvr,stat,mntr,conf,cons\n",
-                        d.join("data").display()
+                         admin.enableServer=false\n4lw.commands.whitelist=ruok,srvr,stat,mntr,conf,cons\n{ensemble}",
+                        data.display()
                     ),
                 )
                 .map_err(|e| e.to_string())?;
@@ -294,7 +359,7 @@ impl Server {
                 return Ok(());
             }
         };
-        let log = self.log();
+        let log = self.log(i);
         let err = log.try_clone().map_err(|e| e.to_string())?;
         let child = cmd
             .stdin(Stdio::null())
@@ -302,7 +367,7 @@ impl Server {
             .stderr(err)
             .spawn()
             .map_err(|e| format!("spawn {:?}: {e} (run scripts/install-deps.sh)", self.kind))?;
-        self.child = Some(child);
+        self.members[i].child = Some(child);
         Ok(())
     }
 
@@ -323,8 +388,8 @@ impl Server {
         }
     }
 
-    /// Every process of the server: the one process, or PostgreSQL's postmaster and backends.
-    fn pids(&self) -> Vec<u32> {
+    /// Every process of member `i`: the one process, or PostgreSQL's postmaster and backends.
+    fn pids(&self, i: usize) -> Vec<u32> {
         match self.kind {
             Kind::Postgres => {
                 let pidfile = self.pg_root().join("data/postmaster.pid");
@@ -338,7 +403,7 @@ impl Server {
                 all.extend(children(pm));
                 all
             }
-            _ => self
+            _ => self.members[i]
                 .child
                 .as_ref()
                 .map(|c| vec![c.id()])
@@ -346,13 +411,19 @@ impl Server {
         }
     }
 
-    /// SIGKILL of every server process, waiting until they are gone (at most 10 s).
-    pub fn kill(&mut self) {
-        let pids = self.pids();
+    fn signal_member(&self, i: usize, sig: &str) {
+        for pid in self.pids(i) {
+            signal(pid, sig);
+        }
+    }
+
+    /// SIGKILL of every process of member `i`, waiting until they are gone (at most 10 s).
+    pub fn kill_member(&mut self, i: usize) {
+        let pids = self.pids(i);
         for &pid in &pids {
             signal(pid, "KILL");
         }
-        if let Some(mut c) = self.child.take() {
+        if let Some(mut c) = self.members[i].child.take() {
             let _ = c.kill();
             let _ = c.wait();
         }
@@ -363,34 +434,36 @@ impl Server {
         if self.kind == Kind::Postgres && pids.iter().all(|&p| gone(p)) {
             // The postmaster is dead, but init reaps it late here: while it is a zombie,
             // PostgreSQL's lock-file checks take it for alive and refuse to start.
-            let _ = std::fs::remove_file(self.pg_root().join("data/postmaster.pid"));
-            let _ =
-                std::fs::remove_file(self.pg_root().join(format!(".s.PGSQL.{}.lock", self.port)));
+            let root = self.pg_root();
+            let _ = std::fs::remove_file(root.join("data/postmaster.pid"));
+            let _ = std::fs::remove_file(root.join(format!(".s.PGSQL.{}.lock", self.port())));
         }
+    }
+
+    /// Starts member `i` again on its ports and data dir (after [`Server::kill_member`]).
+    pub fn restart_member(&mut self, i: usize) -> Result<(), String> {
+        self.spawn(i)
     }
 
     /// SIGSTOP of every server process.
     pub fn stop(&self) {
-        for pid in self.pids() {
-            signal(pid, "STOP");
-        }
+        self.signal_member(0, "STOP");
     }
 
     /// SIGCONT of every server process.
     pub fn cont(&self) {
-        for pid in self.pids() {
-            signal(pid, "CONT");
-        }
+        self.signal_member(0, "CONT");
     }
 
     /// SIGKILL, then start again on the same port and data dir, and wait until ready.
     pub async fn kill_and_restart(&mut self) -> Result<(), String> {
-        self.kill();
-        self.spawn()?;
+        self.kill_member(0);
+        self.spawn(0)?;
         self.ready(Duration::from_secs(90)).await
     }
 
-    /// A clean restart (PostgreSQL: `pg_ctl restart -m fast`), for the restart-as-failover cell.
+    /// A clean restart (PostgreSQL: `pg_ctl stop -m fast`, then start), for the
+    /// restart-as-failover cell.
     pub async fn clean_restart(&mut self) -> Result<(), String> {
         if self.kind == Kind::Postgres {
             run(
@@ -400,23 +473,59 @@ impl Server {
                     .arg(self.pg_root().join("data"))
                     .args(["-m", "fast", "-w", "stop"]),
             )?;
-        } else if let Some(c) = &self.child {
-            signal(c.id(), "TERM");
-            let pid = c.id();
+        } else if let Some(pid) = self.pids(0).first().copied() {
+            signal(pid, "TERM");
             let deadline = std::time::Instant::now() + Duration::from_secs(20);
             while !gone(pid) && std::time::Instant::now() < deadline {
                 std::thread::sleep(Duration::from_millis(20));
             }
-            self.kill();
+            self.kill_member(0);
         }
-        self.spawn()?;
+        self.spawn(0)?;
         self.ready(Duration::from_secs(90)).await
+    }
+
+    /// The index of the member that leads now (etcd: its member id is the leader it reports;
+    /// ZooKeeper: `srvr` says `Mode: leader`), asking each running member (bounded).
+    pub async fn leader(&self) -> Option<usize> {
+        for (i, m) in self.members.iter().enumerate() {
+            if m.child.is_none() {
+                continue;
+            }
+            let leads = match self.kind {
+                Kind::Etcd => {
+                    let out = Command::new("etcdctl")
+                        .env("ETCDCTL_API", "3")
+                        .arg(format!("--endpoints=http://127.0.0.1:{}", m.port))
+                        .args(["endpoint", "status", "-w", "json", "--command-timeout=2s"])
+                        .output()
+                        .ok()?;
+                    let v: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+                    let st = &v[0]["Status"];
+                    st["leader"].as_u64().is_some()
+                        && st["leader"].as_u64() == st["header"]["member_id"].as_u64()
+                }
+                Kind::Zk => four_letter(m.port, b"srvr")
+                    .await
+                    .is_some_and(|out| out.contains("Mode: leader")),
+                _ => i == 0,
+            };
+            if leads {
+                return Some(i);
+            }
+        }
+        None
     }
 
     /// What the server still holds for locks under `prefix` (all locks, for the ZooKeeper and
     /// PostgreSQL counts, which are per server; every scenario has the server to itself).
     pub async fn leftovers(&self, prefix: &str) -> Result<usize, String> {
-        let p = self.port.to_string();
+        let port = self
+            .members
+            .iter()
+            .find(|m| m.child.is_some() || self.kind == Kind::Postgres)
+            .map_or(0, |m| m.port);
+        let p = port.to_string();
         match self.kind {
             Kind::Redis => {
                 let out = run(
@@ -438,24 +547,14 @@ impl Server {
                 )?;
                 Ok(out.lines().filter(|l| !l.trim().is_empty()).count())
             }
-            Kind::Zk => {
-                let ask = async {
-                    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", self.port))
-                        .await
-                        .ok()?;
-                    s.write_all(b"mntr").await.ok()?;
-                    let mut out = String::new();
-                    s.read_to_string(&mut out).await.ok()?;
+            Kind::Zk => four_letter(port, b"mntr")
+                .await
+                .and_then(|out| {
                     out.lines()
                         .find_map(|l| l.strip_prefix("zk_ephemerals_count"))
                         .and_then(|v| v.trim().parse::<usize>().ok())
-                };
-                tokio::time::timeout(Duration::from_secs(3), ask)
-                    .await
-                    .ok()
-                    .flatten()
-                    .ok_or_else(|| "mntr did not answer".to_owned())
-            }
+                })
+                .ok_or_else(|| "mntr did not answer".to_owned()),
             Kind::Postgres => {
                 let out = run(
                     "psql",
@@ -467,4 +566,21 @@ impl Server {
             }
         }
     }
+}
+
+/// A ZooKeeper four-letter word's answer (bounded: 3 s).
+async fn four_letter(port: u16, word: &[u8]) -> Option<String> {
+    let ask = async {
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .ok()?;
+        s.write_all(word).await.ok()?;
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.ok()?;
+        Some(out)
+    };
+    tokio::time::timeout(Duration::from_secs(3), ask)
+        .await
+        .ok()
+        .flatten()
 }

@@ -39,6 +39,8 @@ pub struct Spec {
     pub fence: u16,
     pub key: String,
     pub stress_rounds: Option<u32>,
+    /// Stress: also use the backend's own fence (see the holder's `--native`).
+    pub native: bool,
     pub wait: Duration,
     pub limit: Duration,
 }
@@ -70,6 +72,9 @@ impl Holder {
             ]);
         if let Some(r) = spec.stress_rounds {
             cmd.args(["--mode", "stress", "--rounds", &r.to_string()]);
+            if spec.native {
+                cmd.arg("--native");
+            }
         }
         let mut child = cmd
             .stdin(Stdio::piped())

@@ -14,6 +14,7 @@
 //!
 //! Every wait is bounded: the process exits after `--limit` whatever happens.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use lockkit::{AcquireOptions, Lease, Wait};
@@ -47,6 +48,10 @@ pub struct HolderArgs {
     /// Stress rounds.
     #[arg(long, default_value_t = 250)]
     rounds: u32,
+    /// Stress: also read-increment-write a counter at the backend's own fence (EtcdFence,
+    /// ZkFence; none for Redis and PostgreSQL here) under the same lease.
+    #[arg(long)]
+    native: bool,
     /// Stress: time spent between the fenced read and the fenced write.
     #[arg(long, value_parser = humantime::parse_duration, default_value = "5ms")]
     work: Duration,
@@ -79,12 +84,28 @@ pub async fn run(args: HolderArgs) -> i32 {
 }
 
 async fn body(args: &HolderArgs) -> i32 {
-    let locks = match lockkit::connect(&args.url).await {
+    let connected = async {
+        // ZooKeeper's fence comes from the concrete lock; every other backend via connect().
+        if args.url.starts_with("zk://") {
+            let zl = lockkit::zk::ZkLock::connect(&args.url).await?;
+            let fence = zl.fence();
+            Ok::<_, lockkit::Error>((Arc::new(zl) as Arc<dyn lockkit::Lock>, Some(fence)))
+        } else {
+            Ok((lockkit::connect(&args.url).await?, None))
+        }
+    };
+    let (locks, zk_fence) = match connected.await {
         Ok(l) => l,
         Err(e) => {
             emit("connect_error", json!({ "error": error_kind(&e) }));
             return 2;
         }
+    };
+    let native = match (args.native, zk_fence) {
+        (false, _) => Native::None,
+        (true, Some(f)) => Native::Zk(f),
+        (true, None) if args.url.starts_with("etcd://") => Native::Etcd,
+        (true, None) => Native::None,
     };
     let mut fence = match FenceClient::connect(&args.fence).await {
         Ok(f) => f,
@@ -102,7 +123,7 @@ async fn body(args: &HolderArgs) -> i32 {
     let opts = AcquireOptions::new().ttl(args.ttl).wait(wait);
     match args.mode {
         Mode::Hold => hold(args, &*locks, opts, &mut fence).await,
-        Mode::Stress => stress(args, &*locks, opts, &mut fence).await,
+        Mode::Stress => stress(args, &*locks, opts, &mut fence, &native).await,
     }
 }
 
@@ -195,6 +216,7 @@ async fn stress(
     locks: &dyn lockkit::Lock,
     opts: AcquireOptions,
     fence: &mut FenceClient,
+    native: &Native,
 ) -> i32 {
     let mut done = 0;
     while done < args.rounds {
@@ -231,16 +253,64 @@ async fn stress(
                 return 2;
             }
         };
+        let native = native.increment(&lease, &args.key).await;
         let release = match lease.release().await {
             Ok(()) => "Ok".to_owned(),
             Err(e) => error_kind(&e),
         };
         emit(
             "round",
-            json!({ "i": done, "token": token, "read": read.is_some(), "write": write, "release": release }),
+            json!({ "i": done, "token": token, "read": read.is_some(), "write": write, "native": native, "release": release }),
         );
         done += 1;
     }
     emit("done", json!({ "rounds": done }));
     0
+}
+
+/// The backend's own fence, for the stress counter kept in the backend itself.
+enum Native {
+    None,
+    Etcd,
+    Zk(lockkit::zk::ZkFence),
+}
+
+/// The key (etcd) or node (ZooKeeper, `/` + key) of the stress counter at the backend's fence.
+pub fn native_key(key: &str) -> String {
+    format!("/faults-counter-{key}")
+}
+
+impl Native {
+    /// Reads the counter and writes it + 1, both through the backend's fence under `lease`:
+    /// `accepted`, `rejected` (StaleToken), `none` (no native fence) or `error:Kind`.
+    async fn increment(&self, lease: &Lease, key: &str) -> String {
+        let path = native_key(key);
+        let parse = |b: &[u8]| std::str::from_utf8(b).ok()?.parse::<u64>().ok();
+        let result = match self {
+            Native::None => return "none".into(),
+            Native::Etcd => async {
+                use lockkit::etcd::etcd_client::{TxnOp, TxnOpResponse};
+                let f = lockkit::etcd::EtcdFence::new(lease)?;
+                // The read is fenced too: one transaction, applied only while the lease holds.
+                let r = f.txn(vec![TxnOp::get(path.clone(), None)]).await?;
+                let v = match r.op_responses().first() {
+                    Some(TxnOpResponse::Get(g)) => g.kvs().first().and_then(|kv| parse(kv.value())),
+                    _ => None,
+                };
+                f.put(path, (v.unwrap_or(0) + 1).to_string()).await
+            }
+            .await,
+            Native::Zk(f) => async {
+                let v = f.read(&path).await?.and_then(|b| parse(&b));
+                f.write(lease, &path, (v.unwrap_or(0) + 1).to_string().as_bytes())
+                    .await
+            }
+            .await,
+        };
+        match result {
+            Ok(()) => "accepted".into(),
+            Err(lockkit::Error::StaleToken { .. }) => "rejected".into(),
+            Err(e) => format!("error:{}", error_kind(&e)),
+        }
+    }
 }

@@ -136,6 +136,7 @@ impl Ctx {
             fence: self.fence.port,
             key: format!("{:?}-{prefix}", self.kind),
             stress_rounds: None,
+            native: false,
             wait: Duration::from_secs(30),
             limit: Duration::from_secs(120),
         }
@@ -144,6 +145,19 @@ impl Ctx {
     /// How long after a fault another process may have to wait for the lock.
     fn regrant_bound(&self) -> Duration {
         self.ttl + self.kind.expiry_slack() + LOAD_TOLERANCE
+    }
+
+    /// Checks a grant to another process after a fault: a larger token, within the bound.
+    fn check_regrant(&self, c: &mut Checks, ta: u64, tb: u64, regrant: f64) {
+        c.check(tb > ta, format!("token {tb} not above {ta}"));
+        c.check(
+            regrant <= self.regrant_bound().as_secs_f64(),
+            format!(
+                "re-grant {} over the bound {:?}",
+                fmt_s(regrant),
+                self.regrant_bound()
+            ),
+        );
     }
 
     /// Waits (bounded) until the server holds nothing for `prefix` any more, then checks that a
@@ -209,6 +223,24 @@ async fn acquired(
     }
 }
 
+/// Spawns holder A and waits for its grant and its first fenced write (which must be accepted).
+async fn first_holder(spec: &Spec, c: &mut Checks) -> Result<(Holder, u64), String> {
+    let mut a = Holder::spawn(spec)?;
+    let ta = token(&acquired(&mut a, "A", Duration::from_secs(30)).await?);
+    let w = wrote(&mut a, "A").await?;
+    c.check(w == "accepted", format!("A's first write: {w}"));
+    Ok((a, ta))
+}
+
+/// Spawns holder B and waits until it is connected (its acquire then waits for the lock).
+async fn waiter(spec: &Spec) -> Result<Holder, String> {
+    let mut b = Holder::spawn(spec)?;
+    b.wait(&["connected"], Duration::from_secs(30))
+        .await
+        .ok_or("B did not connect")?;
+    Ok(b)
+}
+
 async fn wrote(h: &mut Holder, who: &str) -> Result<String, String> {
     h.wait(&["wrote"], Duration::from_secs(10))
         .await
@@ -236,17 +268,13 @@ fn fmt_s(d: f64) -> String {
     format!("{d:.2} s")
 }
 
-/// 1. Holder SIGKILLed: time until another process holds the lock, larger token.
+/// Scenario 1: Holder SIGKILLed: time until another process holds the lock, larger token.
 async fn holder_killed(ctx: &mut Ctx) -> Result<Cell, String> {
     let mut c = Checks::default();
     let prefix = ctx.prefix("s1");
     let spec = ctx.spec(&prefix);
-    let mut a = Holder::spawn(&spec)?;
-    let ta = token(&acquired(&mut a, "A", Duration::from_secs(30)).await?);
-    let mut b = Holder::spawn(&spec)?;
-    b.wait(&["connected"], Duration::from_secs(30))
-        .await
-        .ok_or("B did not connect")?;
+    let (mut a, ta) = first_holder(&spec, &mut c).await?;
+    let mut b = waiter(&spec).await?;
     let t_kill = now_ns();
     a.kill().await;
     let eb = acquired(&mut b, "B", ctx.regrant_bound() + Duration::from_secs(20)).await?;
@@ -258,14 +286,7 @@ async fn holder_killed(ctx: &mut Ctx) -> Result<Cell, String> {
         ctx.regrant_bound(),
         token(&eb)
     ));
-    c.check(
-        token(&eb) > ta,
-        format!("token {} not above {ta}", token(&eb)),
-    );
-    c.check(
-        regrant <= ctx.regrant_bound().as_secs_f64(),
-        format!("re-grant {} over the bound", fmt_s(regrant)),
-    );
+    ctx.check_regrant(&mut c, ta, token(&eb), regrant);
     let r = released(&mut b).await;
     c.check(r == "Ok", format!("B's release: {r}"));
     b.finish(Duration::from_secs(10)).await;
@@ -277,19 +298,13 @@ async fn holder_killed(ctx: &mut Ctx) -> Result<Cell, String> {
     )))
 }
 
-/// 2. Holder SIGSTOPped past its TTL, then resumed.
+/// Scenario 2: Holder SIGSTOPped past its TTL, then resumed.
 async fn holder_paused(ctx: &mut Ctx) -> Result<Cell, String> {
     let mut c = Checks::default();
     let prefix = ctx.prefix("s2");
     let spec = ctx.spec(&prefix);
-    let mut a = Holder::spawn(&spec)?;
-    let ta = token(&acquired(&mut a, "A", Duration::from_secs(30)).await?);
-    let w = wrote(&mut a, "A").await?;
-    c.check(w == "accepted", format!("A's first write: {w}"));
-    let mut b = Holder::spawn(&spec)?;
-    b.wait(&["connected"], Duration::from_secs(30))
-        .await
-        .ok_or("B did not connect")?;
+    let (mut a, ta) = first_holder(&spec, &mut c).await?;
+    let mut b = waiter(&spec).await?;
     let t_stop = now_ns();
     a.signal("STOP");
     let eb = acquired(&mut b, "B", ctx.regrant_bound() + Duration::from_secs(20)).await;
@@ -322,14 +337,7 @@ async fn holder_paused(ctx: &mut Ctx) -> Result<Cell, String> {
         ctx.regrant_bound(),
         token(&eb)
     ));
-    c.check(
-        token(&eb) > ta,
-        format!("token {} not above {ta}", token(&eb)),
-    );
-    c.check(
-        regrant <= ctx.regrant_bound().as_secs_f64(),
-        format!("re-grant {} over the bound", fmt_s(regrant)),
-    );
+    ctx.check_regrant(&mut c, ta, token(&eb), regrant);
     c.check(state == "Lost", format!("A's lease on resume: {state}"));
     c.check(write == "rejected", format!("A's stale write: {write}"));
     let r = released(&mut a).await;
@@ -346,7 +354,7 @@ async fn holder_paused(ctx: &mut Ctx) -> Result<Cell, String> {
     )))
 }
 
-/// 3. Holder partitioned (traffic blackholed in the proxy, sockets open) past its TTL.
+/// Scenario 3: Holder partitioned (traffic blackholed in the proxy, sockets open) past its TTL.
 async fn holder_partitioned(ctx: &mut Ctx) -> Result<Cell, String> {
     let mut c = Checks::default();
     let prefix = ctx.prefix("s3");
@@ -354,14 +362,8 @@ async fn holder_partitioned(ctx: &mut Ctx) -> Result<Cell, String> {
     let proxy = Proxy::start_local(ctx.server.port()).await;
     let mut spec_a = spec.clone();
     spec_a.url = format!("{}?prefix={prefix}", ctx.server.url_via(proxy.port));
-    let mut a = Holder::spawn(&spec_a)?;
-    let ta = token(&acquired(&mut a, "A", Duration::from_secs(30)).await?);
-    let w = wrote(&mut a, "A").await?;
-    c.check(w == "accepted", format!("A's first write: {w}"));
-    let mut b = Holder::spawn(&spec)?;
-    b.wait(&["connected"], Duration::from_secs(30))
-        .await
-        .ok_or("B did not connect")?;
+    let (mut a, ta) = first_holder(&spec_a, &mut c).await?;
+    let mut b = waiter(&spec).await?;
     let t_cut = now_ns();
     proxy.freeze();
     let lost = a.wait(&["lost"], ctx.ttl + Duration::from_secs(5)).await;
@@ -399,14 +401,7 @@ async fn holder_partitioned(ctx: &mut Ctx) -> Result<Cell, String> {
         }
         _ => c.check(false, "A's loss signal never fired while partitioned"),
     }
-    c.check(
-        regrant <= ctx.regrant_bound().as_secs_f64(),
-        format!("re-grant {} over the bound", fmt_s(regrant)),
-    );
-    c.check(
-        token(&eb) > ta,
-        format!("token {} not above {ta}", token(&eb)),
-    );
+    ctx.check_regrant(&mut c, ta, token(&eb), regrant);
     c.check(state == "Lost", format!("A's lease: {state}"));
     c.check(write == "rejected", format!("A's stale write: {write}"));
     let r = released(&mut b).await;
@@ -425,36 +420,25 @@ async fn holder_partitioned(ctx: &mut Ctx) -> Result<Cell, String> {
     )))
 }
 
-#[derive(Clone, Copy, PartialEq)]
-enum Restart {
-    Kill,
-    Clean,
-}
-
-/// 4. (and PostgreSQL's 6.) Server SIGKILLed (or cleanly restarted) while a lease is held.
-async fn server_restarted(ctx: &mut Ctx, how: Restart) -> Result<Cell, String> {
-    let mut c = Checks::default();
-    let prefix = ctx.prefix(if how == Restart::Kill { "s4" } else { "s6" });
-    let spec = ctx.spec(&prefix);
-    let mut a = Holder::spawn(&spec)?;
-    let ta = token(&acquired(&mut a, "A", Duration::from_secs(30)).await?);
-    wrote(&mut a, "A").await?;
-    let t_kill = now_ns();
-    match how {
-        Restart::Kill => ctx.server.kill_and_restart().await?,
-        Restart::Clean => ctx.server.clean_restart().await?,
-    }
-    let down = secs(t_kill, now_ns());
-    // Give A two TTLs with the server back to renew, or to learn that its lease is gone.
+/// After a server-side fault at `t_fault` (`cause`), A has two TTLs to renew or to learn that
+/// its lease is gone. A surviving lease must stay exclusive (another process's try-acquire gets
+/// `Held`), and A can still write through the fence and release it; a lost one must have been
+/// reported by the loss signal. Returns the outcome for the table and whether A's lease survived.
+async fn survived_or_lost(
+    ctx: &Ctx,
+    a: &mut Holder,
+    spec: &Spec,
+    t_fault: u64,
+    cause: &str,
+    c: &mut Checks,
+) -> Result<(String, bool), String> {
     let lost = a.wait(&["lost"], ctx.ttl * 2).await;
     a.send("state").await;
     let state = a
         .wait(&["state"], Duration::from_secs(10))
         .await
         .map_or("no answer".into(), |e| e.str("state").to_owned());
-    let outcome;
     if state == "Held" {
-        // It survived: then nobody else may get it.
         let mut probe_spec = spec.clone();
         probe_spec.wait = Duration::ZERO;
         let mut p = Holder::spawn(&probe_spec)?;
@@ -476,60 +460,106 @@ async fn server_restarted(ctx: &mut Ctx, how: Restart) -> Result<Cell, String> {
             format!("try-acquire while A still Held: {probe}"),
         );
         p.finish(Duration::from_secs(10)).await;
-        let r = released(&mut a).await;
+        let (_, write) = act(a, "A").await?;
+        c.check(
+            write == "accepted",
+            format!("A's write with its surviving lease: {write}"),
+        );
+        let r = released(a).await;
         c.check(
             r == "Ok",
             format!("A's release of its surviving lease: {r}"),
         );
-        outcome = "lease survived".to_owned();
-        c.note(format!("A's lease survived (Held {} after the server was back, renewed); another process's try-acquire: {probe}; A's release: {r}", humantime::format_duration(ctx.ttl * 2)));
+        c.note(format!(
+            "A's lease survived {cause} (Held {} later); another process's try-acquire: {probe}; \
+             A's fenced write {write}; A's release: {r}",
+            humantime::format_duration(ctx.ttl * 2)
+        ));
+        Ok(("lease survived".into(), true))
     } else {
-        let after = lost.as_ref().map(|l| secs(t_kill, l.t()));
+        let after = lost.as_ref().map(|l| secs(t_fault, l.t()));
         c.check(
             state == "Lost" && lost.is_some(),
             format!(
-                "A's state after the restart: {state} (loss signal: {})",
+                "A's state after {cause}: {state} (loss signal: {})",
                 lost.is_some()
             ),
         );
-        outcome = format!("Lost {} after the kill", after.map_or("?".into(), fmt_s));
+        let after = after.map_or("?".into(), fmt_s);
+        c.note(format!("A's lease reported Lost {after} after {cause}"));
+        Ok((format!("Lost {after} after {cause}"), false))
+    }
+}
+
+/// After [`survived_or_lost`]: another process B gets the lock with a larger token than A's `ta`
+/// and writes; a lost A's write is then rejected. Returns B's token.
+async fn regrant_after(
+    ctx: &Ctx,
+    a: &mut Holder,
+    spec: &Spec,
+    ta: u64,
+    survived: bool,
+    c: &mut Checks,
+) -> Result<u64, String> {
+    let mut b = Holder::spawn(spec)?;
+    let eb = acquired(&mut b, "B", ctx.regrant_bound() + Duration::from_secs(20)).await?;
+    let tb = token(&eb);
+    let wb = wrote(&mut b, "B").await?;
+    c.check(wb == "accepted", format!("B's write: {wb}"));
+    c.check(tb > ta, format!("token after {tb} not above {ta}"));
+    if !survived {
+        let (st, write) = act(a, "A").await?;
+        c.check(st == "Lost", format!("A's lease after B's grant: {st}"));
+        c.check(write == "rejected", format!("A's stale write: {write}"));
         c.note(format!(
-            "A's lease reported Lost {} after the {}",
-            after.map_or("?".into(), fmt_s),
-            if how == Restart::Kill {
-                "SIGKILL"
-            } else {
-                "restart began"
-            }
+            "A after B's grant: state {st}, fenced write {write}"
         ));
     }
-    let mut b = Holder::spawn(&spec)?;
-    let eb = acquired(&mut b, "B", ctx.regrant_bound() + Duration::from_secs(20)).await?;
-    c.check(
-        token(&eb) > ta,
-        format!("token after the restart {} not above {ta}", token(&eb)),
-    );
     let r = released(&mut b).await;
     c.check(r == "Ok", format!("B's release: {r}"));
-    c.note(format!(
-        "server down and back in {}; tokens {ta} -> {} (after)",
-        fmt_s(down),
-        token(&eb)
-    ));
     a.finish(Duration::from_secs(10)).await;
     b.finish(Duration::from_secs(10)).await;
+    Ok(tb)
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Restart {
+    Kill,
+    Clean,
+}
+
+/// Scenario 4 (and PostgreSQL's 6): Server SIGKILLed (or cleanly restarted) while a lease is held.
+async fn server_restarted(ctx: &mut Ctx, how: Restart) -> Result<Cell, String> {
+    let mut c = Checks::default();
+    let prefix = ctx.prefix(if how == Restart::Kill { "s4" } else { "s6" });
+    let spec = ctx.spec(&prefix);
+    let (mut a, ta) = first_holder(&spec, &mut c).await?;
+    let t_kill = now_ns();
+    match how {
+        Restart::Kill => ctx.server.kill_and_restart().await?,
+        Restart::Clean => ctx.server.clean_restart().await?,
+    }
+    let down = secs(t_kill, now_ns());
+    let cause = match how {
+        Restart::Kill => "the SIGKILL",
+        Restart::Clean => "the restart began",
+    };
+    let (outcome, survived) = survived_or_lost(ctx, &mut a, &spec, t_kill, cause, &mut c).await?;
+    let tb = regrant_after(ctx, &mut a, &spec, ta, survived, &mut c).await?;
+    c.note(format!(
+        "server down and back in {}; tokens {ta} -> {tb} (after)",
+        fmt_s(down)
+    ));
     ctx.settle(&prefix, &mut c).await;
     Ok(c.cell(format!("{outcome}; token after > before")))
 }
 
-/// 5. Server SIGSTOPped past the TTL, then resumed.
+/// Scenario 5: Server SIGSTOPped past the TTL, then resumed.
 async fn server_paused(ctx: &mut Ctx) -> Result<Cell, String> {
     let mut c = Checks::default();
     let prefix = ctx.prefix("s5");
     let spec = ctx.spec(&prefix);
-    let mut a = Holder::spawn(&spec)?;
-    let ta = token(&acquired(&mut a, "A", Duration::from_secs(30)).await?);
-    wrote(&mut a, "A").await?;
+    let (mut a, ta) = first_holder(&spec, &mut c).await?;
     let t_stop = now_ns();
     ctx.server.stop();
     let lost = a.wait(&["lost"], ctx.ttl + Duration::from_secs(5)).await;
@@ -582,7 +612,7 @@ async fn server_paused(ctx: &mut Ctx) -> Result<Cell, String> {
     )))
 }
 
-/// 6. Failover, where the backend has one in this matrix.
+/// Scenario 6: Failover, where the backend has one in this matrix.
 async fn failover(ctx: &mut Ctx) -> Result<Cell, String> {
     match ctx.kind {
         Kind::Redis => Ok(Cell {
@@ -626,7 +656,7 @@ async fn wait_leader(cluster: &Server, limit: Duration) -> Option<usize> {
     }
 }
 
-/// 6. for etcd and ZooKeeper: on a 3-member cluster / ensemble of its own, the leader is
+/// Scenario 6 for etcd and ZooKeeper: on a 3-member cluster / ensemble of its own, the leader is
 /// SIGKILLed while a lease is held (the holder connected to every member).
 async fn leader_killed(ctx: &mut Ctx) -> Result<Cell, String> {
     let mut c = Checks::default();
@@ -643,10 +673,7 @@ async fn leader_killed(ctx: &mut Ctx) -> Result<Cell, String> {
     let url = format!("{}?prefix={prefix}", cluster.url());
     let mut spec = ctx.spec(&prefix);
     spec.url = url.clone();
-    let mut a = Holder::spawn(&spec)?;
-    let ta = token(&acquired(&mut a, "A", Duration::from_secs(30)).await?);
-    let w = wrote(&mut a, "A").await?;
-    c.check(w == "accepted", format!("A's first write: {w}"));
+    let (mut a, ta) = first_holder(&spec, &mut c).await?;
     let t_kill = now_ns();
     cluster.kill_member(leader);
     let new_leader = wait_leader(&cluster, Duration::from_secs(30)).await;
@@ -657,86 +684,10 @@ async fn leader_killed(ctx: &mut Ctx) -> Result<Cell, String> {
         new_leader.map_or("none".into(), |l| format!("member {l}")),
         fmt_s(elected)
     ));
-    // Two TTLs after the election for A to renew through the new leader, or to learn the loss.
-    let lost = a.wait(&["lost"], ctx.ttl * 2).await;
-    a.send("state").await;
-    let state = a
-        .wait(&["state"], Duration::from_secs(10))
-        .await
-        .map_or("no answer".into(), |e| e.str("state").to_owned());
-    let outcome;
-    let mut b_spec = spec.clone();
-    if state == "Held" {
-        b_spec.wait = Duration::ZERO;
-        let mut p = Holder::spawn(&b_spec)?;
-        let e = p
-            .wait(
-                &["acquired", "acquire_error", "connect_error"],
-                Duration::from_secs(20),
-            )
-            .await;
-        let probe = e.map_or("no answer".into(), |e| {
-            if e.ev() == "acquired" {
-                "acquired".into()
-            } else {
-                e.str("error").to_owned()
-            }
-        });
-        c.check(
-            probe == "Held",
-            format!("try-acquire while A still Held: {probe}"),
-        );
-        p.finish(Duration::from_secs(10)).await;
-        let (st, write) = act(&mut a, "A").await?;
-        c.check(
-            write == "accepted",
-            format!("A's write with its surviving lease: {write}"),
-        );
-        let r = released(&mut a).await;
-        c.check(
-            r == "Ok",
-            format!("A's release of its surviving lease: {r}"),
-        );
-        outcome = "lease survived".to_owned();
-        c.note(format!(
-            "A's lease survived the failover (state {st}); another process's try-acquire: {probe}; \
-             A's fenced write {write}; A's release: {r}"
-        ));
-    } else {
-        let after = lost.as_ref().map(|l| secs(t_kill, l.t()));
-        c.check(
-            state == "Lost" && lost.is_some(),
-            format!(
-                "A's state after the failover: {state} (loss signal: {})",
-                lost.is_some()
-            ),
-        );
-        outcome = format!("Lost {} after the kill", after.map_or("?".into(), fmt_s));
-        c.note(format!(
-            "A's lease reported Lost {} after the leader's SIGKILL",
-            after.map_or("?".into(), fmt_s)
-        ));
-    }
-    b_spec.wait = Duration::from_secs(30);
-    let mut b = Holder::spawn(&b_spec)?;
-    let eb = acquired(&mut b, "B", ctx.regrant_bound() + Duration::from_secs(20)).await?;
-    let wb = wrote(&mut b, "B").await?;
-    c.check(wb == "accepted", format!("B's write: {wb}"));
-    c.check(
-        token(&eb) > ta,
-        format!("token after {} not above {ta}", token(&eb)),
-    );
-    if state != "Held" {
-        let (st, write) = act(&mut a, "A").await?;
-        c.check(st == "Lost", format!("A's lease after B's grant: {st}"));
-        c.check(write == "rejected", format!("A's stale write: {write}"));
-        c.note(format!("A then: state {st}, fenced write {write}"));
-    }
-    let r = released(&mut b).await;
-    c.check(r == "Ok", format!("B's release: {r}"));
-    c.note(format!("tokens {ta} -> {} (after)", token(&eb)));
-    a.finish(Duration::from_secs(10)).await;
-    b.finish(Duration::from_secs(10)).await;
+    let (outcome, survived) =
+        survived_or_lost(ctx, &mut a, &spec, t_kill, "the leader's SIGKILL", &mut c).await?;
+    let tb = regrant_after(ctx, &mut a, &spec, ta, survived, &mut c).await?;
+    c.note(format!("tokens {ta} -> {tb} (after)"));
     cluster.restart_member(leader)?;
     ctx.settle_on(&cluster, &url, &prefix, &mut c).await;
     Ok(c.cell(format!(
@@ -745,7 +696,7 @@ async fn leader_killed(ctx: &mut Ctx) -> Result<Cell, String> {
     )))
 }
 
-/// 7. Stress: N holder processes × R rounds of acquire → fenced read-increment-write → release,
+/// Scenario 7: Stress: N holder processes × R rounds of acquire → fenced read-increment-write → release,
 /// with SIGSTOPs of 1.5–3× the TTL (random length, a random holder among those holding the lock
 /// at that moment) and one server SIGKILL + restart.
 async fn stress(ctx: &mut Ctx) -> Result<Cell, String> {
@@ -753,6 +704,7 @@ async fn stress(ctx: &mut Ctx) -> Result<Cell, String> {
     let prefix = ctx.prefix("s7");
     let mut spec = ctx.spec(&prefix);
     spec.stress_rounds = Some(ctx.rounds);
+    spec.native = matches!(ctx.kind, Kind::Etcd | Kind::Zk);
     spec.limit = Duration::from_secs(300);
     let started = Instant::now();
     let mut holders = Vec::new();
@@ -837,6 +789,7 @@ async fn stress(ctx: &mut Ctx) -> Result<Cell, String> {
     }
     let mut rounds = 0u64;
     let mut accepted_by_holders = 0u64;
+    let (mut native_accepted, mut native_rejected, mut native_errors) = (0u64, 0u64, 0u64);
     let mut rejected_by_holders = 0u64;
     for (i, h) in holders.iter_mut().enumerate() {
         let left = deadline.saturating_duration_since(Instant::now());
@@ -854,6 +807,12 @@ async fn stress(ctx: &mut Ctx) -> Result<Cell, String> {
             match e.str("write") {
                 "accepted" => accepted_by_holders += 1,
                 _ => rejected_by_holders += 1,
+            }
+            match e.str("native") {
+                "accepted" => native_accepted += 1,
+                "rejected" => native_rejected += 1,
+                "none" => {}
+                _ => native_errors += 1,
             }
         }
     }
@@ -895,6 +854,26 @@ async fn stress(ctx: &mut Ctx) -> Result<Cell, String> {
         faults.len() == plan.len(),
         "not every planned fault was applied",
     );
+    if spec.native {
+        let key = crate::holder::native_key(&spec.key);
+        match ctx.server.native_counter(&key).await {
+            Ok(v) => {
+                c.note(format!(
+                    "backend's own fence ({}): counter {v}, increments accepted {native_accepted}, \
+                     rejected as stale {native_rejected}, failed (server down) {native_errors}",
+                    if ctx.kind == Kind::Etcd { "EtcdFence: fenced get + put" } else { "ZkFence: read + fenced write" }
+                ));
+                // A failed call (server restarting) may or may not have been applied.
+                c.check(
+                    v >= native_accepted && v <= native_accepted + native_errors,
+                    format!(
+                        "backend counter {v} outside accepted {native_accepted} + unknown {native_errors} (lost update)"
+                    ),
+                );
+            }
+            Err(e) => c.check(false, format!("backend counter: {e}")),
+        }
+    }
     ctx.settle(&prefix, &mut c).await;
     let _ = rejected_by_holders;
     Ok(c.cell(format!(

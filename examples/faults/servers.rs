@@ -568,6 +568,34 @@ impl Server {
     }
 }
 
+impl Server {
+    /// The stress counter kept at the backend's own fence under `key` (0 if never written).
+    pub async fn native_counter(&self, key: &str) -> Result<u64, String> {
+        let raw = match self.kind {
+            Kind::Etcd => run(
+                "etcdctl get",
+                Command::new("etcdctl")
+                    .env("ETCDCTL_API", "3")
+                    .arg(format!("--endpoints=http://127.0.0.1:{}", self.port()))
+                    .args(["get", "--print-value-only", key]),
+            )?,
+            Kind::Zk => {
+                let locks = lockkit::zk::ZkLock::connect(&self.url())
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let data = locks.fence().read(key).await.map_err(|e| e.to_string())?;
+                String::from_utf8_lossy(&data.unwrap_or_default()).into_owned()
+            }
+            _ => return Err("no native fence".into()),
+        };
+        let raw = raw.trim();
+        if raw.is_empty() {
+            return Ok(0);
+        }
+        raw.parse().map_err(|e| format!("counter {raw:?}: {e}"))
+    }
+}
+
 /// A ZooKeeper four-letter word's answer (bounded: 3 s).
 async fn four_letter(port: u16, word: &[u8]) -> Option<String> {
     let ask = async {

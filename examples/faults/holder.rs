@@ -49,7 +49,7 @@ pub struct HolderArgs {
     #[arg(long, default_value_t = 250)]
     rounds: u32,
     /// Stress: also read-increment-write a counter at the backend's own fence (EtcdFence,
-    /// ZkFence; none for Redis and PostgreSQL here) under the same lease.
+    /// ZkFence, PgFence; Redis has none) under the same lease.
     #[arg(long)]
     native: bool,
     /// Stress: time spent between the fenced read and the fenced write.
@@ -105,6 +105,17 @@ async fn body(args: &HolderArgs) -> i32 {
         (false, _) => Native::None,
         (true, Some(f)) => Native::Zk(f),
         (true, None) if args.url.starts_with("etcd://") => Native::Etcd,
+        (true, None) if args.url.starts_with("postgres://") => {
+            // sqlx takes the URL without lockkit's own parameters.
+            let db = args.url.split('?').next().unwrap_or_default().to_owned();
+            match lockkit::postgres::PgFence::new(PG_TABLE, "fence_token") {
+                Ok(f) => Native::Pg(db, f, tokio::sync::Mutex::new(None)),
+                Err(e) => {
+                    emit("connect_error", json!({ "error": error_kind(&e) }));
+                    return 2;
+                }
+            }
+        }
         (true, None) => Native::None,
     };
     let mut fence = match FenceClient::connect(&args.fence).await {
@@ -273,9 +284,20 @@ enum Native {
     None,
     Etcd,
     Zk(lockkit::zk::ZkFence),
+    /// Database URL, fence, and a connection of its own (re-opened after a server restart).
+    Pg(
+        String,
+        lockkit::postgres::PgFence,
+        tokio::sync::Mutex<Option<lockkit::postgres::sqlx::PgConnection>>,
+    ),
 }
 
-/// The key (etcd) or node (ZooKeeper, `/` + key) of the stress counter at the backend's fence.
+/// The PostgreSQL table of stress counters (`name text primary key, value bigint, fence_token
+/// bigint`), created by the harness with one row per counter.
+pub const PG_TABLE: &str = "faults_counter";
+
+/// The key (etcd), node (ZooKeeper) or row name (PostgreSQL) of the stress counter at the
+/// backend's fence.
 pub fn native_key(key: &str) -> String {
     format!("/faults-counter-{key}")
 }
@@ -288,29 +310,91 @@ impl Native {
         let parse = |b: &[u8]| std::str::from_utf8(b).ok()?.parse::<u64>().ok();
         let result = match self {
             Native::None => return "none".into(),
-            Native::Etcd => async {
-                use lockkit::etcd::etcd_client::{TxnOp, TxnOpResponse};
-                let f = lockkit::etcd::EtcdFence::new(lease)?;
-                // The read is fenced too: one transaction, applied only while the lease holds.
-                let r = f.txn(vec![TxnOp::get(path.clone(), None)]).await?;
-                let v = match r.op_responses().first() {
-                    Some(TxnOpResponse::Get(g)) => g.kvs().first().and_then(|kv| parse(kv.value())),
-                    _ => None,
-                };
-                f.put(path, (v.unwrap_or(0) + 1).to_string()).await
+            Native::Pg(url, fence, conn) => {
+                return pg_increment(url, fence, conn, lease, &path).await;
             }
-            .await,
-            Native::Zk(f) => async {
-                let v = f.read(&path).await?.and_then(|b| parse(&b));
-                f.write(lease, &path, (v.unwrap_or(0) + 1).to_string().as_bytes())
-                    .await
+            Native::Etcd => {
+                async {
+                    use lockkit::etcd::etcd_client::{TxnOp, TxnOpResponse};
+                    let f = lockkit::etcd::EtcdFence::new(lease)?;
+                    // The read is fenced too: one transaction, applied only while the lease holds.
+                    let r = f.txn(vec![TxnOp::get(path.clone(), None)]).await?;
+                    let v = match r.op_responses().first() {
+                        Some(TxnOpResponse::Get(g)) => {
+                            g.kvs().first().and_then(|kv| parse(kv.value()))
+                        }
+                        _ => None,
+                    };
+                    f.put(path, (v.unwrap_or(0) + 1).to_string()).await
+                }
+                .await
             }
-            .await,
+            Native::Zk(f) => {
+                async {
+                    let v = f.read(&path).await?.and_then(|b| parse(&b));
+                    f.write(lease, &path, (v.unwrap_or(0) + 1).to_string().as_bytes())
+                        .await
+                }
+                .await
+            }
         };
         match result {
             Ok(()) => "accepted".into(),
             Err(lockkit::Error::StaleToken { .. }) => "rejected".into(),
             Err(e) => format!("error:{}", error_kind(&e)),
+        }
+    }
+}
+
+/// One transaction: `SELECT value … FOR UPDATE`, then `PgFence::update` to value + 1; the
+/// answer as [`Native::increment`]'s. A broken connection is opened afresh next time.
+async fn pg_increment(
+    url: &str,
+    fence: &lockkit::postgres::PgFence,
+    conn: &tokio::sync::Mutex<Option<lockkit::postgres::sqlx::PgConnection>>,
+    lease: &Lease,
+    name: &str,
+) -> String {
+    use lockkit::postgres::sqlx::{self, Arguments, Connection, Row, postgres::PgArguments};
+    let mut guard = conn.lock().await;
+    if guard.is_none() {
+        match sqlx::PgConnection::connect(url).await {
+            Ok(c) => *guard = Some(c),
+            Err(_) => return "error:connect".into(),
+        }
+    }
+    let Some(c) = guard.as_mut() else {
+        return "error:connect".into();
+    };
+    let fenced = async {
+        let mut tx = c.begin().await.map_err(|_| "error:begin".to_owned())?;
+        let row = sqlx::query(&format!(
+            "SELECT value FROM {PG_TABLE} WHERE name = $1 FOR UPDATE"
+        ))
+        .bind(name)
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(|_| "error:select".to_owned())?;
+        let v: i64 = row.try_get(0).map_err(|_| "error:select".to_owned())?;
+        let mut args = PgArguments::default();
+        args.add(v + 1).map_err(|_| "error:bind".to_owned())?;
+        args.add(name).map_err(|_| "error:bind".to_owned())?;
+        match fence
+            .update(&mut tx, lease.token(), "value = $1", "name = $2", args)
+            .await
+        {
+            Ok(_) => {}
+            Err(lockkit::Error::StaleToken { .. }) => return Ok("rejected".to_owned()),
+            Err(e) => return Err(format!("error:{}", error_kind(&e))),
+        }
+        tx.commit().await.map_err(|_| "error:commit".to_owned())?;
+        Ok("accepted".to_owned())
+    };
+    match fenced.await {
+        Ok(answer) => answer,
+        Err(e) => {
+            *guard = None;
+            e
         }
     }
 }

@@ -704,7 +704,11 @@ async fn stress(ctx: &mut Ctx) -> Result<Cell, String> {
     let prefix = ctx.prefix("s7");
     let mut spec = ctx.spec(&prefix);
     spec.stress_rounds = Some(ctx.rounds);
-    spec.native = matches!(ctx.kind, Kind::Etcd | Kind::Zk);
+    spec.native = ctx.kind != Kind::Redis;
+    if spec.native {
+        ctx.server
+            .prepare_native(&crate::holder::native_key(&spec.key))?;
+    }
     spec.limit = Duration::from_secs(300);
     let started = Instant::now();
     let mut holders = Vec::new();
@@ -861,7 +865,11 @@ async fn stress(ctx: &mut Ctx) -> Result<Cell, String> {
                 c.note(format!(
                     "backend's own fence ({}): counter {v}, increments accepted {native_accepted}, \
                      rejected as stale {native_rejected}, failed (server down) {native_errors}",
-                    if ctx.kind == Kind::Etcd { "EtcdFence: fenced get + put" } else { "ZkFence: read + fenced write" }
+                    match ctx.kind {
+                        Kind::Etcd => "EtcdFence: fenced get + put",
+                        Kind::Zk => "ZkFence: read + fenced write",
+                        _ => "PgFence: SELECT … FOR UPDATE + fenced UPDATE, one transaction",
+                    }
                 ));
                 // A failed call (server restarting) may or may not have been applied.
                 c.check(
@@ -999,7 +1007,9 @@ pub async fn run(args: RunArgs) -> i32 {
         md,
         "Produced by `scripts/faults.sh` on {date} in {:.0} s ({cpus} cores; load average {load_before} \
          at the start, {} at the end). TTL {}; holders are separate processes; the fenced resource is \
-         the harness's own fence service (highest token per key, stale reads and writes refused).\n",
+         the harness's own fence service (highest token per key, stale reads and writes refused), \
+         and in the stress cell also a counter at the backend's own fence (EtcdFence, ZkFence, \
+         PgFence; Redis has none).\n",
         took,
         loadavg(),
         humantime::format_duration(args.ttl)

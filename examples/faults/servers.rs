@@ -555,20 +555,38 @@ impl Server {
                         .and_then(|v| v.trim().parse::<usize>().ok())
                 })
                 .ok_or_else(|| "mntr did not answer".to_owned()),
-            Kind::Postgres => {
-                let out = run(
-                    "psql",
-                    Command::new("psql")
-                        .args(["-h", "127.0.0.1", "-p", &p, "-U", "postgres", "-Atc"])
-                        .arg("select count(*) from pg_locks where locktype = 'advisory'"),
-                )?;
-                out.trim().parse().map_err(|e| format!("psql: {e}"))
-            }
+            Kind::Postgres => self
+                .psql("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'")?
+                .trim()
+                .parse()
+                .map_err(|e| format!("psql: {e}")),
         }
     }
 }
 
 impl Server {
+    /// Creates what the stress counter at the backend's own fence needs before the first
+    /// holder writes it: PostgreSQL's table and row (etcd and ZooKeeper create it on write).
+    pub fn prepare_native(&self, key: &str) -> Result<(), String> {
+        if self.kind == Kind::Postgres {
+            let t = crate::holder::PG_TABLE;
+            self.psql(&format!(
+                "CREATE TABLE IF NOT EXISTS {t} (name text PRIMARY KEY, value bigint NOT NULL, \
+                 fence_token bigint); INSERT INTO {t} VALUES ('{key}', 0, NULL)"
+            ))?;
+        }
+        Ok(())
+    }
+
+    fn psql(&self, sql: &str) -> Result<String, String> {
+        run(
+            "psql",
+            Command::new("psql")
+                .args(["-h", "127.0.0.1", "-p", &self.port().to_string()])
+                .args(["-U", "postgres", "-v", "ON_ERROR_STOP=1", "-Atc", sql]),
+        )
+    }
+
     /// The stress counter kept at the backend's own fence under `key` (0 if never written).
     pub async fn native_counter(&self, key: &str) -> Result<u64, String> {
         let raw = match self.kind {
@@ -586,7 +604,11 @@ impl Server {
                 let data = locks.fence().read(key).await.map_err(|e| e.to_string())?;
                 String::from_utf8_lossy(&data.unwrap_or_default()).into_owned()
             }
-            _ => return Err("no native fence".into()),
+            Kind::Postgres => self.psql(&format!(
+                "SELECT value FROM {} WHERE name = '{key}'",
+                crate::holder::PG_TABLE
+            ))?,
+            Kind::Redis => return Err("no native fence".into()),
         };
         let raw = raw.trim();
         if raw.is_empty() {

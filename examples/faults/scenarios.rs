@@ -893,6 +893,39 @@ async fn stress(ctx: &mut Ctx) -> Result<Cell, String> {
     )))
 }
 
+/// What each column does and checks, for the Markdown page.
+const METHOD: &str = "\
+## What each column does
+
+Every backend runs on a private server of its own (SIGKILLed, SIGSTOPped and restarted on the \
+same port and data dir); A, B are holder processes (`examples/faults`, `holder` mode) reporting \
+JSON events stamped with CLOCK_REALTIME; times are from the fault to the event.
+
+1. A holds the lock, B waits; A is SIGKILLed. Re-grant = B's grant − the kill; B's token must be \
+   larger; bound TTL + the backend's declared expiry slack + 1.5 s for the loaded host.
+2. A holds and has written, B waits; A is SIGSTOPped until B holds and wrote (≥ 1.5 TTL), then \
+   resumed: A's first action sees its lease Lost, and its fenced write is rejected.
+3. As 2, but A's traffic is blackholed in a TCP proxy (sockets stay open): A's loss signal must \
+   fire within one TTL of the cut, before B's grant.
+4. A holds; the server is SIGKILLed and restarted. Within 2 TTLs A's lease is either still Held \
+   (then another process's try-acquire gets Held, A writes and releases) or reported Lost; then B \
+   gets a larger token and a Lost A's write is rejected.
+5. A holds; the server is SIGSTOPped 1.5 TTL: A's loss signal within one TTL; after SIGCONT a new \
+   process gets a larger token and A's write is rejected.
+6. etcd, ZooKeeper: a 3-member cluster / ensemble of its own; the leader is SIGKILLed while A \
+   holds; checked as 4. PostgreSQL: a clean restart (`pg_ctl stop -m fast`), checked as 4. \
+   Redis (single): nothing to fail over to.
+7. 8 holders × 250 rounds of acquire → fenced read → 5 ms → fenced write of value + 1 → release; \
+   three SIGSTOPs of 1.5–3 TTL, each of a holder that holds the lock at that moment, and one server \
+   SIGKILL + restart. Final value = accepted writes, accepted tokens strictly increasing, every \
+   round done; where the backend has a fence, a second counter at that fence must equal its \
+   accepted increments.
+
+After every cell: nothing of the cell's locks left on the server (Redis lock keys, etcd keys \
+under the prefix, ZooKeeper ephemerals, PostgreSQL advisory locks), and a fresh try-acquire \
+succeeds.
+";
+
 /// A stress holder's last event.
 const FINAL_EVENTS: [&str; 4] = ["done", "limit", "fence_error", "connect_error"];
 
@@ -1032,7 +1065,7 @@ pub async fn run(args: RunArgs) -> i32 {
     }
     let _ = writeln!(
         md,
-        "\n✅ pass · ❌ fail · ⚠️ a limit the guarantee table declares\n\n## Figures\n"
+        "\n✅ pass · ❌ fail · ⚠️ a limit the guarantee table declares\n\n{METHOD}\n## Figures\n"
     );
     for (k, cells) in &rows {
         let _ = writeln!(md, "### {}\n", k.label());

@@ -384,7 +384,14 @@ async fn pg_increment(
             .await
         {
             Ok(_) => {}
-            Err(lockkit::Error::StaleToken { .. }) => return Ok("rejected".to_owned()),
+            Err(lockkit::Error::StaleToken { .. }) => {
+                // Now, not lazily on the next use: until then the row stays locked, while this
+                // holder waits for the lock that the row's next reader holds.
+                tx.rollback()
+                    .await
+                    .map_err(|_| "error:rollback".to_owned())?;
+                return Ok("rejected".to_owned());
+            }
             Err(e) => return Err(format!("error:{}", error_kind(&e))),
         }
         tx.commit().await.map_err(|_| "error:commit".to_owned())?;

@@ -895,9 +895,10 @@ async fn stress(ctx: &mut Ctx) -> Result<Cell, String> {
         String::new()
     };
     Ok(c.cell(format!(
-        "{rounds} rounds in {}: value {} = accepted {accepted}; stale rejected {}, accepted {not_increasing}{own}",
+        "{rounds} rounds in {}: value {} {} accepted {accepted}; stale rejected {}, accepted {not_increasing}{own}",
         fmt_s(took),
         cell.value,
+        if cell.value == accepted { "=" } else { "≠" },
         cell.rejected,
     )))
 }

@@ -36,6 +36,9 @@ for url in memory:// "$LOCKKIT_REDIS_URL" "$LOCKKIT_ETCD_URL" "$LOCKKIT_ZK_URL" 
   fi
 done
 
+# The fault matrix (its own private servers; writes docs/faults.md): a failing cell fails the run.
+scripts/faults.sh || failed=1
+
 if [ "$failed" != 0 ]; then
   echo "scripts/test.sh: FAILED (see above)"
   fail

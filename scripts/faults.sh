@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The fault matrix (issue #15): the same faults on every backend, on private servers the harness
+# starts itself (and SIGKILLs, SIGSTOPs and restarts), with holder processes and a fence service.
+# Prints the backend × scenario table and writes it to docs/faults.md; exits non-zero if any cell
+# fails. Needs the Debian packages of scripts/install-deps.sh and root (PostgreSQL runs as the
+# `postgres` user).
+#
+#   scripts/faults.sh                         # every backend
+#   scripts/faults.sh --backends redis,etcd   # a subset (then docs/faults.md holds only those)
+#   scripts/faults.sh --help                  # TTL, stress size, parallel backends
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+scripts/install-deps.sh >/dev/null
+# --all-features: the same build as scripts/test.sh's, so running both builds once.
+cargo build -q --all-features --example faults
+exec target/debug/examples/faults run --out docs/faults.md "$@"

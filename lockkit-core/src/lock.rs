@@ -66,6 +66,27 @@ impl Guarantees {
     }
 }
 
+/// What a backend can tell about the current holder of a lock, from [`Lock::holder`].
+///
+/// Each field is `None` when the backend cannot tell it. A snapshot: by the time it is read the
+/// holder may have released, lapsed or been replaced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct HolderInfo {
+    /// The holder's fencing token.
+    pub token: Option<FencingToken>,
+    /// How long the holder's lease has left on the server, unless renewed (for a lease shared by
+    /// several locks, such as an etcd session lease or a ZooKeeper session, the shared lease's).
+    pub remaining: Option<Duration>,
+}
+
+impl HolderInfo {
+    /// A holder with `token` and `remaining` time on its lease, either unknown.
+    pub fn new(token: Option<FencingToken>, remaining: Option<Duration>) -> Self {
+        Self { token, remaining }
+    }
+}
+
 /// A distributed lock service: grants [`Lease`]s on named locks.
 ///
 /// Object safe: the facade hands out `Arc<dyn Lock>` chosen from a URL. Implementations hold a
@@ -103,6 +124,27 @@ pub trait Lock: Send + Sync + fmt::Debug {
 
     /// What this backend promises.
     fn guarantees(&self) -> Guarantees;
+
+    /// Reads who holds `name` now: `None` if the lock is free, else what the server knows of
+    /// the holder. A read only: it takes no lock, queues nothing and changes nothing.
+    ///
+    /// The default returns [`Error::NotSupported`]; backends override it where the server can
+    /// tell.
+    ///
+    /// # Errors
+    /// - [`Error::InvalidName`]: bad name, nothing was sent.
+    /// - [`Error::NotSupported`]: the backend cannot read the holder.
+    /// - [`Error::Unavailable`], [`Error::Auth`], [`Error::Backend`]: from the server (no retry).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: it only reads.
+    async fn holder(&self, name: &str) -> Result<Option<HolderInfo>> {
+        crate::backend::validate_name(name)?;
+        Err(Error::NotSupported {
+            operation: "reading the holder",
+            backend: self.guarantees().backend,
+        })
+    }
 }
 
 /// Convenience calls on every [`Lock`], implemented once for all.

@@ -12,8 +12,8 @@ use tokio::time::Instant;
 
 use crate::backend::{LeaseOps, validate_name, wait_deadline};
 use crate::{
-    AcquireOptions, Error, FencingToken, Guarantees, Lease, LeaseTracker, Lock, LockKind, Result,
-    Wait,
+    AcquireOptions, Error, FencingToken, Guarantees, HolderInfo, Lease, LeaseTracker, Lock,
+    LockKind, Result, Wait,
 };
 
 #[derive(Default)]
@@ -210,6 +210,19 @@ impl Lock for MemoryLock {
             notes: "one process only; nothing survives it",
             ..Guarantees::new("memory", LockKind::Correctness)
         }
+    }
+
+    /// The holder's token and the time left before its lease lapses.
+    async fn holder(&self, name: &str) -> Result<Option<HolderInfo>> {
+        validate_name(name)?;
+        let now = Instant::now();
+        let mut st = lock(&self.state);
+        let Some(e) = st.locks.get_mut(name) else {
+            return Ok(None);
+        };
+        let token = FencingToken::new(e.last_token);
+        Ok(e.holder_live(now)
+            .map(|h| HolderInfo::new(Some(token), Some(h.expires.saturating_duration_since(now)))))
     }
 }
 

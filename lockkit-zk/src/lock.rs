@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use lockkit_core::backend::{retry_transient, validate_name, wait_deadline};
 use lockkit_core::{
-    AcquireOptions, Error, FencingToken, Guarantees, Instant, Lease, LeaseTracker, Lock, LockKind,
-    Result, Wait, async_trait,
+    AcquireOptions, Error, FencingToken, Guarantees, HolderInfo, Instant, Lease, LeaseTracker,
+    Lock, LockKind, Result, Wait, async_trait,
 };
 use tokio::sync::watch;
 use zookeeper_client as zk;
@@ -684,6 +684,38 @@ impl Lock for ZkLock {
                    timeout; token = holder node czxid; FIFO by sequence number; tokens durable \
                    when the transaction log is fsynced (forceSync=yes, the default)";
         g
+    }
+
+    /// Lists the lock's nodes and reads the first one's `czxid` (the holder's token). The
+    /// remaining time is unknown: a node does not tell its owner session's timeout to others.
+    /// A holder node deleted between the two reads makes the next one the holder: read again.
+    ///
+    /// # Errors
+    /// As [`Lock::holder`]; [`Error::Unavailable`] if no answer came within the connect timeout.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: it only reads.
+    async fn holder(&self, name: &str) -> Result<Option<HolderInfo>> {
+        let dir = self.lock_dir(name)?;
+        for _ in 0..3 {
+            let Some(first) = self.contenders(name).await?.into_iter().next() else {
+                return Ok(None);
+            };
+            let path = format!("{dir}/{first}");
+            let stat = self
+                .bounded(async {
+                    let session = self.control_session().await?;
+                    session.client.check_stat(&path).await.map_err(from_zk)
+                })
+                .await?;
+            if let Some(stat) = stat {
+                let token = u64::try_from(stat.czxid).ok().map(FencingToken::new);
+                return Ok(Some(HolderInfo::new(token, None)));
+            }
+        }
+        Err(unavailable(
+            "the lock's holder changed during three reads in a row",
+        ))
     }
 }
 

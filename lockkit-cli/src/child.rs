@@ -1,0 +1,175 @@
+//! The command `lockkit run` starts: its own process group, the parent-death signal, the watcher
+//! that ends the group if `lockkit` dies, and signals to the whole group.
+
+use std::io;
+use std::process::{ExitStatus, Stdio};
+use std::time::Duration;
+
+use nix::errno::Errno;
+use nix::sys::signal::{Signal, killpg};
+use nix::unistd::Pid;
+use tokio::process::{Child, ChildStdin, Command};
+use tokio::time::Instant;
+
+/// How often [`Group::end`] looks whether processes the command left behind are gone (there is
+/// no event for "a process group is empty" that a non-parent can wait on).
+const GROUP_POLL: Duration = Duration::from_millis(20);
+
+/// The started command: its leader process (the group ID is its PID) and the watcher process
+/// that SIGKILLs the group if `lockkit` ends without doing so itself.
+#[derive(Debug)]
+pub struct Group {
+    pub leader: Child,
+    pgid: Pid,
+    /// The watcher and the write end of its stdin: the watcher acts when that pipe closes,
+    /// which the kernel does for any death of `lockkit`, SIGKILL included.
+    watcher: Option<(Child, ChildStdin)>,
+}
+
+/// Starts `program args` in a process group of its own, with `env` added.
+///
+/// On Linux the leader also gets SIGKILL as its parent-death signal. Must be called from the
+/// thread that runs `main` (the `block_on` future, not a spawned task): Linux sends the
+/// parent-death signal when the *thread* that forked exits, and only the main thread lives as
+/// long as the process.
+///
+/// # Errors
+/// The OS error of the fork or exec (program not found, not executable, …), or of starting the
+/// watcher (`lockkit` re-executes itself as `lockkit watch-group PGID`).
+pub fn spawn(program: &str, args: &[String], env: &[(&str, String)]) -> io::Result<Group> {
+    let mut cmd = Command::new(program);
+    cmd.args(args)
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .process_group(0)
+        .kill_on_drop(true);
+    set_parent_death_signal(&mut cmd);
+    let leader = cmd.spawn()?;
+    let pgid = Pid::from_raw(leader.id().map_or(0, |id| id as i32));
+    let mut group = Group {
+        leader,
+        pgid,
+        watcher: None,
+    };
+    match start_watcher(pgid) {
+        Ok(w) => group.watcher = Some(w),
+        Err(e) => {
+            group.signal(Signal::SIGKILL);
+            return Err(io::Error::new(
+                e.kind(),
+                format!("starting the watcher process (lockkit watch-group): {e}"),
+            ));
+        }
+    }
+    Ok(group)
+}
+
+/// Linux: the leader gets SIGKILL when `lockkit` dies, even by SIGKILL. The rest of the group
+/// is covered by the watcher (which also covers every other platform).
+#[cfg(target_os = "linux")]
+#[allow(unsafe_code)]
+fn set_parent_death_signal(cmd: &mut Command) {
+    let parent = nix::unistd::getpid();
+    // SAFETY: the closure runs in the child between fork and exec, where only
+    // async-signal-safe calls are allowed. It makes two system calls (prctl, getppid) through
+    // nix's thin wrappers and builds an io::Error from a raw errno, none of which allocates,
+    // locks or touches state shared with other threads of the parent.
+    unsafe {
+        cmd.pre_exec(move || {
+            nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).map_err(io::Error::from)?;
+            // lockkit may have died between the fork and the prctl: the signal was then never
+            // armed for it. Refuse to start.
+            if nix::unistd::getppid() != parent {
+                return Err(io::Error::from(Errno::ESRCH));
+            }
+            Ok(())
+        });
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn set_parent_death_signal(_cmd: &mut Command) {}
+
+/// Re-executes this binary as `lockkit watch-group PGID` with a pipe as its stdin.
+fn start_watcher(pgid: Pid) -> io::Result<(Child, ChildStdin)> {
+    let exe = std::env::current_exe()?;
+    let mut w = Command::new(exe)
+        .arg("watch-group")
+        .arg(pgid.as_raw().to_string())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        // Its own group: a Ctrl-C at the terminal must not end it before lockkit is done. No
+        // kill-on-drop: if lockkit unwinds without ending the group, the watcher must act.
+        .process_group(0)
+        .spawn()?;
+    let stdin = w
+        .stdin
+        .take()
+        .ok_or_else(|| io::Error::other("no stdin pipe"))?;
+    Ok((w, stdin))
+}
+
+/// `lockkit watch-group PGID`: waits until its stdin closes (lockkit ended), then SIGKILLs the
+/// group. Normally lockkit kills the watcher first, once the group is gone.
+pub fn watch_group(pgid: i32) {
+    use std::io::Read;
+    let mut buf = [0u8; 64];
+    loop {
+        match io::stdin().read(&mut buf) {
+            Ok(0) => break,
+            Err(e) if e.kind() != io::ErrorKind::Interrupted => break,
+            _ => {}
+        }
+    }
+    if pgid > 0 {
+        let _ = killpg(Pid::from_raw(pgid), Signal::SIGKILL);
+    }
+}
+
+impl Group {
+    /// Sends `sig` to every process of the group. A group already gone is not an error.
+    pub fn signal(&self, sig: Signal) {
+        if self.pgid.as_raw() > 0 {
+            let _ = killpg(self.pgid, sig);
+        }
+    }
+
+    /// Whether any process of the group is left (zombies count until reaped).
+    fn alive(&self) -> bool {
+        self.pgid.as_raw() > 0 && killpg(self.pgid, None) != Err(Errno::ESRCH)
+    }
+
+    /// Waits for the leader to exit.
+    ///
+    /// # Errors
+    /// The OS error of `waitpid`.
+    pub async fn wait(&mut self) -> io::Result<ExitStatus> {
+        self.leader.wait().await
+    }
+
+    /// After the leader exited: ends what it left running in its group (SIGTERM, then SIGKILL
+    /// after `grace`), waits until the group is gone (bounded: `grace` + 1 s), then stops the
+    /// watcher. Returns whether leftovers had to be signalled.
+    pub async fn end(&mut self, grace: Duration) -> bool {
+        let mut leftovers = false;
+        if self.alive() {
+            leftovers = true;
+            self.signal(Signal::SIGTERM);
+            let kill_at = Instant::now() + grace;
+            let give_up = kill_at + Duration::from_secs(1);
+            let mut killed = false;
+            while self.alive() && Instant::now() < give_up {
+                if !killed && Instant::now() >= kill_at {
+                    self.signal(Signal::SIGKILL);
+                    killed = true;
+                }
+                tokio::time::sleep(GROUP_POLL).await;
+            }
+        }
+        if let Some((mut w, stdin)) = self.watcher.take() {
+            let _ = w.start_kill();
+            let _ = w.wait().await;
+            drop(stdin);
+        }
+        leftovers
+    }
+}

@@ -66,7 +66,8 @@ const NOTE_EVERY: Duration = Duration::from_secs(10);
 /// The longest `--grace`: 1 hour.
 const MAX_GRACE: Duration = Duration::from_secs(3600);
 
-/// How long `lockkit` lets the background cleanup of a cancelled acquire run before it exits.
+/// How long `lockkit` lets background cleanup (of a cancelled acquire, a dropped lease) run
+/// before it exits.
 const CLEANUP_LIMIT: Duration = Duration::from_secs(3);
 
 #[derive(Parser, Debug)]
@@ -249,7 +250,17 @@ impl From<Error> for Fail {
             | Error::NotSupported { .. } => EX_USAGE,
             _ => EX_UNAVAILABLE,
         };
-        Self::new(code, chain(&e))
+        let msg = match &e {
+            // The library's text shows a Rust Duration ("1.501195341s").
+            Error::Timeout { name, waited } => {
+                format!(
+                    "lock {name:?} was still held after waiting {} (--wait)",
+                    rounded(*waited)
+                )
+            }
+            e => chain(e),
+        };
+        Self::new(code, msg)
     }
 }
 
@@ -338,7 +349,16 @@ async fn run_cli(cli: Cli) -> Result<u8, Fail> {
             .install()
             .map_err(|e| Fail::new(EX_USAGE, format!("--metrics-addr {addr}: {}", chain(&e))))?;
     }
-    match cli.cmd {
+    let baseline = tokio::runtime::Handle::current()
+        .metrics()
+        .num_alive_tasks();
+    let out = run_cmd(cli.cmd).await;
+    drain_background(baseline).await;
+    out
+}
+
+async fn run_cmd(cmd: Cmd) -> Result<u8, Fail> {
+    match cmd {
         Cmd::Guarantees { json, backend } => {
             let locks = lockkit::connect(&backend).await?;
             print_guarantees(&locks.guarantees(), json);
@@ -493,18 +513,10 @@ async fn acquire(args: &LockArgs, sigs: &mut Signals) -> Result<(Arc<dyn Lock>, 
     let mut acquiring = Box::pin(locks.acquire(name, opts));
     let mut next_note = started + FIRST_NOTE;
     let mut query: Option<HolderQuery<'_>> = None;
-    let lease = loop {
+    let outcome = loop {
         tokio::select! {
-            r = &mut acquiring => break r?,
-            sig = sigs.recv() => {
-                let baseline = tokio::runtime::Handle::current().metrics().num_alive_tasks();
-                drop(acquiring);
-                drain_cleanups(baseline).await;
-                return Err(Fail::new(
-                    signal_status(sig),
-                    format!("{sig} while waiting for lock {name:?}: gave up waiting"),
-                ));
-            }
+            r = &mut acquiring => break Ok(r),
+            sig = sigs.recv() => break Err(sig),
             _ = tokio::time::sleep_until(next_note), if !args.quiet && query.is_none() => {
                 query = Some(Box::pin(query_holder(&*locks, name)));
             }
@@ -517,16 +529,24 @@ async fn acquire(args: &LockArgs, sigs: &mut Signals) -> Result<(Arc<dyn Lock>, 
     };
     drop(query);
     drop(acquiring);
-    Ok((locks, lease))
+    match outcome {
+        Ok(lease) => Ok((locks, lease?)),
+        Err(sig) => Err(Fail::new(
+            signal_status(sig),
+            format!("{sig} while waiting for lock {name:?}: gave up waiting"),
+        )),
+    }
 }
 
-/// After a dropped acquire: lets the cleanup tasks its drop spawned (deleting a queued key,
-/// unsubscribing) finish before the process exits, for at most [`CLEANUP_LIMIT`]: until the
-/// runtime has no more live tasks than `baseline`, counted before the drop.
-async fn drain_cleanups(baseline: usize) {
+/// Once every client and lease is dropped: waits until the runtime has no more live tasks than
+/// `baseline` (those before any client, such as the metrics listener), for at most
+/// [`CLEANUP_LIMIT`]. The background work of a cancelled acquire (deleting a queued key,
+/// unsubscribing) or of a dropped lease (its release) then ran to its end, and so did the
+/// client's connections, which that work keeps open while it runs.
+async fn drain_background(baseline: usize) {
     let metrics = tokio::runtime::Handle::current().metrics();
     let limit = Instant::now() + CLEANUP_LIMIT;
-    // A poll: a task's end has no event to wait on from outside the task.
+    // A poll: the end of a task has no event that can be awaited from outside it.
     while metrics.num_alive_tasks() > baseline && Instant::now() < limit {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }

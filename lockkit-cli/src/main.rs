@@ -66,8 +66,7 @@ const NOTE_EVERY: Duration = Duration::from_secs(10);
 /// The longest `--grace`: 1 hour.
 const MAX_GRACE: Duration = Duration::from_secs(3600);
 
-/// How long `lockkit` lets background cleanup (of a cancelled acquire, a dropped lease) run
-/// before it exits.
+/// How long `lockkit` lets the background cleanup of a cancelled acquire run before it exits.
 const CLEANUP_LIMIT: Duration = Duration::from_secs(3);
 
 #[derive(Parser, Debug)]
@@ -349,16 +348,7 @@ async fn run_cli(cli: Cli) -> Result<u8, Fail> {
             .install()
             .map_err(|e| Fail::new(EX_USAGE, format!("--metrics-addr {addr}: {}", chain(&e))))?;
     }
-    let baseline = tokio::runtime::Handle::current()
-        .metrics()
-        .num_alive_tasks();
-    let out = run_cmd(cli.cmd).await;
-    drain_background(baseline).await;
-    out
-}
-
-async fn run_cmd(cmd: Cmd) -> Result<u8, Fail> {
-    match cmd {
+    match cli.cmd {
         Cmd::Guarantees { json, backend } => {
             let locks = lockkit::connect(&backend).await?;
             print_guarantees(&locks.guarantees(), json);
@@ -503,6 +493,9 @@ fn waiting_note(name: &str, waited: Duration, holder: &HolderNote) -> String {
 async fn acquire(args: &LockArgs, sigs: &mut Signals) -> Result<(Arc<dyn Lock>, Lease), Fail> {
     lockkit::backend::validate_name(&args.lock)?;
     refuse_memory(&args.backend)?;
+    let baseline = tokio::runtime::Handle::current()
+        .metrics()
+        .num_alive_tasks();
     let locks = tokio::select! {
         l = lockkit::connect(&args.backend) => l?,
         sig = sigs.recv() => return Err(Fail::new(signal_status(sig), format!("{sig} while connecting"))),
@@ -531,18 +524,21 @@ async fn acquire(args: &LockArgs, sigs: &mut Signals) -> Result<(Arc<dyn Lock>, 
     drop(acquiring);
     match outcome {
         Ok(lease) => Ok((locks, lease?)),
-        Err(sig) => Err(Fail::new(
-            signal_status(sig),
-            format!("{sig} while waiting for lock {name:?}: gave up waiting"),
-        )),
+        Err(sig) => {
+            drop(locks);
+            drain_background(baseline).await;
+            Err(Fail::new(
+                signal_status(sig),
+                format!("{sig} while waiting for lock {name:?}: gave up waiting"),
+            ))
+        }
     }
 }
 
-/// Once every client and lease is dropped: waits until the runtime has no more live tasks than
-/// `baseline` (those before any client, such as the metrics listener), for at most
-/// [`CLEANUP_LIMIT`]. The background work of a cancelled acquire (deleting a queued key,
-/// unsubscribing) or of a dropped lease (its release) then ran to its end, and so did the
-/// client's connections, which that work keeps open while it runs.
+/// After a cancelled acquire, its client dropped: waits until the runtime has no more live tasks
+/// than `baseline` (those before the client, such as the metrics listener), for at most
+/// [`CLEANUP_LIMIT`]. The acquire's background cleanup (deleting a queued key, unsubscribing)
+/// then ran to its end, and so did the client's connections, which that cleanup keeps open.
 async fn drain_background(baseline: usize) {
     let metrics = tokio::runtime::Handle::current().metrics();
     let limit = Instant::now() + CLEANUP_LIMIT;
@@ -628,7 +624,7 @@ async fn run(
         eprintln!("lockkit: the command left processes running in its group; they were ended");
     }
     if let Some(loss) = loss {
-        drop(lease);
+        drop(lease); // lost: nothing of ours is left on the server to release
         return Err(Fail::new(
             EX_LOST,
             format!("{loss}; the command was terminated"),

@@ -196,6 +196,22 @@ impl ZkLock {
         Ok(queue.into_iter().map(|(_, c)| c).collect())
     }
 
+    /// The shortest TTL the server allows: the session timeout it negotiates when asked for
+    /// [`MIN_TTL`](lockkit_core::MIN_TTL), which is its `minSessionTimeout` (by default 2 ×
+    /// `tickTime`: 4 s with the stock `tickTime=2000`). Opens one session for the question and
+    /// closes it.
+    ///
+    /// # Errors
+    /// [`Error::Unavailable`] if no session could be opened within the connect timeout;
+    /// [`Error::Auth`] if the server refuses the credentials.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: a session being opened is closed when the future is dropped.
+    pub async fn min_ttl(&self) -> Result<Duration> {
+        let probe = Session::open(&self.inner.cfg, lockkit_core::MIN_TTL, false).await?;
+        Ok(probe.ttl)
+    }
+
     /// Runs `fut` for at most the connect timeout (the bound of one request round), else
     /// [`Error::Unavailable`].
     pub(crate) async fn bounded<T>(&self, fut: impl Future<Output = Result<T>>) -> Result<T> {

@@ -24,6 +24,8 @@ pub struct Group {
     /// The watcher and the write end of its stdin: the watcher acts when that pipe closes,
     /// which the kernel does for any death of `lockkit`, SIGKILL included.
     watcher: Option<(Child, ChildStdin)>,
+    /// The group was sent SIGKILL: what is left is dying, not left behind.
+    killed: bool,
 }
 
 /// Starts `program args` in a process group of its own, with `env` added.
@@ -49,6 +51,7 @@ pub fn spawn(program: &str, args: &[String], env: &[(&str, String)]) -> io::Resu
         leader,
         pgid,
         watcher: None,
+        killed: false,
     };
     match start_watcher(pgid) {
         Ok(w) => group.watcher = Some(w),
@@ -125,17 +128,55 @@ pub fn watch_group(pgid: i32) {
     }
 }
 
+/// Linux: whether /proc lists a process of group `pgid` that is not a zombie.
+fn live_in_group_linux(pgid: i32) -> bool {
+    if !cfg!(target_os = "linux") || pgid <= 0 {
+        return false;
+    }
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return false;
+    };
+    let pgid = pgid.to_string();
+    dir.flatten().any(|e| {
+        let name = e.file_name();
+        let Some(pid) = name
+            .to_str()
+            .filter(|n| n.bytes().all(|b| b.is_ascii_digit()))
+        else {
+            return false;
+        };
+        // "pid (comm) state ppid pgrp …": comm may hold spaces and parentheses.
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|stat| {
+                let (_, tail) = stat.rsplit_once(')')?;
+                let f: Vec<&str> = tail.split_whitespace().take(3).collect();
+                Some(f.len() == 3 && f[0] != "Z" && f[2] == pgid)
+            })
+            .unwrap_or(false)
+    })
+}
+
 impl Group {
     /// Sends `sig` to every process of the group. A group already gone is not an error.
-    pub fn signal(&self, sig: Signal) {
+    pub fn signal(&mut self, sig: Signal) {
+        self.killed |= sig == Signal::SIGKILL;
         if self.pgid.as_raw() > 0 {
             let _ = killpg(self.pgid, sig);
         }
     }
 
-    /// Whether any process of the group is left (zombies count until reaped).
+    /// Whether any process of the group is left. On Linux zombies do not count (an orphaned
+    /// zombie waits for whoever reaps orphans, which may be slow in a container); elsewhere
+    /// they do until reaped.
     fn alive(&self) -> bool {
-        self.pgid.as_raw() > 0 && killpg(self.pgid, None) != Err(Errno::ESRCH)
+        if self.pgid.as_raw() <= 0 {
+            false
+        } else if cfg!(target_os = "linux") {
+            live_in_group_linux(self.pgid.as_raw())
+        } else {
+            killpg(self.pgid, None) != Err(Errno::ESRCH)
+        }
     }
 
     /// Waits for the leader to exit.
@@ -148,11 +189,12 @@ impl Group {
 
     /// After the leader exited: ends what it left running in its group (SIGTERM, then SIGKILL
     /// after `grace`), waits until the group is gone (bounded: `grace` + 1 s), then stops the
-    /// watcher. Returns whether leftovers had to be signalled.
+    /// watcher. Returns whether the command had left processes running (not counting those
+    /// already sent SIGKILL).
     pub async fn end(&mut self, grace: Duration) -> bool {
         let mut leftovers = false;
         if self.alive() {
-            leftovers = true;
+            leftovers = !self.killed;
             self.signal(Signal::SIGTERM);
             let kill_at = Instant::now() + grace;
             let give_up = kill_at + Duration::from_secs(1);

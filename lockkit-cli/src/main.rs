@@ -300,7 +300,10 @@ fn main() -> ExitCode {
         Err(e) => return report(Fail::new(EX_UNAVAILABLE, format!("tokio runtime: {e}"))),
     };
     // The main thread runs this future: commands are spawned from it (see child::spawn).
-    match rt.block_on(run_cli(cli)) {
+    let out = rt.block_on(run_cli(cli));
+    // Not a plain drop, which would wait for the blocking thread still reading stdin (`hold`).
+    rt.shutdown_background();
+    match out {
         Ok(code) => ExitCode::from(code),
         Err(f) => report(f),
     }

@@ -675,3 +675,35 @@ fn guarantees_table_and_json() {
     assert_eq!(v["kind"], "correctness");
     assert_eq!(v["fifo_waiters"], true);
 }
+
+/// A background job the command left in its group is ended before `lockkit run` releases and
+/// exits: nothing of the command outlives the lock.
+#[test]
+fn background_jobs_of_the_command_end_before_release() {
+    let url = server("LOCKKIT_REDIS_URL");
+    let dir = scratch("bg");
+    let pid_file = dir.join("bg.pid");
+    let script = format!("sleep 60 & echo $! > {}", pid_file.display());
+    let (code, _, err) = code_of(&[
+        "run",
+        "--backend",
+        &url,
+        &unique("bg"),
+        "--",
+        "sh",
+        "-c",
+        &script,
+    ]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(err.contains("left processes running"), "{err}");
+    let pid: i32 = std::fs::read_to_string(&pid_file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let state = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let running = state
+        .rsplit_once(')')
+        .is_some_and(|(_, t)| !t.trim_start().starts_with('Z'));
+    assert!(!running, "the background job {pid} still runs: {state}");
+}

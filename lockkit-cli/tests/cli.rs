@@ -707,3 +707,42 @@ fn background_jobs_of_the_command_end_before_release() {
         .is_some_and(|(_, t)| !t.trim_start().starts_with('Z'));
     assert!(!running, "the background job {pid} still runs: {state}");
 }
+
+/// `lockkit hold` whose lease is lost (SIGSTOP past its TTL, a waiter takes the lock) exits 70
+/// with the reason once it runs again.
+#[test]
+fn hold_exits_70_when_its_lease_is_lost() {
+    let url = server("LOCKKIT_REDIS_URL");
+    let name = unique("holdlost");
+    let mut holder = lockkit()
+        .args(["hold", "--backend", &url, "--ttl", "2s", &name])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let err = stderr_lines(&mut holder);
+    let mut line = String::new();
+    BufReader::new(holder.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let pid = Pid::from_raw(holder.id() as i32);
+    kill(pid, Signal::SIGSTOP).unwrap();
+    let (code, _, e) = code_of(&[
+        "run",
+        "--backend",
+        &url,
+        "--wait",
+        "20s",
+        "-q",
+        &name,
+        "--",
+        "true",
+    ]);
+    assert_eq!(code, Some(0), "the waiter gets the lapsed lock: {e}");
+    kill(pid, Signal::SIGCONT).unwrap();
+    let st = wait_exit(&mut holder, Duration::from_secs(10), "hold to exit");
+    let text = rest(&err);
+    assert_eq!(st.code(), Some(70), "{text}");
+    assert!(text.contains("was lost"), "{text}");
+}

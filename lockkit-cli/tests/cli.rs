@@ -456,6 +456,29 @@ fn code_of(args: &[&str]) -> (Option<i32>, String, String) {
     )
 }
 
+/// Starts `lockkit hold` with `extra` flags (stdin piped: closing it releases) and reads the
+/// token it prints.
+fn start_hold(url: &str, name: &str, extra: &[&str]) -> (Child, u64) {
+    let mut holder = lockkit()
+        .args(["hold", "--backend", url])
+        .args(extra)
+        .arg(name)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn lockkit hold");
+    let mut line = String::new();
+    BufReader::new(holder.stdout.take().unwrap())
+        .read_line(&mut line)
+        .expect("hold's stdout");
+    let token = line
+        .trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("hold prints the token: {line:?}"));
+    (holder, token)
+}
+
 /// Every row of the README's exit-status table that needs no signal (those are checked above).
 #[test]
 fn exit_statuses_of_the_readme_table() {
@@ -513,17 +536,7 @@ fn exit_statuses_of_the_readme_table() {
     ]);
     assert_eq!(code, Some(69), "{err}");
     // 75: held, with --wait 0 and with a timed wait.
-    let mut holder = lockkit()
-        .args(["hold", "--backend", &url, &name])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(holder.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let held_token: u64 = line.trim().parse().expect("hold prints the token");
+    let (mut holder, held_token) = start_hold(&url, &name, &[]);
     let (code, _, err) = code_of(&["run", "--backend", &url, "--wait", "0", &name, "--", "true"]);
     assert_eq!(code, Some(75), "{err}");
     let (code, _, err) = code_of(&[
@@ -565,17 +578,7 @@ fn exit_statuses_of_the_readme_table() {
 fn hold_releases_on_sigterm() {
     let url = server("LOCKKIT_ETCD_URL");
     let name = unique("hold");
-    let mut holder = lockkit()
-        .args(["hold", "--backend", &url, &name])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(holder.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    assert!(line.trim().parse::<u64>().is_ok(), "{line:?}");
+    let (mut holder, _token) = start_hold(&url, &name, &[]);
     kill(Pid::from_raw(holder.id() as i32), Signal::SIGTERM).unwrap();
     let st = wait_exit(&mut holder, Duration::from_secs(10), "hold to exit");
     assert_eq!(st.code(), Some(0));
@@ -714,18 +717,8 @@ fn background_jobs_of_the_command_end_before_release() {
 fn hold_exits_70_when_its_lease_is_lost() {
     let url = server("LOCKKIT_REDIS_URL");
     let name = unique("holdlost");
-    let mut holder = lockkit()
-        .args(["hold", "--backend", &url, "--ttl", "2s", &name])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let (mut holder, _token) = start_hold(&url, &name, &["--ttl", "2s"]);
     let err = stderr_lines(&mut holder);
-    let mut line = String::new();
-    BufReader::new(holder.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
     let pid = Pid::from_raw(holder.id() as i32);
     kill(pid, Signal::SIGSTOP).unwrap();
     let (code, _, e) = code_of(&[

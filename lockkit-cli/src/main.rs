@@ -314,6 +314,10 @@ fn report(f: Fail) -> ExitCode {
     ExitCode::from(f.code)
 }
 
+/// Warnings only, and none from sqlx's slow-statement log: a waiting `pg_advisory_lock` is slow
+/// on purpose.
+const QUIET_LOGS: &str = "warn,sqlx::query=error";
+
 fn init_logging(verbose: u8) {
     use tracing_subscriber::EnvFilter;
     let ours = [
@@ -328,11 +332,11 @@ fn init_logging(verbose: u8) {
         .and_then(|v| EnvFilter::try_new(v).ok())
         .unwrap_or_else(|| {
             let level = match verbose {
-                0 => return EnvFilter::new("warn"),
+                0 => return EnvFilter::new(QUIET_LOGS),
                 1 => "debug",
                 _ => "trace",
             };
-            let mut spec = String::from("warn");
+            let mut spec = String::from(QUIET_LOGS);
             for c in ours.iter().chain(&["lockkit_postgres"]) {
                 spec.push_str(&format!(",{c}={level}"));
             }

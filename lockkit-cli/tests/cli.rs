@@ -739,3 +739,38 @@ fn hold_exits_70_when_its_lease_is_lost() {
     assert_eq!(st.code(), Some(70), "{text}");
     assert!(text.contains("was lost"), "{text}");
 }
+
+/// `--metrics-addr` serves Prometheus text at /metrics while `lockkit` holds a lock.
+#[test]
+fn metrics_addr_serves_prometheus_text() {
+    use std::io::{Read, Write};
+    let url = server("LOCKKIT_REDIS_URL");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let (mut holder, _) = start_hold(&url, &unique("metrics"), &["--metrics-addr", &addr]);
+    let mut conn = std::net::TcpStream::connect(&addr).expect("the metrics listener is up");
+    conn.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    write!(
+        conn,
+        "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut reply = String::new();
+    let _ = conn.read_to_string(&mut reply);
+    assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+    drop(holder.stdin.take());
+    let st = wait_exit(&mut holder, Duration::from_secs(10), "hold to exit");
+    assert_eq!(st.code(), Some(0));
+    let (code, _, err) = code_of(&[
+        "hold",
+        "--metrics-addr",
+        "not-an-address",
+        "--backend",
+        &url,
+        "x",
+    ]);
+    assert_eq!(code, Some(64), "{err}");
+}

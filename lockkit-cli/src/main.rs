@@ -27,6 +27,9 @@
 //! `--wait 0`) or the wait timed out; 70 if the lease was lost; 64 on bad arguments or
 //! configuration; 69 if the lock service is unavailable or refused the credentials; 127 if the
 //! command cannot be started; 128+N if signal N ended the wait.
+//!
+//! Unix only (process groups, signals). The parent-death signal is Linux's `PR_SET_PDEATHSIG`;
+//! elsewhere the watcher alone ends the command when `lockkit` dies.
 #![deny(unsafe_code)] // one documented exception: the parent-death signal in child.rs
 
 mod child;

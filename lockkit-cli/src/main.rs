@@ -246,7 +246,10 @@ impl From<Error> for Fail {
     fn from(e: Error) -> Self {
         let code = match &e {
             Error::Held { .. } | Error::Timeout { .. } => EX_TEMPFAIL,
-            Error::LeaseLost { .. } | Error::NotHeld { .. } => EX_LOST,
+            // From an acquire, LeaseLost means its own session expired while it was queued (an
+            // outage): it never held the lock. A loss while holding is handled in `run`/`hold`.
+            Error::LeaseLost { .. } => EX_UNAVAILABLE,
+            Error::NotHeld { .. } => EX_LOST,
             Error::InvalidName { .. }
             | Error::InvalidConfig { .. }
             | Error::NotSupported { .. } => EX_USAGE,

@@ -601,7 +601,7 @@ fn usage_errors_exit_64() {
             &[
                 "run",
                 "--backend",
-                &url,
+                url,
                 "--wait",
                 "48h",
                 "job",
@@ -614,7 +614,7 @@ fn usage_errors_exit_64() {
             &[
                 "run",
                 "--backend",
-                &url,
+                url,
                 "--ttl",
                 "25h",
                 "job",

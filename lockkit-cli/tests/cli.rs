@@ -611,16 +611,7 @@ fn usage_errors_exit_64() {
             "--wait forever",
         ),
         (
-            &[
-                "run",
-                "--backend",
-                url,
-                "--ttl",
-                "25h",
-                "job",
-                "--",
-                "true",
-            ][..],
+            &["run", "--backend", url, "--ttl", "25h", "job", "--", "true"][..],
             "24h",
         ),
         (

@@ -111,6 +111,7 @@ struct LockArgs {
 #[derive(Subcommand, Debug)]
 enum Cmd {
     /// Acquire LOCK, run COMMAND with LOCKKIT_FENCING_TOKEN set, release when it exits.
+    #[command(after_help = RUN_AFTER_HELP)]
     Run {
         #[command(flatten)]
         lock: LockArgs,
@@ -140,6 +141,15 @@ enum Cmd {
     #[command(hide = true)]
     WatchGroup { pgid: i32 },
 }
+
+const RUN_AFTER_HELP: &str = "\
+SIGTERM, SIGINT and SIGHUP go to COMMAND's process group; SIGKILL follows after --grace; the lock
+is released once the group is gone. If the lease is lost, the group gets SIGTERM, then SIGKILL
+1s later. If lockkit dies, COMMAND is killed.
+
+Exit status: COMMAND's own (128+N if signal N ended it); 64 bad arguments; 69 lock service
+unavailable; 70 lease lost; 75 lock held (--wait 0) or --wait ran out; 127 COMMAND cannot be
+started; 128+N signal N arrived while waiting.";
 
 /// A duration as a user writes one: the largest unit that divides it ("25h", "90s", "1500ms").
 fn human(d: Duration) -> String {

@@ -247,6 +247,19 @@ fn sigint_to_holder_etcd() {
     signalled_holder_ends_before_the_waiter_starts(&server("LOCKKIT_ETCD_URL"), Signal::SIGINT);
 }
 
+#[test]
+fn sigterm_to_holder_zk() {
+    signalled_holder_ends_before_the_waiter_starts(&server("LOCKKIT_ZK_URL"), Signal::SIGTERM);
+}
+
+#[test]
+fn sigterm_to_holder_postgres() {
+    signalled_holder_ends_before_the_waiter_starts(
+        &server("LOCKKIT_POSTGRES_URL"),
+        Signal::SIGTERM,
+    );
+}
+
 /// The other order: the *waiter* is signalled. It exits 128+N without running its command, and
 /// leaves nothing queued: once the holder exits, a try-once `lockkit run` gets the lock at once.
 fn signalled_waiter_gives_up_and_leaves_nothing_queued(url: &str, sig: Signal) {
@@ -445,6 +458,16 @@ fn lost_lease_terminates_the_command_redis() {
 #[test]
 fn lost_lease_terminates_the_command_etcd() {
     lost_lease_terminates_the_command(&server("LOCKKIT_ETCD_URL"));
+}
+
+#[test]
+fn lost_lease_terminates_the_command_zk() {
+    lost_lease_terminates_the_command(&server("LOCKKIT_ZK_URL"));
+}
+
+#[test]
+fn lost_lease_terminates_the_command_postgres() {
+    lost_lease_terminates_the_command(&server("LOCKKIT_POSTGRES_URL"));
 }
 
 fn code_of(args: &[&str]) -> (Option<i32>, String, String) {

@@ -1,14 +1,14 @@
 //! The command `lockkit run` starts: its own process group, the parent-death signal, the watcher
 //! that ends the group if `lockkit` dies, and signals to the whole group.
 
-use std::io;
-use std::process::{ExitStatus, Stdio};
+use std::io::{self, Write};
+use std::process::{Child as StdChild, ChildStdin as StdChildStdin, ExitStatus, Stdio};
 use std::time::Duration;
 
 use nix::errno::Errno;
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
-use tokio::process::{Child, ChildStdin, Command};
+use tokio::process::{Child, Command};
 use tokio::time::Instant;
 
 /// How often [`Group::end`] looks whether processes the command left behind are gone (there is
@@ -19,11 +19,11 @@ const GROUP_POLL: Duration = Duration::from_millis(20);
 /// that SIGKILLs the group if `lockkit` ends without doing so itself.
 #[derive(Debug)]
 pub struct Group {
-    pub leader: Child,
+    leader: Child,
     pgid: Pid,
     /// The watcher and the write end of its stdin: the watcher acts when that pipe closes,
     /// which the kernel does for any death of `lockkit`, SIGKILL included.
-    watcher: Option<(Child, ChildStdin)>,
+    watcher: Option<(StdChild, StdChildStdin)>,
     /// The group was sent SIGKILL: what is left is dying, not left behind.
     killed: bool,
 }
@@ -37,15 +37,29 @@ pub struct Group {
 ///
 /// # Errors
 /// The OS error of the fork or exec (program not found, not executable, …), or of starting the
-/// watcher (`lockkit` re-executes itself as `lockkit watch-group PGID`).
+/// watcher (`lockkit` re-executes itself as `lockkit watch-group`).
 pub fn spawn(program: &str, args: &[String], env: &[(&str, String)]) -> io::Result<Group> {
+    // The watcher first, so that no moment passes with the command running and unwatched
+    // (but for writing its group ID to the watcher).
+    let mut watcher = start_watcher().map_err(|e| {
+        io::Error::new(
+            e.kind(),
+            format!("starting the watcher process (lockkit watch-group): {e}"),
+        )
+    })?;
     let mut cmd = Command::new(program);
     cmd.args(args)
         .envs(env.iter().map(|(k, v)| (k, v)))
         .process_group(0)
         .kill_on_drop(true);
     set_parent_death_signal(&mut cmd);
-    let leader = cmd.spawn()?;
+    let leader = match cmd.spawn() {
+        Ok(l) => l,
+        Err(e) => {
+            stop_watcher(watcher);
+            return Err(e);
+        }
+    };
     let pgid = Pid::from_raw(leader.id().map_or(0, |id| id as i32));
     let mut group = Group {
         leader,
@@ -53,16 +67,15 @@ pub fn spawn(program: &str, args: &[String], env: &[(&str, String)]) -> io::Resu
         watcher: None,
         killed: false,
     };
-    match start_watcher(pgid) {
-        Ok(w) => group.watcher = Some(w),
-        Err(e) => {
-            group.signal(Signal::SIGKILL);
-            return Err(io::Error::new(
-                e.kind(),
-                format!("starting the watcher process (lockkit watch-group): {e}"),
-            ));
-        }
+    if let Err(e) = writeln!(watcher.1, "{}", pgid.as_raw()) {
+        group.signal(Signal::SIGKILL);
+        stop_watcher(watcher);
+        return Err(io::Error::new(
+            e.kind(),
+            format!("telling the watcher process the command's group: {e}"),
+        ));
     }
+    group.watcher = Some(watcher);
     Ok(group)
 }
 
@@ -92,38 +105,54 @@ fn set_parent_death_signal(cmd: &mut Command) {
 #[cfg(not(target_os = "linux"))]
 fn set_parent_death_signal(_cmd: &mut Command) {}
 
-/// Re-executes this binary as `lockkit watch-group PGID` with a pipe as its stdin.
-fn start_watcher(pgid: Pid) -> io::Result<(Child, ChildStdin)> {
+/// Re-executes this binary as `lockkit watch-group` with a pipe as its stdin.
+fn start_watcher() -> io::Result<(StdChild, StdChildStdin)> {
+    use std::os::unix::process::CommandExt;
     let exe = std::env::current_exe()?;
-    let mut w = Command::new(exe)
+    let mut w = std::process::Command::new(exe)
         .arg("watch-group")
-        .arg(pgid.as_raw().to_string())
         .stdin(Stdio::piped())
         .stdout(Stdio::null())
-        // Its own group: a Ctrl-C at the terminal must not end it before lockkit is done. No
-        // kill-on-drop: if lockkit unwinds without ending the group, the watcher must act.
+        // Its own group: a Ctrl-C at the terminal must not end it before lockkit is done.
         .process_group(0)
         .spawn()?;
-    let stdin = w
-        .stdin
-        .take()
-        .ok_or_else(|| io::Error::other("no stdin pipe"))?;
-    Ok((w, stdin))
+    match w.stdin.take() {
+        Some(stdin) => Ok((w, stdin)),
+        None => {
+            let _ = w.kill();
+            let _ = w.wait();
+            Err(io::Error::other("no stdin pipe"))
+        }
+    }
 }
 
-/// `lockkit watch-group PGID`: waits until its stdin closes (lockkit ended), then SIGKILLs the
-/// group. Normally lockkit kills the watcher first, once the group is gone.
-pub fn watch_group(pgid: i32) {
+/// Ends the watcher (SIGKILL, then reaps it): the group it watches is gone or was never started.
+fn stop_watcher((mut w, stdin): (StdChild, StdChildStdin)) {
+    let _ = w.kill();
+    let _ = w.wait();
+    drop(stdin);
+}
+
+/// `lockkit watch-group`: reads a process group ID line from stdin, waits until stdin closes
+/// (lockkit ended), then SIGKILLs that group. Normally lockkit kills the watcher first, once
+/// the group is gone; a watcher whose stdin closes before a whole line came does nothing.
+pub fn watch_group() {
     use std::io::Read;
+    let mut got = Vec::new();
     let mut buf = [0u8; 64];
     loop {
         match io::stdin().read(&mut buf) {
             Ok(0) => break,
+            Ok(n) if got.len() < 64 => got.extend_from_slice(&buf[..n]),
             Err(e) if e.kind() != io::ErrorKind::Interrupted => break,
             _ => {}
         }
     }
-    if pgid > 0 {
+    let line = String::from_utf8_lossy(&got);
+    let pgid = line
+        .split_once('\n')
+        .and_then(|(id, _)| id.trim().parse::<i32>().ok());
+    if let Some(pgid) = pgid.filter(|p| *p > 0) {
         let _ = killpg(Pid::from_raw(pgid), Signal::SIGKILL);
     }
 }
@@ -207,10 +236,8 @@ impl Group {
                 tokio::time::sleep(GROUP_POLL).await;
             }
         }
-        if let Some((mut w, stdin)) = self.watcher.take() {
-            let _ = w.start_kill();
-            let _ = w.wait().await;
-            drop(stdin);
+        if let Some(w) = self.watcher.take() {
+            stop_watcher(w);
         }
         leftovers
     }

@@ -137,9 +137,10 @@ enum Cmd {
         /// Lock service URL.
         backend: String,
     },
-    /// Internal: SIGKILL process group PGID once stdin closes (started by `run`).
+    /// Internal: SIGKILL the process group whose ID comes on stdin once stdin closes (started
+    /// by `run`).
     #[command(hide = true)]
-    WatchGroup { pgid: i32 },
+    WatchGroup,
 }
 
 const RUN_AFTER_HELP: &str = "\
@@ -302,8 +303,8 @@ fn main() -> ExitCode {
             return ExitCode::from(if e.use_stderr() { EX_USAGE } else { 0 });
         }
     };
-    if let Cmd::WatchGroup { pgid } = cli.cmd {
-        child::watch_group(pgid);
+    if let Cmd::WatchGroup = cli.cmd {
+        child::watch_group();
         return ExitCode::SUCCESS;
     }
     init_logging(cli.verbose);
@@ -393,7 +394,7 @@ async fn run_cli(cli: Cli) -> Result<u8, Fail> {
             let (_locks, lease) = acquire(&lock, &mut sigs).await?;
             hold(lease, &mut sigs).await
         }
-        Cmd::WatchGroup { .. } => unreachable!("handled before the runtime starts"),
+        Cmd::WatchGroup => unreachable!("handled before the runtime starts"),
     }
 }
 

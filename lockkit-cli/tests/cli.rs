@@ -227,39 +227,6 @@ fn signalled_holder_ends_before_the_waiter_starts(url: &str, sig: Signal) {
     );
 }
 
-#[test]
-fn sigterm_to_holder_redis() {
-    signalled_holder_ends_before_the_waiter_starts(&server("LOCKKIT_REDIS_URL"), Signal::SIGTERM);
-}
-
-#[test]
-fn sigint_to_holder_redis() {
-    signalled_holder_ends_before_the_waiter_starts(&server("LOCKKIT_REDIS_URL"), Signal::SIGINT);
-}
-
-#[test]
-fn sigterm_to_holder_etcd() {
-    signalled_holder_ends_before_the_waiter_starts(&server("LOCKKIT_ETCD_URL"), Signal::SIGTERM);
-}
-
-#[test]
-fn sigint_to_holder_etcd() {
-    signalled_holder_ends_before_the_waiter_starts(&server("LOCKKIT_ETCD_URL"), Signal::SIGINT);
-}
-
-#[test]
-fn sigterm_to_holder_zk() {
-    signalled_holder_ends_before_the_waiter_starts(&server("LOCKKIT_ZK_URL"), Signal::SIGTERM);
-}
-
-#[test]
-fn sigterm_to_holder_postgres() {
-    signalled_holder_ends_before_the_waiter_starts(
-        &server("LOCKKIT_POSTGRES_URL"),
-        Signal::SIGTERM,
-    );
-}
-
 /// The other order: the *waiter* is signalled. It exits 128+N without running its command, and
 /// leaves nothing queued: once the holder exits, a try-once `lockkit run` gets the lock at once.
 fn signalled_waiter_gives_up_and_leaves_nothing_queued(url: &str, sig: Signal) {
@@ -307,22 +274,6 @@ fn signalled_waiter_gives_up_and_leaves_nothing_queued(url: &str, sig: Signal) {
     );
     let ev = events(&dir.join("log"));
     assert!(!ev.iter().any(|e| e.who == "B"), "B's command ran: {ev:#?}");
-}
-
-#[test]
-fn sigterm_to_waiter_redis() {
-    signalled_waiter_gives_up_and_leaves_nothing_queued(
-        &server("LOCKKIT_REDIS_URL"),
-        Signal::SIGTERM,
-    );
-}
-
-#[test]
-fn sigint_to_waiter_etcd() {
-    signalled_waiter_gives_up_and_leaves_nothing_queued(
-        &server("LOCKKIT_ETCD_URL"),
-        Signal::SIGINT,
-    );
 }
 
 /// The processes of process group `pgid` that are not zombies, from /proc.
@@ -450,24 +401,32 @@ fn lost_lease_terminates_the_command(url: &str) {
     );
 }
 
-#[test]
-fn lost_lease_terminates_the_command_redis() {
-    lost_lease_terminates_the_command(&server("LOCKKIT_REDIS_URL"));
+/// One named, filterable `#[test]` per backend (and signal): `name: check("ENV_VAR", args…);`
+/// calls `check(&server("ENV_VAR"), args…)`.
+macro_rules! per_backend {
+    ($($name:ident: $check:ident($var:literal $(, $arg:expr)*);)*) => {
+        $(
+            #[test]
+            fn $name() {
+                $check(&server($var) $(, $arg)*);
+            }
+        )*
+    };
 }
 
-#[test]
-fn lost_lease_terminates_the_command_etcd() {
-    lost_lease_terminates_the_command(&server("LOCKKIT_ETCD_URL"));
-}
-
-#[test]
-fn lost_lease_terminates_the_command_zk() {
-    lost_lease_terminates_the_command(&server("LOCKKIT_ZK_URL"));
-}
-
-#[test]
-fn lost_lease_terminates_the_command_postgres() {
-    lost_lease_terminates_the_command(&server("LOCKKIT_POSTGRES_URL"));
+per_backend! {
+    sigterm_to_holder_redis: signalled_holder_ends_before_the_waiter_starts("LOCKKIT_REDIS_URL", Signal::SIGTERM);
+    sigint_to_holder_redis: signalled_holder_ends_before_the_waiter_starts("LOCKKIT_REDIS_URL", Signal::SIGINT);
+    sigterm_to_holder_etcd: signalled_holder_ends_before_the_waiter_starts("LOCKKIT_ETCD_URL", Signal::SIGTERM);
+    sigint_to_holder_etcd: signalled_holder_ends_before_the_waiter_starts("LOCKKIT_ETCD_URL", Signal::SIGINT);
+    sigterm_to_holder_zk: signalled_holder_ends_before_the_waiter_starts("LOCKKIT_ZK_URL", Signal::SIGTERM);
+    sigterm_to_holder_postgres: signalled_holder_ends_before_the_waiter_starts("LOCKKIT_POSTGRES_URL", Signal::SIGTERM);
+    sigterm_to_waiter_redis: signalled_waiter_gives_up_and_leaves_nothing_queued("LOCKKIT_REDIS_URL", Signal::SIGTERM);
+    sigint_to_waiter_etcd: signalled_waiter_gives_up_and_leaves_nothing_queued("LOCKKIT_ETCD_URL", Signal::SIGINT);
+    lost_lease_terminates_the_command_redis: lost_lease_terminates_the_command("LOCKKIT_REDIS_URL");
+    lost_lease_terminates_the_command_etcd: lost_lease_terminates_the_command("LOCKKIT_ETCD_URL");
+    lost_lease_terminates_the_command_zk: lost_lease_terminates_the_command("LOCKKIT_ZK_URL");
+    lost_lease_terminates_the_command_postgres: lost_lease_terminates_the_command("LOCKKIT_POSTGRES_URL");
 }
 
 fn code_of(args: &[&str]) -> (Option<i32>, String, String) {

@@ -157,12 +157,12 @@ fn recorder(dir: &Path, who: &str, work: &str) -> Vec<String> {
 /// Sleeps in a loop that a trap can interrupt (a shell runs traps between commands).
 const WORK_FOREVER: &str = "while :; do sleep 0.05; done";
 
-fn run_args(url: &str, name: &str, extra: &[&str], command: &[String]) -> Vec<String> {
+fn run_args<S: AsRef<str>>(url: &str, name: &str, extra: &[&str], command: &[S]) -> Vec<String> {
     let mut a: Vec<String> = vec!["run".into(), "--backend".into(), url.into()];
     a.extend(extra.iter().map(|s| s.to_string()));
     a.push(name.into());
     a.push("--".into());
-    a.extend(command.iter().cloned());
+    a.extend(command.iter().map(|c| c.as_ref().to_owned()));
     a
 }
 
@@ -429,7 +429,12 @@ per_backend! {
     lost_lease_terminates_the_command_postgres: lost_lease_terminates_the_command("LOCKKIT_POSTGRES_URL");
 }
 
-fn code_of(args: &[&str]) -> (Option<i32>, String, String) {
+/// `sh -c script` as a command line.
+fn sh(script: &str) -> Vec<String> {
+    vec!["sh".into(), "-c".into(), script.into()]
+}
+
+fn code_of<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> (Option<i32>, String, String) {
     let out = lockkit().args(args).stdin(Stdio::null()).output().unwrap();
     (
         out.status.code(),
@@ -467,71 +472,39 @@ fn exit_statuses_of_the_readme_table() {
     let url = server("LOCKKIT_REDIS_URL");
     let name = unique("exit");
     // The command's own status, with the token and lock name in its environment.
-    let (code, out, _) = code_of(&[
-        "run",
-        "--backend",
+    let (code, out, _) = code_of(&run_args(
         &url,
         &name,
-        "--",
-        "sh",
-        "-c",
-        "echo \"$LOCKKIT_LOCK $LOCKKIT_FENCING_TOKEN\"; exit 3",
-    ]);
+        &[],
+        &sh("echo \"$LOCKKIT_LOCK $LOCKKIT_FENCING_TOKEN\"; exit 3"),
+    ));
     assert_eq!(code, Some(3));
     let (lock, token) = out.trim().split_once(' ').unwrap();
     assert_eq!(lock, name);
     assert!(token.parse::<u64>().unwrap() > 0);
     // 128+N for a command ended by signal N.
-    let (code, _, _) = code_of(&[
-        "run",
-        "--backend",
-        &url,
-        &name,
-        "--",
-        "sh",
-        "-c",
-        "kill -TERM $$",
-    ]);
+    let (code, _, _) = code_of(&run_args(&url, &name, &[], &sh("kill -TERM $$")));
     assert_eq!(code, Some(128 + 15));
     // 127: cannot start, with the OS reason.
-    let (code, _, err) = code_of(&[
-        "run",
-        "--backend",
-        &url,
-        &name,
-        "--",
-        "/nonexistent/program",
-    ]);
+    let (code, _, err) = code_of(&run_args(&url, &name, &[], &["/nonexistent/program"]));
     assert_eq!(code, Some(127));
     assert!(
         err.contains("cannot start") && err.contains("No such file"),
         "{err}"
     );
     // 69: the server is unreachable.
-    let (code, _, err) = code_of(&[
-        "run",
-        "--backend",
-        "redis://127.0.0.1:1",
-        &name,
-        "--",
-        "true",
-    ]);
+    let (code, _, err) = code_of(&run_args("redis://127.0.0.1:1", &name, &[], &["true"]));
     assert_eq!(code, Some(69), "{err}");
     // 75: held, with --wait 0 and with a timed wait.
     let (mut holder, held_token) = start_hold(&url, &name, &[]);
-    let (code, _, err) = code_of(&["run", "--backend", &url, "--wait", "0", &name, "--", "true"]);
+    let (code, _, err) = code_of(&run_args(&url, &name, &["--wait", "0"], &["true"]));
     assert_eq!(code, Some(75), "{err}");
-    let (code, _, err) = code_of(&[
-        "run",
-        "--backend",
+    let (code, _, err) = code_of(&run_args(
         &url,
-        "--wait",
-        "1500ms",
-        "-q",
         &name,
-        "--",
-        "true",
-    ]);
+        &["--wait", "1500ms", "-q"],
+        &["true"],
+    ));
     assert_eq!(code, Some(75), "{err}");
     assert!(err.contains("still held after waiting 1s"), "{err}");
     assert!(!err.contains("lockkit: waiting for lock"), "-q: {err}");
@@ -539,18 +512,12 @@ fn exit_statuses_of_the_readme_table() {
     drop(holder.stdin.take());
     let st = wait_exit(&mut holder, Duration::from_secs(10), "hold to exit");
     assert_eq!(st.code(), Some(0));
-    let (code, out, _) = code_of(&[
-        "run",
-        "--backend",
+    let (code, out, _) = code_of(&run_args(
         &url,
-        "--wait",
-        "0",
         &name,
-        "--",
-        "sh",
-        "-c",
-        "echo $LOCKKIT_FENCING_TOKEN",
-    ]);
+        &["--wait", "0"],
+        &sh("echo $LOCKKIT_FENCING_TOKEN"),
+    ));
     assert_eq!(code, Some(0));
     assert!(out.trim().parse::<u64>().unwrap() > held_token);
 }
@@ -564,7 +531,7 @@ fn hold_releases_on_sigterm() {
     kill(Pid::from_raw(holder.id() as i32), Signal::SIGTERM).unwrap();
     let st = wait_exit(&mut holder, Duration::from_secs(10), "hold to exit");
     assert_eq!(st.code(), Some(0));
-    let (code, _, err) = code_of(&["run", "--backend", &url, "--wait", "0", &name, "--", "true"]);
+    let (code, _, err) = code_of(&run_args(&url, &name, &["--wait", "0"], &["true"]));
     assert_eq!(code, Some(0), "released: {err}");
 }
 
@@ -695,17 +662,7 @@ fn hold_exits_70_when_its_lease_is_lost() {
     let err = stderr_lines(&mut holder);
     let pid = Pid::from_raw(holder.id() as i32);
     kill(pid, Signal::SIGSTOP).unwrap();
-    let (code, _, e) = code_of(&[
-        "run",
-        "--backend",
-        &url,
-        "--wait",
-        "20s",
-        "-q",
-        &name,
-        "--",
-        "true",
-    ]);
+    let (code, _, e) = code_of(&run_args(&url, &name, &["--wait", "20s", "-q"], &["true"]));
     assert_eq!(code, Some(0), "the waiter gets the lapsed lock: {e}");
     kill(pid, Signal::SIGCONT).unwrap();
     let st = wait_exit(&mut holder, Duration::from_secs(10), "hold to exit");

@@ -423,6 +423,8 @@ per_backend! {
     sigterm_to_holder_postgres: signalled_holder_ends_before_the_waiter_starts("LOCKKIT_POSTGRES_URL", Signal::SIGTERM);
     sigterm_to_waiter_redis: signalled_waiter_gives_up_and_leaves_nothing_queued("LOCKKIT_REDIS_URL", Signal::SIGTERM);
     sigint_to_waiter_etcd: signalled_waiter_gives_up_and_leaves_nothing_queued("LOCKKIT_ETCD_URL", Signal::SIGINT);
+    sigterm_to_waiter_zk: signalled_waiter_gives_up_and_leaves_nothing_queued("LOCKKIT_ZK_URL", Signal::SIGTERM);
+    sigint_to_waiter_postgres: signalled_waiter_gives_up_and_leaves_nothing_queued("LOCKKIT_POSTGRES_URL", Signal::SIGINT);
     lost_lease_terminates_the_command_redis: lost_lease_terminates_the_command("LOCKKIT_REDIS_URL");
     lost_lease_terminates_the_command_etcd: lost_lease_terminates_the_command("LOCKKIT_ETCD_URL");
     lost_lease_terminates_the_command_zk: lost_lease_terminates_the_command("LOCKKIT_ZK_URL");

@@ -6,7 +6,7 @@
 //! wait is for an event (a file, a line on stderr, an exit), bounded.
 
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -38,10 +38,12 @@ fn unique(what: &str) -> String {
     format!("cli-{what}-{}-{nanos:09}", std::process::id())
 }
 
-fn scratch(what: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(unique(what));
-    std::fs::create_dir_all(&d).unwrap();
-    d
+/// A fresh directory for one test's files, removed when the returned guard drops.
+fn scratch(what: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("lockkit-cli-{what}-"))
+        .tempdir()
+        .expect("temp dir")
 }
 
 /// Polls `cond` every 10 ms until it holds or `limit` passes.
@@ -180,20 +182,21 @@ fn spawn(args: &[String]) -> Child {
 /// command starts only after the holder's command ended (its 0.5 s cleanup included), with a
 /// larger token, and the holder exits with its command's status (0).
 fn signalled_holder_ends_before_the_waiter_starts(url: &str, sig: Signal) {
-    let dir = scratch("sig");
+    let tmp = scratch("sig");
+    let dir = tmp.path();
     let name = unique("sig");
     let mut a = spawn(&run_args(
         url,
         &name,
         &[],
-        &recorder(&dir, "A", WORK_FOREVER),
+        &recorder(dir, "A", WORK_FOREVER),
     ));
     let a_err = stderr_lines(&mut a);
     let a_started = dir.join("A.started");
     wait_until(Duration::from_secs(15), "A's command to start", || {
         a_started.exists()
     });
-    let mut b = spawn(&run_args(url, &name, &[], &recorder(&dir, "B", "true")));
+    let mut b = spawn(&run_args(url, &name, &[], &recorder(dir, "B", "true")));
     let b_err = stderr_lines(&mut b);
     // B says it waits (after about a second), and what it knows of the holder.
     let note = await_line(&b_err, "waiting for lock", Duration::from_secs(15));
@@ -230,10 +233,11 @@ fn signalled_holder_ends_before_the_waiter_starts(url: &str, sig: Signal) {
 /// The other order: the *waiter* is signalled. It exits 128+N without running its command, and
 /// leaves nothing queued: once the holder exits, a try-once `lockkit run` gets the lock at once.
 fn signalled_waiter_gives_up_and_leaves_nothing_queued(url: &str, sig: Signal) {
-    let dir = scratch("sigw");
+    let tmp = scratch("sigw");
+    let dir = tmp.path();
     let name = unique("sigw");
     let mut a = lockkit()
-        .args(run_args(url, &name, &[], &recorder(&dir, "A", "read _")))
+        .args(run_args(url, &name, &[], &recorder(dir, "A", "read _")))
         .stdin(Stdio::piped())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -243,7 +247,7 @@ fn signalled_waiter_gives_up_and_leaves_nothing_queued(url: &str, sig: Signal) {
     wait_until(Duration::from_secs(15), "A's command to start", || {
         a_started.exists()
     });
-    let mut b = spawn(&run_args(url, &name, &[], &recorder(&dir, "B", "true")));
+    let mut b = spawn(&run_args(url, &name, &[], &recorder(dir, "B", "true")));
     let b_err = stderr_lines(&mut b);
     await_line(&b_err, "waiting for lock", Duration::from_secs(15));
     kill(Pid::from_raw(b.id() as i32), sig).unwrap();
@@ -262,7 +266,7 @@ fn signalled_waiter_gives_up_and_leaves_nothing_queued(url: &str, sig: Signal) {
             url,
             &name,
             &["--wait", "0"],
-            &recorder(&dir, "C", "true"),
+            &recorder(dir, "C", "true"),
         ))
         .output()
         .unwrap();
@@ -303,7 +307,8 @@ fn live_members(pgid: i32) -> Vec<i32> {
 #[test]
 fn sigkill_of_lockkit_ends_the_whole_command() {
     let url = server("LOCKKIT_REDIS_URL");
-    let dir = scratch("kill");
+    let tmp = scratch("kill");
+    let dir = tmp.path();
     let name = unique("kill");
     let pgid_file = dir.join("pgid");
     // The command's shell records its PID (= its group ID) and waits on a grandchild.
@@ -351,13 +356,14 @@ fn sigkill_of_lockkit_ends_the_whole_command() {
 /// the holder resumes it sees the lease lost, terminates its command at once and exits 70 with
 /// the reason on stderr.
 fn lost_lease_terminates_the_command(url: &str) {
-    let dir = scratch("lost");
+    let tmp = scratch("lost");
+    let dir = tmp.path();
     let name = unique("lost");
     let mut a = spawn(&run_args(
         url,
         &name,
         &["--ttl", "2s"],
-        &recorder(&dir, "A", WORK_FOREVER),
+        &recorder(dir, "A", WORK_FOREVER),
     ));
     let a_err = stderr_lines(&mut a);
     wait_until(Duration::from_secs(15), "A's command to start", || {
@@ -369,7 +375,7 @@ fn lost_lease_terminates_the_command(url: &str) {
         url,
         &name,
         &["--ttl", "2s", "-q"],
-        &recorder(&dir, "B", "true"),
+        &recorder(dir, "B", "true"),
     ));
     let b_status = wait_exit(
         &mut b,
@@ -627,7 +633,8 @@ fn guarantees_table_and_json() {
 #[test]
 fn background_jobs_of_the_command_end_before_release() {
     let url = server("LOCKKIT_REDIS_URL");
-    let dir = scratch("bg");
+    let tmp = scratch("bg");
+    let dir = tmp.path();
     let pid_file = dir.join("bg.pid");
     let script = format!("sleep 60 & echo $! > {}", pid_file.display());
     let (code, _, err) = code_of(&[

@@ -4,6 +4,7 @@
 //! cargo run --example fencing                                     # embedded in-memory backend
 //! cargo run --example fencing --features redis -- --backend redis://127.0.0.1:6379
 //! cargo run --example fencing --features etcd  -- --backend etcd://127.0.0.1:2379
+//! cargo run --example fencing --features zk    -- --backend zk://127.0.0.1:2181     # TTL: max(2 s, server minimum)
 //! ```
 //!
 //! Client A acquires the lock (token n) and stalls past its TTL, as in a stop-the-world GC pause.
@@ -32,12 +33,26 @@ struct Args {
     /// postgres://user@host:port/db (network backends need their Cargo feature).
     #[arg(long, default_value = "memory://")]
     backend: String,
-    /// Lease TTL, e.g. "2s" or "1500ms".
-    #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
-    ttl: Duration,
+    /// Lease TTL, e.g. "2s" or "1500ms". Default 2 s, or the server's minimum if that is longer
+    /// (ZooKeeper: its minSessionTimeout, 4 s with the stock tickTime=2000).
+    #[arg(long, value_parser = humantime::parse_duration)]
+    ttl: Option<Duration>,
     /// Lock name.
     #[arg(long, default_value = "fencing-demo")]
     name: String,
+}
+
+/// 2 s, or the server's shortest TTL if that is longer: a ZooKeeper with the stock
+/// `tickTime=2000` refuses sessions under 4 s.
+async fn default_ttl(url: &str) -> Result<Duration, Error> {
+    let ttl = Duration::from_secs(2);
+    #[cfg(feature = "zk")]
+    if url.starts_with("zk://") {
+        let min = lockkit::zk::ZkLock::connect(url).await?.min_ttl().await?;
+        return Ok(ttl.max(min));
+    }
+    let _ = url;
+    Ok(ttl)
 }
 
 struct Timeline(Instant);
@@ -76,11 +91,15 @@ async fn run(args: Args) -> Result<(), Error> {
         )
     };
     let g = a.guarantees();
+    let ttl = match args.ttl {
+        Some(ttl) => ttl,
+        None => default_ttl(&args.backend).await?,
+    };
     t.say(
         "setup",
         format!(
             "backend {} ({:?} lock), lock {name:?}, TTL {:?}",
-            g.backend, g.kind, args.ttl
+            g.backend, g.kind, ttl
         ),
     );
 
@@ -91,7 +110,7 @@ async fn run(args: Args) -> Result<(), Error> {
         .acquire(
             &name,
             AcquireOptions::new()
-                .ttl(args.ttl)
+                .ttl(ttl)
                 .keepalive(!memory)
                 .wait(Wait::No),
         )
@@ -124,14 +143,12 @@ async fn run(args: Args) -> Result<(), Error> {
         })
     };
 
-    let wait = args.ttl + g.expiry_slack + Duration::from_secs(10);
+    let wait = ttl + g.expiry_slack + Duration::from_secs(10);
     t.say("B", "waits for the lock");
     let lease_b = b
         .acquire(
             &name,
-            AcquireOptions::new()
-                .ttl(args.ttl * 5)
-                .wait(Wait::Timeout(wait)),
+            AcquireOptions::new().ttl(ttl * 5).wait(Wait::Timeout(wait)),
         )
         .await?;
     t.say(

@@ -1,27 +1,77 @@
-//! `lockkit`: run a command while holding a distributed lock.
+//! `lockkit`: run a command while holding a distributed lock, or hold one from a shell.
 //!
 //! ```text
 //! lockkit run --backend etcd://127.0.0.1:2379 --ttl 30s --wait 1m nightly-report -- ./report.sh
-//! lockkit guarantees redis://127.0.0.1:6379
+//! lockkit hold --backend redis://127.0.0.1:6379 deploy      # prints the token, holds until stdin closes
+//! lockkit guarantees redis://127.0.0.1:6379 [--json]
 //! ```
 //!
-//! `run` acquires the lock, starts the command with `LOCKKIT_FENCING_TOKEN` (string form `v1:N:LOCK`) and `LOCKKIT_LOCK` in
-//! its environment, keeps the lease alive while the command runs, and releases the lock when it
-//! exits. If the lease is lost (the deadline passed without an acknowledged renewal), the command
-//! is killed at once: it must not run on past its lease. Pass the token to whatever the command
-//! writes, so the storage can reject a stale writer.
+//! `run` acquires the lock, starts the command with `LOCKKIT_FENCING_TOKEN` (the token's string
+//! form, `v1:N:LOCK`) and `LOCKKIT_LOCK`
+//! in its environment, in a process group of its own, keeps the lease alive while the command
+//! runs, and releases the lock only once every process of that group is gone:
 //!
-//! Exit status: the command's own; 75 if the lock is held (with `--wait 0`) or the wait timed
-//! out; 70 if the lease was lost while the command ran; 64 on bad arguments or configuration;
-//! 69 if the lock service is unavailable or refused the credentials; 127 if the command cannot
-//! be started.
-#![forbid(unsafe_code)]
+//! - SIGTERM, SIGINT or SIGHUP to `lockkit` is forwarded to the command's process group; after
+//!   `--grace` (default 10 s) the group gets SIGKILL. A signal that arrives while `lockkit` still
+//!   waits for the lock cancels the acquire (nothing stays queued on the server) and `lockkit`
+//!   exits 128+N.
+//! - If `lockkit` itself dies (even by SIGKILL), the command dies too: on Linux the command's
+//!   first process has SIGKILL as its parent-death signal, and on every platform a small watcher
+//!   process (`lockkit watch-group`) SIGKILLs the group when `lockkit`'s end of a pipe closes.
+//! - If the lease is lost while the command runs, the group gets SIGTERM at once and SIGKILL
+//!   [`LOST_GRACE`] later (the lock may already be someone else's), and `lockkit` exits 70 with
+//!   the reason on stderr.
+//! - Processes the command left running in its group when it exited get SIGTERM (then SIGKILL
+//!   after `--grace`) before the lock is released.
+//!
+//! Exit status: the command's own (128+N if a signal N ended it); 75 if the lock is held (with
+//! `--wait 0`) or the wait timed out; 70 if the lease was lost; 64 on bad arguments or
+//! configuration; 69 if the lock service is unavailable or refused the credentials; 127 if the
+//! command cannot be started; 128+N if signal N ended the wait.
+//!
+//! Unix only (process groups, signals). The parent-death signal is Linux's `PR_SET_PDEATHSIG`;
+//! elsewhere the watcher alone ends the command when `lockkit` dies.
+#![deny(unsafe_code)] // one documented exception: the parent-death signal in child.rs
 
+mod child;
+
+use std::net::SocketAddr;
+use std::pin::Pin;
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Duration;
 
-use clap::{Parser, Subcommand};
-use lockkit::{AcquireOptions, Error, Wait};
+use clap::{Args, Parser, Subcommand};
+use lockkit::{AcquireOptions, Error, HolderInfo, Lease, Lock, MAX_TTL, MIN_TTL, Wait};
+use nix::sys::signal::Signal;
+use tokio::signal::unix::{SignalKind, signal};
+use tokio::time::Instant;
+
+/// Bad arguments or configuration (sysexits `EX_USAGE`).
+const EX_USAGE: u8 = 64;
+/// The lock service is unreachable or refused the credentials (`EX_UNAVAILABLE`).
+const EX_UNAVAILABLE: u8 = 69;
+/// The lease was lost (`EX_SOFTWARE`).
+const EX_LOST: u8 = 70;
+/// Held, or the wait timed out (`EX_TEMPFAIL`).
+const EX_TEMPFAIL: u8 = 75;
+/// The command cannot be started (as in shells).
+const EX_NOT_STARTED: u8 = 127;
+
+/// How long a command whose lease was lost has between SIGTERM and SIGKILL: 1 s, whatever
+/// `--grace` says, because the lock may already belong to someone else.
+pub const LOST_GRACE: Duration = Duration::from_secs(1);
+
+/// The first "waiting for lock" note comes after this long…
+const FIRST_NOTE: Duration = Duration::from_secs(1);
+/// …and the next ones this far apart.
+const NOTE_EVERY: Duration = Duration::from_secs(10);
+
+/// The longest `--grace`: 1 hour.
+const MAX_GRACE: Duration = Duration::from_secs(3600);
+
+/// How long `lockkit` lets the background cleanup of a cancelled acquire run before it exits.
+const CLEANUP_LIMIT: Duration = Duration::from_secs(3);
 
 #[derive(Parser, Debug)]
 #[command(
@@ -30,120 +80,622 @@ use lockkit::{AcquireOptions, Error, Wait};
     about = "Run a command while holding a distributed lock"
 )]
 struct Cli {
+    /// More log output on stderr: -v debug, -vv trace. RUST_LOG, when set, decides instead.
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    verbose: u8,
+    /// Serve the library's metrics for Prometheus at http://ADDR/metrics (e.g. 127.0.0.1:9464).
+    #[arg(long, value_name = "ADDR", global = true)]
+    metrics_addr: Option<SocketAddr>,
     #[command(subcommand)]
     cmd: Cmd,
+}
+
+/// What `run` and `hold` share: where and which lock, for how long.
+#[derive(Args, Debug)]
+struct LockArgs {
+    /// Lock service URL: redis://, rediss://, etcd://, zk://, postgres:// [env: LOCKKIT_URL]
+    #[arg(long, env = "LOCKKIT_URL", hide_env = true, value_name = "URL")]
+    backend: String,
+    /// Lease TTL, e.g. "30s", "2m" (100ms to 24h). The lease is renewed every TTL/3.
+    #[arg(long, default_value = "30s", value_parser = parse_ttl)]
+    ttl: Duration,
+    /// How long to wait for a held lock: "0" to try once, "forever", or a duration like "1m".
+    #[arg(long, default_value = "forever", value_parser = parse_wait)]
+    wait: Wait,
+    /// Say nothing on stderr while waiting.
+    #[arg(short, long)]
+    quiet: bool,
+    /// The lock name.
+    lock: String,
 }
 
 #[derive(Subcommand, Debug)]
 enum Cmd {
     /// Acquire LOCK, run COMMAND with LOCKKIT_FENCING_TOKEN set, release when it exits.
+    #[command(after_help = RUN_AFTER_HELP)]
     Run {
-        /// Lock service URL (memory://, redis://, etcd://, zk://, postgres://). Default: $LOCKKIT_URL.
-        #[arg(long, env = "LOCKKIT_URL")]
-        backend: String,
-        /// Lease TTL, e.g. "30s".
-        #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
-        ttl: Duration,
-        /// How long to wait for a held lock: "0" to try once, "forever", or a duration like "1m".
-        #[arg(long, default_value = "forever", value_parser = parse_wait)]
-        wait: Wait,
-        /// The lock name.
-        lock: String,
+        #[command(flatten)]
+        lock: LockArgs,
+        /// After a forwarded SIGTERM/SIGINT/SIGHUP, how long the command may take to exit before
+        /// it gets SIGKILL, e.g. "10s" (0 to 1h).
+        #[arg(long, default_value = "10s", value_parser = parse_grace)]
+        grace: Duration,
         /// The command and its arguments.
         #[arg(last = true, required = true)]
         command: Vec<String>,
     },
+    /// Acquire LOCK, print its fencing token, hold it until SIGTERM/SIGINT/SIGHUP or stdin
+    /// closes, then release it.
+    Hold {
+        #[command(flatten)]
+        lock: LockArgs,
+    },
     /// Print what the backend at URL guarantees.
     Guarantees {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
         /// Lock service URL.
         backend: String,
     },
+    /// Internal: SIGKILL the process group whose ID comes on stdin once stdin closes (started
+    /// by `run`).
+    #[command(hide = true)]
+    WatchGroup,
+}
+
+const RUN_AFTER_HELP: &str = "\
+SIGTERM, SIGINT and SIGHUP go to COMMAND's process group; SIGKILL follows after --grace; the lock
+is released once the group is gone. If the lease is lost, the group gets SIGTERM, then SIGKILL
+1s later. If lockkit dies, COMMAND is killed.
+
+Exit status: COMMAND's own (128+N if signal N ended it); 64 bad arguments; 69 lock service
+unavailable; 70 lease lost; 75 lock held (--wait 0) or --wait ran out; 127 COMMAND cannot be
+started; 128+N signal N arrived while waiting.";
+
+/// A duration as a user writes one: the largest unit that divides it ("25h", "90s", "1500ms").
+fn human(d: Duration) -> String {
+    let ms = d.as_millis();
+    for (unit, n) in [("h", 3_600_000), ("m", 60_000), ("s", 1000)] {
+        if ms >= n && ms % n == 0 {
+            return format!("{}{unit}", ms / n);
+        }
+    }
+    if ms > 0 && d.subsec_nanos() % 1_000_000 == 0 {
+        return format!("{ms}ms");
+    }
+    format!("{d:?}")
+}
+
+/// A rounded duration for messages: "3s", "1m 5s", "250ms".
+fn rounded(d: Duration) -> String {
+    if d < Duration::from_secs(1) {
+        return format!("{}ms", d.as_millis());
+    }
+    humantime::format_duration(Duration::from_secs(d.as_secs())).to_string()
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s).map_err(|e| match e {
+        humantime::DurationError::NumberExpected(_)
+        | humantime::DurationError::UnknownUnit { .. }
+            if s.chars().all(|c| c.is_ascii_digit()) =>
+        {
+            format!("{s:?} has no unit: write e.g. \"{s}s\", \"{s}m\" or \"{s}ms\"")
+        }
+        e => format!("{s:?} is not a duration ({e}): write e.g. \"30s\", \"2m\", \"1h\""),
+    })
+}
+
+fn parse_ttl(s: &str) -> Result<Duration, String> {
+    let d = parse_duration(s)?;
+    if d < MIN_TTL {
+        return Err(format!(
+            "{s} is shorter than the minimum, {}",
+            human(MIN_TTL)
+        ));
+    }
+    if d > MAX_TTL {
+        return Err(format!(
+            "{s} is longer than the maximum, {}",
+            human(MAX_TTL)
+        ));
+    }
+    Ok(d)
 }
 
 fn parse_wait(s: &str) -> Result<Wait, String> {
     match s {
         "forever" => Ok(Wait::Forever),
         "0" | "no" => Ok(Wait::No),
-        d => humantime::parse_duration(d)
-            .map(Wait::Timeout)
-            .map_err(|e| e.to_string()),
+        _ => {
+            let d = parse_duration(s).map_err(|e| {
+                format!("{e}; or \"0\" to try once, \"forever\" to wait without limit")
+            })?;
+            if d > MAX_TTL {
+                return Err(format!(
+                    "{s} is longer than {}: use --wait forever",
+                    human(MAX_TTL)
+                ));
+            }
+            Ok(if d.is_zero() {
+                Wait::No
+            } else {
+                Wait::Timeout(d)
+            })
+        }
     }
 }
 
-fn fail(e: &Error) -> ExitCode {
-    eprintln!("lockkit: {e}");
-    ExitCode::from(match e {
-        Error::Held { .. } | Error::Timeout { .. } => 75,
-        Error::LeaseLost { .. } | Error::NotHeld { .. } => 70,
-        Error::InvalidName { .. } | Error::InvalidConfig { .. } | Error::NotSupported { .. } => 64,
-        _ => 69,
+fn parse_grace(s: &str) -> Result<Duration, String> {
+    let d = parse_duration(s)?;
+    if d > MAX_GRACE {
+        return Err(format!(
+            "{s} is longer than the maximum, {}",
+            human(MAX_GRACE)
+        ));
+    }
+    Ok(d)
+}
+
+/// Why `lockkit` ends without passing on a command's status: an exit status and what to say.
+#[derive(Debug)]
+struct Fail {
+    code: u8,
+    msg: String,
+}
+
+impl Fail {
+    fn new(code: u8, msg: impl Into<String>) -> Self {
+        Self {
+            code,
+            msg: msg.into(),
+        }
+    }
+}
+
+impl From<Error> for Fail {
+    fn from(e: Error) -> Self {
+        let code = match &e {
+            Error::Held { .. } | Error::Timeout { .. } => EX_TEMPFAIL,
+            // From an acquire, LeaseLost means its own session expired while it was queued (an
+            // outage): it never held the lock. A loss while holding is handled in `run`/`hold`.
+            Error::LeaseLost { .. } => EX_UNAVAILABLE,
+            Error::NotHeld { .. } => EX_LOST,
+            Error::InvalidName { .. }
+            | Error::InvalidConfig { .. }
+            | Error::NotSupported { .. } => EX_USAGE,
+            _ => EX_UNAVAILABLE,
+        };
+        let msg = match &e {
+            // The library's text shows a Rust Duration ("1.501195341s").
+            Error::Timeout { name, waited } => {
+                format!(
+                    "lock {name:?} was still held after waiting {} (--wait)",
+                    rounded(*waited)
+                )
+            }
+            e => chain(e),
+        };
+        Self::new(code, msg)
+    }
+}
+
+/// `e` and its sources, each once: "invalid configuration: bad URL: invalid port number".
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut msg = e.to_string();
+    let mut src = e.source();
+    while let Some(s) = src {
+        let s_msg = s.to_string();
+        if !msg.contains(&s_msg) {
+            msg = format!("{msg}: {s_msg}");
+        }
+        src = s.source();
+    }
+    msg
+}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = e.print();
+            // --help and --version are not errors.
+            return ExitCode::from(if e.use_stderr() { EX_USAGE } else { 0 });
+        }
+    };
+    if let Cmd::WatchGroup = cli.cmd {
+        child::watch_group();
+        return ExitCode::SUCCESS;
+    }
+    init_logging(cli.verbose);
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => return report(Fail::new(EX_UNAVAILABLE, format!("tokio runtime: {e}"))),
+    };
+    // The main thread runs this future: commands are spawned from it (see child::spawn).
+    let out = rt.block_on(run_cli(cli));
+    // Not a plain drop, which would wait for the blocking thread still reading stdin (`hold`).
+    rt.shutdown_background();
+    match out {
+        Ok(code) => ExitCode::from(code),
+        Err(f) => report(f),
+    }
+}
+
+fn report(f: Fail) -> ExitCode {
+    eprintln!("lockkit: {}", f.msg);
+    ExitCode::from(f.code)
+}
+
+/// Warnings only, and none from sqlx's slow-statement log: a waiting `pg_advisory_lock` is slow
+/// on purpose.
+const QUIET_LOGS: &str = "warn,sqlx::query=error";
+
+fn init_logging(verbose: u8) {
+    use tracing_subscriber::EnvFilter;
+    let ours = [
+        "lockkit",
+        "lockkit_core",
+        "lockkit_redis",
+        "lockkit_etcd",
+        "lockkit_zk",
+    ];
+    let filter = std::env::var("RUST_LOG")
+        .ok()
+        .and_then(|v| EnvFilter::try_new(v).ok())
+        .unwrap_or_else(|| {
+            let level = match verbose {
+                0 => return EnvFilter::new(QUIET_LOGS),
+                1 => "debug",
+                _ => "trace",
+            };
+            let mut spec = String::from(QUIET_LOGS);
+            for c in ours.iter().chain(&["lockkit_postgres"]) {
+                spec.push_str(&format!(",{c}={level}"));
+            }
+            EnvFilter::new(spec)
+        });
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+async fn run_cli(cli: Cli) -> Result<u8, Fail> {
+    if let Some(addr) = cli.metrics_addr {
+        metrics_exporter_prometheus::PrometheusBuilder::new()
+            .with_http_listener(addr)
+            .install()
+            .map_err(|e| Fail::new(EX_USAGE, format!("--metrics-addr {addr}: {}", chain(&e))))?;
+    }
+    match cli.cmd {
+        Cmd::Guarantees { json, backend } => {
+            let locks = lockkit::connect(&backend).await?;
+            print_guarantees(&locks.guarantees(), json);
+            Ok(0)
+        }
+        Cmd::Run {
+            lock,
+            grace,
+            command,
+        } => {
+            let mut sigs = Signals::new()?;
+            let (locks, lease) = acquire(&lock, &mut sigs).await?;
+            let code = run(lease, &lock.lock, grace, &command, &mut sigs).await;
+            drop(locks);
+            code
+        }
+        Cmd::Hold { lock } => {
+            let mut sigs = Signals::new()?;
+            let (_locks, lease) = acquire(&lock, &mut sigs).await?;
+            hold(lease, &mut sigs).await
+        }
+        Cmd::WatchGroup => unreachable!("handled before the runtime starts"),
+    }
+}
+
+fn print_guarantees(g: &lockkit::Guarantees, json: bool) {
+    let kind = match g.kind {
+        lockkit::LockKind::Correctness => "correctness",
+        lockkit::LockKind::Efficiency => "efficiency",
+    };
+    if json {
+        let v = serde_json::json!({
+            "backend": g.backend,
+            "kind": kind,
+            "tokens_survive_restart": g.tokens_survive_restart,
+            "safe_across_failover": g.safe_across_failover,
+            "fifo_waiters": g.fifo_waiters,
+            "manual_renewal": g.manual_renewal,
+            "expiry_slack_ms": g.expiry_slack.as_millis() as u64,
+            "notes": g.notes,
+        });
+        println!("{v}");
+        return;
+    }
+    let yes = |b: bool| if b { "yes" } else { "no" };
+    println!("backend                 {}", g.backend);
+    println!("kind                    {kind} lock");
+    println!("tokens survive restart  {}", yes(g.tokens_survive_restart));
+    println!("safe across failover    {}", yes(g.safe_across_failover));
+    println!("FIFO waiters            {}", yes(g.fifo_waiters));
+    println!("manual renewal          {}", yes(g.manual_renewal));
+    println!("expiry slack            {}", human(g.expiry_slack));
+    println!("notes                   {}", g.notes);
+}
+
+/// SIGTERM, SIGINT and SIGHUP, caught from the start so that none ends `lockkit` before it has
+/// cleaned up.
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+    hup: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn new() -> Result<Self, Fail> {
+        let catch = |k: SignalKind| {
+            signal(k).map_err(|e| Fail::new(EX_UNAVAILABLE, format!("catching signals: {e}")))
+        };
+        Ok(Self {
+            term: catch(SignalKind::terminate())?,
+            int: catch(SignalKind::interrupt())?,
+            hup: catch(SignalKind::hangup())?,
+        })
+    }
+
+    /// The next of the three to arrive.
+    async fn recv(&mut self) -> Signal {
+        tokio::select! {
+            _ = self.term.recv() => Signal::SIGTERM,
+            _ = self.int.recv() => Signal::SIGINT,
+            _ = self.hup.recv() => Signal::SIGHUP,
+        }
+    }
+}
+
+/// The exit status for "ended by signal `sig`": 128 + its number.
+fn signal_status(sig: Signal) -> u8 {
+    128u8.saturating_add(sig as i32 as u8)
+}
+
+fn refuse_memory(url: &str) -> Result<(), Fail> {
+    let scheme = url.split_once("://").map(|(s, _)| s.to_ascii_lowercase());
+    if scheme.as_deref() == Some("memory") {
+        return Err(Fail::new(
+            EX_USAGE,
+            "memory:// locks live inside one process: every lockkit command would hold its own \
+             copy of the lock, so two of them would both \"hold\" it. Use a lock server: \
+             --backend redis://…, etcd://…, zk://… or postgres://…",
+        ));
+    }
+    Ok(())
+}
+
+type HolderQuery<'a> = Pin<Box<dyn Future<Output = HolderNote> + Send + 'a>>;
+
+/// What a "waiting for lock" note says about the holder.
+enum HolderNote {
+    Known(Option<HolderInfo>),
+    Unknown(String),
+}
+
+async fn query_holder(locks: &dyn Lock, name: &str) -> HolderNote {
+    match tokio::time::timeout(Duration::from_secs(2), locks.holder(name)).await {
+        Ok(Ok(h)) => HolderNote::Known(h),
+        Ok(Err(Error::NotSupported { backend, .. })) => {
+            HolderNote::Unknown(format!("the {backend} backend cannot tell"))
+        }
+        Ok(Err(e)) => HolderNote::Unknown(format!("cannot read it: {e}")),
+        Err(_) => HolderNote::Unknown("the server did not answer within 2s".into()),
+    }
+}
+
+fn waiting_note(name: &str, waited: Duration, holder: &HolderNote) -> String {
+    let about = match holder {
+        HolderNote::Known(Some(h)) => {
+            let token = h
+                .token
+                .as_ref()
+                .map_or("unknown".into(), |t| t.get().to_string());
+            match h.remaining {
+                Some(r) => format!(
+                    "held with token {token}, its lease ends in {} unless renewed",
+                    rounded(r)
+                ),
+                None => format!("held with token {token}"),
+            }
+        }
+        HolderNote::Known(None) => "free now, the grant is on its way".into(),
+        HolderNote::Unknown(why) => format!("holder unknown ({why})"),
+    };
+    format!("waiting for lock {name:?} for {}: {about}", rounded(waited))
+}
+
+/// Connects and acquires, saying on stderr what it waits for; a signal cancels it.
+async fn acquire(args: &LockArgs, sigs: &mut Signals) -> Result<(Arc<dyn Lock>, Lease), Fail> {
+    lockkit::backend::validate_name(&args.lock)?;
+    refuse_memory(&args.backend)?;
+    let baseline = tokio::runtime::Handle::current()
+        .metrics()
+        .num_alive_tasks();
+    let locks = tokio::select! {
+        l = lockkit::connect(&args.backend) => l?,
+        sig = sigs.recv() => return Err(Fail::new(signal_status(sig), format!("{sig} while connecting"))),
+    };
+    let opts = AcquireOptions::new().ttl(args.ttl).wait(args.wait);
+    let name = args.lock.as_str();
+    let started = Instant::now();
+    let mut acquiring = Box::pin(locks.acquire(name, opts));
+    let mut next_note = started + FIRST_NOTE;
+    let mut query: Option<HolderQuery<'_>> = None;
+    let outcome = loop {
+        tokio::select! {
+            r = &mut acquiring => break Ok(r),
+            sig = sigs.recv() => break Err(sig),
+            _ = tokio::time::sleep_until(next_note), if !args.quiet && query.is_none() => {
+                query = Some(Box::pin(query_holder(&*locks, name)));
+            }
+            note = async { query.as_mut().expect("guarded").await }, if query.is_some() => {
+                query = None;
+                eprintln!("lockkit: {}", waiting_note(name, started.elapsed(), &note));
+                next_note = Instant::now() + NOTE_EVERY;
+            }
+        }
+    };
+    drop(query);
+    drop(acquiring);
+    match outcome {
+        Ok(lease) => Ok((locks, lease?)),
+        Err(sig) => {
+            drop(locks);
+            drain_background(baseline).await;
+            Err(Fail::new(
+                signal_status(sig),
+                format!("{sig} while waiting for lock {name:?}: gave up waiting"),
+            ))
+        }
+    }
+}
+
+/// After a cancelled acquire, its client dropped: waits until the runtime has no more live tasks
+/// than `baseline` (those before the client, such as the metrics listener), for at most
+/// [`CLEANUP_LIMIT`]. The acquire's background cleanup (deleting a queued key, unsubscribing)
+/// then ran to its end, and so did the client's connections, which that cleanup keeps open.
+async fn drain_background(baseline: usize) {
+    let metrics = tokio::runtime::Handle::current().metrics();
+    let limit = Instant::now() + CLEANUP_LIMIT;
+    // A poll: the end of a task has no event that can be awaited from outside it.
+    while metrics.num_alive_tasks() > baseline && Instant::now() < limit {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// What the lease state says about a lost lease, for stderr.
+fn loss_text(lease: &Lease) -> String {
+    let t = lease.tracker();
+    let why = lease
+        .loss_reason()
+        .map_or_else(|| "lost".to_owned(), |r| r.to_string());
+    format!(
+        "lease on lock {:?} (token {}) was lost ({why}): the last renewal the server \
+         acknowledged was sent {} ago, and the TTL is {}",
+        lease.name(),
+        lease.token(),
+        rounded(t.confirmed_at().elapsed()),
+        human(lease.ttl()),
+    )
+}
+
+async fn release(lease: Lease) {
+    if let Err(e) = lease.release().await {
+        if !matches!(e, Error::NotHeld { .. }) {
+            eprintln!(
+                "lockkit: release: {} (the lock lapses at its TTL)",
+                chain(&e)
+            );
+        }
+    }
+}
+
+/// Runs the command while `lease` holds, and ends it as the module docs say.
+async fn run(
+    lease: Lease,
+    name: &str,
+    grace: Duration,
+    command: &[String],
+    sigs: &mut Signals,
+) -> Result<u8, Fail> {
+    let (program, args) = command
+        .split_first()
+        .ok_or_else(|| Fail::new(EX_USAGE, "no command given"))?;
+    let env = [
+        ("LOCKKIT_FENCING_TOKEN", lease.token().to_string()),
+        ("LOCKKIT_LOCK", name.to_owned()),
+    ];
+    let mut group = match child::spawn(program, args, &env) {
+        Ok(g) => g,
+        Err(e) => {
+            release(lease).await;
+            return Err(Fail::new(
+                EX_NOT_STARTED,
+                format!("cannot start {program:?}: {e}"),
+            ));
+        }
+    };
+    let mut lost = Box::pin(lease.lost());
+    let mut loss: Option<String> = None;
+    let mut kill_at: Option<Instant> = None;
+    let status = loop {
+        tokio::select! {
+            status = group.wait() => break status,
+            sig = sigs.recv() => {
+                group.signal(sig);
+                kill_at.get_or_insert(Instant::now() + grace);
+            }
+            _ = &mut lost, if loss.is_none() => {
+                loss = Some(loss_text(&lease));
+                group.signal(Signal::SIGTERM);
+                let at = Instant::now() + LOST_GRACE;
+                kill_at = Some(kill_at.map_or(at, |k| k.min(at)));
+            }
+            _ = tokio::time::sleep_until(kill_at.unwrap_or_else(Instant::now)), if kill_at.is_some() => {
+                group.signal(Signal::SIGKILL);
+                kill_at = None;
+            }
+        }
+    };
+    let leftover_grace = if loss.is_some() { LOST_GRACE } else { grace };
+    if group.end(leftover_grace).await {
+        eprintln!("lockkit: the command left processes running in its group; they were ended");
+    }
+    if let Some(loss) = loss {
+        drop(lease); // lost: nothing of ours is left on the server to release
+        return Err(Fail::new(
+            EX_LOST,
+            format!("{loss}; the command was terminated"),
+        ));
+    }
+    release(lease).await;
+    let status =
+        status.map_err(|e| Fail::new(EX_UNAVAILABLE, format!("waiting for the command: {e}")))?;
+    use std::os::unix::process::ExitStatusExt;
+    Ok(match (status.code(), status.signal()) {
+        (Some(c), _) => c.clamp(0, 255) as u8,
+        (None, Some(sig)) => 128u8.saturating_add(sig.clamp(0, 127) as u8),
+        (None, None) => 1,
     })
 }
 
-#[tokio::main]
-async fn main() -> ExitCode {
-    match Cli::parse().cmd {
-        Cmd::Guarantees { backend } => match lockkit::connect(&backend).await {
-            Ok(l) => {
-                println!("{:#?}", l.guarantees());
-                ExitCode::SUCCESS
+/// `hold`: prints the token, holds until a signal or EOF on stdin, releases.
+async fn hold(lease: Lease, sigs: &mut Signals) -> Result<u8, Fail> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut out = tokio::io::stdout();
+    let line = format!("{}\n", lease.token());
+    let _ = out.write_all(line.as_bytes()).await;
+    let _ = out.flush().await;
+    let stdin_closed = async {
+        let mut stdin = tokio::io::stdin();
+        let mut buf = [0u8; 256];
+        loop {
+            match stdin.read(&mut buf).await {
+                Ok(0) => break,
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(_) => break,
             }
-            Err(e) => fail(&e),
-        },
-        Cmd::Run {
-            backend,
-            ttl,
-            wait,
-            lock,
-            command,
-        } => match run(&backend, ttl, wait, &lock, &command).await {
-            Ok(code) => code,
-            Err(e) => fail(&e),
-        },
-    }
-}
-
-async fn run(
-    url: &str,
-    ttl: Duration,
-    wait: Wait,
-    name: &str,
-    command: &[String],
-) -> Result<ExitCode, Error> {
-    let locks = lockkit::connect(url).await?;
-    let lease = locks
-        .acquire(name, AcquireOptions::new().ttl(ttl).wait(wait))
-        .await?;
-    let (program, args) = command
-        .split_first()
-        .ok_or_else(|| Error::config("no command given"))?;
-    let child = tokio::process::Command::new(program)
-        .args(args)
-        .env("LOCKKIT_FENCING_TOKEN", lease.token().to_string())
-        .env("LOCKKIT_LOCK", name)
-        .kill_on_drop(true)
-        .spawn()
-        .map_err(|e| Error::config_with(format!("cannot start {program:?}"), e));
-    let mut child = match child {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("lockkit: {e}");
-            let _ = lease.release().await;
-            return Ok(ExitCode::from(127));
         }
     };
     tokio::select! {
-        status = child.wait() => {
-            let status = status.map_err(|e| Error::config_with("waiting for the command", e))?;
-            if let Err(e) = lease.release().await {
-                eprintln!("lockkit: release: {e} (the lock lapses at its TTL)");
-            }
-            Ok(ExitCode::from(status.code().map_or(1, |c| c.clamp(0, 255) as u8)))
-        }
-        _ = lease.lost() => {
-            let _ = child.start_kill();
-            let _ = child.wait().await;
-            Err(lease.lost_error())
-        }
+        _ = lease.lost() => return Err(Fail::new(EX_LOST, loss_text(&lease))),
+        _ = sigs.recv() => {}
+        _ = stdin_closed => {}
     }
+    release(lease).await;
+    Ok(0)
 }

@@ -1,125 +1,726 @@
-//! The `lockkit` command, run as a user would.
+//! The `lockkit` command, run as a user would: the built binary against the real servers named
+//! by LOCKKIT_REDIS_URL and LOCKKIT_ETCD_URL (scripts/test.sh, or `scripts/servers.sh start`
+//! and its env file). A missing server is a failure, never a skip.
+//!
+//! Order is checked with the timestamps the commands themselves write (`date +%s%N`), and every
+//! wait is for an event (a file, a line on stderr, an exit), bounded.
 
-use std::process::{Command, Stdio};
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
 
 fn lockkit() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_lockkit"))
+    let mut c = Command::new(env!("CARGO_BIN_EXE_lockkit"));
+    c.env_remove("LOCKKIT_URL").env_remove("RUST_LOG");
+    c
 }
 
-#[test]
-fn runs_the_command_with_the_token_and_passes_its_exit_code() {
-    let out = lockkit()
-        .args(["run", "--backend", "memory://", "job", "--", "sh", "-c"])
-        .arg("echo \"$LOCKKIT_LOCK $LOCKKIT_FENCING_TOKEN\"; exit 3")
-        .output()
-        .expect("run lockkit");
-    assert_eq!(out.status.code(), Some(3));
-    // The token's string form: version, number, lock identity (`memory/{table}/{name}`).
-    let shown = String::from_utf8_lossy(&out.stdout);
-    let (lock, token) = shown.trim().split_once(' ').expect("two words");
-    assert_eq!(lock, "job");
-    let token: lockkit::FencingToken = token.parse().expect("a fencing token");
-    assert_eq!(token.get(), 1);
-    assert!(token.lock().starts_with("memory/") && token.lock().ends_with("/job"));
+fn server(var: &str) -> String {
+    std::env::var(var).unwrap_or_else(|_| {
+        panic!(
+            "{var} is not set: run scripts/test.sh, or `scripts/servers.sh start DIR` and \
+             export the variables of the env file it prints"
+        )
+    })
 }
 
-#[test]
-fn bad_input_is_a_usage_error_not_a_panic() {
-    for args in [
-        &["run", "--backend", "bogus://x", "job", "--", "true"][..],
-        &["run", "--backend", "memory://", "a/b", "--", "true"][..],
-        &[
-            "run",
-            "--backend",
-            "memory://",
-            "--ttl",
-            "0s",
-            "job",
-            "--",
-            "true",
-        ][..],
-    ] {
-        let out = lockkit()
-            .args(args)
-            .stderr(Stdio::piped())
-            .output()
-            .expect("run lockkit");
-        assert_eq!(
-            out.status.code(),
-            Some(64),
-            "{args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
+/// A lock name no other test or run uses.
+fn unique(what: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos();
+    format!("cli-{what}-{}-{nanos:09}", std::process::id())
+}
+
+/// A fresh directory for one test's files, removed when the returned guard drops.
+fn scratch(what: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("lockkit-cli-{what}-"))
+        .tempdir()
+        .expect("temp dir")
+}
+
+/// Polls `cond` every 10 ms until it holds or `limit` passes.
+fn wait_until(limit: Duration, what: &str, mut cond: impl FnMut() -> bool) {
+    let end = Instant::now() + limit;
+    while !cond() {
+        assert!(
+            Instant::now() < end,
+            "timed out after {limit:?} waiting for {what}"
         );
-        assert!(!String::from_utf8_lossy(&out.stderr).contains("panicked"));
+        std::thread::sleep(Duration::from_millis(10));
     }
 }
 
-/// Against the shared Redis (scripts/test.sh sets LOCKKIT_REDIS_URL): a second run of a held
-/// lock with `--wait 0` exits 75 at once; after the first exits, the lock is free again.
-#[test]
-fn held_lock_exits_75() {
-    let url = std::env::var("LOCKKIT_REDIS_URL")
-        .expect("LOCKKIT_REDIS_URL is not set: run scripts/test.sh");
-    let name = format!("cli-{:08x}", std::process::id());
-    // The holder waits on its stdin, so the test decides when it exits.
-    let mut holder = lockkit()
-        .args([
-            "run",
-            "--backend",
-            &url,
-            &name,
-            "--",
-            "sh",
-            "-c",
-            "echo held; read _; exit 0",
-        ])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("spawn holder");
-    let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(holder.stdout.take().unwrap()),
-        &mut line,
-    )
-    .expect("holder output");
-    assert_eq!(line.trim(), "held");
-    let second = lockkit()
-        .args(["run", "--backend", &url, "--wait", "0", &name, "--", "true"])
-        .status()
-        .expect("run lockkit");
-    assert_eq!(second.code(), Some(75));
-    drop(holder.stdin.take()); // EOF: the holder's command exits and the lock is released
-    assert!(holder.wait().expect("holder").success());
-    let third = lockkit()
-        .args([
-            "run",
-            "--backend",
-            &url,
-            "--wait",
-            "5s",
-            &name,
-            "--",
-            "true",
-        ])
-        .status()
-        .expect("run lockkit");
-    assert_eq!(third.code(), Some(0));
+fn wait_exit(child: &mut Child, limit: Duration, what: &str) -> ExitStatus {
+    let mut status = None;
+    wait_until(limit, what, || {
+        status = child.try_wait().expect("try_wait");
+        status.is_some()
+    });
+    status.unwrap()
 }
 
-#[test]
-fn a_command_that_cannot_start_exits_127() {
-    let out = lockkit()
-        .args([
-            "run",
-            "--backend",
-            "memory://",
-            "job",
-            "--",
-            "/nonexistent/program",
-        ])
+/// Forwards a child's stderr lines to a channel (and keeps them all for messages).
+fn stderr_lines(child: &mut Child) -> mpsc::Receiver<String> {
+    let (tx, rx) = mpsc::channel();
+    let err = child.stderr.take().expect("stderr piped");
+    std::thread::spawn(move || {
+        for line in BufReader::new(err).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+/// Waits for a stderr line containing `needle`; returns every line read so far.
+fn await_line(rx: &mpsc::Receiver<String>, needle: &str, limit: Duration) -> Vec<String> {
+    let end = Instant::now() + limit;
+    let mut seen = vec![];
+    loop {
+        let left = end.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(l) => {
+                let hit = l.contains(needle);
+                seen.push(l);
+                if hit {
+                    return seen;
+                }
+            }
+            Err(_) => panic!("no stderr line with {needle:?} within {limit:?}; got {seen:#?}"),
+        }
+    }
+}
+
+fn rest(rx: &mpsc::Receiver<String>) -> String {
+    let mut all = vec![];
+    while let Ok(l) = rx.recv_timeout(Duration::from_secs(2)) {
+        all.push(l);
+    }
+    all.join("\n")
+}
+
+/// One recorded event of a command: `(what, who, token, time in ns)`.
+#[derive(Debug, Clone, PartialEq)]
+struct Event {
+    what: String,
+    who: String,
+    token: u64,
+    at: u128,
+}
+
+/// The number of a token in its string form (`v1:N:LOCK`).
+fn token_value(s: &str) -> u64 {
+    s.parse::<lockkit::FencingToken>()
+        .unwrap_or_else(|e| panic!("not a fencing token {s:?}: {e}"))
+        .get()
+}
+
+fn events(log: &Path) -> Vec<Event> {
+    std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            Event {
+                what: f[0].into(),
+                who: f[1].into(),
+                token: token_value(f[2]),
+                at: f[3].parse().unwrap(),
+            }
+        })
+        .collect()
+}
+
+fn event<'a>(ev: &'a [Event], what: &str, who: &str) -> &'a Event {
+    ev.iter()
+        .find(|e| e.what == what && e.who == who)
+        .unwrap_or_else(|| panic!("no {what} event of {who} in {ev:#?}"))
+}
+
+/// A shell command that logs `start WHO TOKEN NS` to `log`, touches `dir/WHO.started`, and on
+/// SIGTERM/SIGINT works 0.5 s more (a cleanup that must finish under the lock) before it logs
+/// `end …` and exits 0. Without a signal it runs `work` then logs `end`.
+fn recorder(dir: &Path, who: &str, work: &str) -> Vec<String> {
+    let log = dir.join("log");
+    let (log, started) = (log.display(), dir.join(format!("{who}.started")));
+    let rec =
+        |what: &str| format!("echo \"{what} {who} $LOCKKIT_FENCING_TOKEN $(date +%s%N)\" >> {log}");
+    let script = format!(
+        "{start}; trap 'sleep 0.5; {end}; exit 0' TERM INT; touch {started}; {work}; {end}",
+        start = rec("start"),
+        end = rec("end"),
+        started = started.display(),
+    );
+    vec!["sh".into(), "-c".into(), script]
+}
+
+/// Sleeps in a loop that a trap can interrupt (a shell runs traps between commands).
+const WORK_FOREVER: &str = "while :; do sleep 0.05; done";
+
+fn run_args<S: AsRef<str>>(url: &str, name: &str, extra: &[&str], command: &[S]) -> Vec<String> {
+    let mut a: Vec<String> = vec!["run".into(), "--backend".into(), url.into()];
+    a.extend(extra.iter().map(|s| s.to_string()));
+    a.push(name.into());
+    a.push("--".into());
+    a.extend(command.iter().map(|c| c.as_ref().to_owned()));
+    a
+}
+
+fn spawn(args: &[String]) -> Child {
+    lockkit()
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn lockkit")
+}
+
+/// A holder is sent `sig` while a second `lockkit run` waits for the same lock: the waiter's
+/// command starts only after the holder's command ended (its 0.5 s cleanup included), with a
+/// larger token, and the holder exits with its command's status (0).
+fn signalled_holder_ends_before_the_waiter_starts(url: &str, sig: Signal) {
+    let tmp = scratch("sig");
+    let dir = tmp.path();
+    let name = unique("sig");
+    let mut a = spawn(&run_args(
+        url,
+        &name,
+        &[],
+        &recorder(dir, "A", WORK_FOREVER),
+    ));
+    let a_err = stderr_lines(&mut a);
+    let a_started = dir.join("A.started");
+    wait_until(Duration::from_secs(15), "A's command to start", || {
+        a_started.exists()
+    });
+    let mut b = spawn(&run_args(url, &name, &[], &recorder(dir, "B", "true")));
+    let b_err = stderr_lines(&mut b);
+    // B says it waits (after about a second), and what it knows of the holder.
+    let note = await_line(&b_err, "waiting for lock", Duration::from_secs(15));
+    kill(Pid::from_raw(a.id() as i32), sig).unwrap();
+    let a_status = wait_exit(&mut a, Duration::from_secs(20), "A to exit");
+    let b_status = wait_exit(&mut b, Duration::from_secs(20), "B to exit");
+    assert_eq!(a_status.code(), Some(0), "A: {}", rest(&a_err));
+    assert_eq!(b_status.code(), Some(0), "B: {}", rest(&b_err));
+    let ev = events(&dir.join("log"));
+    let (a_start, a_end) = (event(&ev, "start", "A"), event(&ev, "end", "A"));
+    let b_start = event(&ev, "start", "B");
+    assert!(
+        a_end.at < b_start.at,
+        "B's command started {} ms before A's ended: {ev:#?}",
+        (a_end.at - b_start.at) / 1_000_000
+    );
+    assert!(b_start.token > a_start.token, "{ev:#?}");
+    eprintln!(
+        "{sig} on {}: A's command ran {} ms (its 0.5 s cleanup included); B started {} ms after A ended; note: {:?}",
+        url.split(':').next().unwrap(),
+        (a_end.at - a_start.at) / 1_000_000,
+        (b_start.at - a_end.at) / 1_000_000,
+        note.last().unwrap()
+    );
+    let note = note.last().unwrap();
+    assert!(note.contains(&name), "{note}");
+    assert!(
+        note.contains(&format!("token {}", a_start.token)),
+        "the note names the holder's token {}: {note}",
+        a_start.token
+    );
+}
+
+/// The other order: the *waiter* is signalled. It exits 128+N without running its command, and
+/// leaves nothing queued: once the holder exits, a try-once `lockkit run` gets the lock at once.
+fn signalled_waiter_gives_up_and_leaves_nothing_queued(url: &str, sig: Signal) {
+    let tmp = scratch("sigw");
+    let dir = tmp.path();
+    let name = unique("sigw");
+    let mut a = lockkit()
+        .args(run_args(url, &name, &[], &recorder(dir, "A", "read _")))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let a_started = dir.join("A.started");
+    wait_until(Duration::from_secs(15), "A's command to start", || {
+        a_started.exists()
+    });
+    let mut b = spawn(&run_args(url, &name, &[], &recorder(dir, "B", "true")));
+    let b_err = stderr_lines(&mut b);
+    await_line(&b_err, "waiting for lock", Duration::from_secs(15));
+    kill(Pid::from_raw(b.id() as i32), sig).unwrap();
+    let b_status = wait_exit(&mut b, Duration::from_secs(10), "B to exit");
+    assert_eq!(
+        b_status.code(),
+        Some(128 + sig as i32),
+        "B: {}",
+        rest(&b_err)
+    );
+    drop(a.stdin.take()); // A's command reads EOF, ends, A releases
+    let a_status = wait_exit(&mut a, Duration::from_secs(10), "A to exit");
+    assert_eq!(a_status.code(), Some(0));
+    let c = lockkit()
+        .args(run_args(
+            url,
+            &name,
+            &["--wait", "0"],
+            &recorder(dir, "C", "true"),
+        ))
         .output()
-        .expect("run lockkit");
-    assert_eq!(out.status.code(), Some(127));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot start"));
+        .unwrap();
+    assert_eq!(
+        c.status.code(),
+        Some(0),
+        "a queued entry of B blocks C: {}",
+        String::from_utf8_lossy(&c.stderr)
+    );
+    let ev = events(&dir.join("log"));
+    assert!(!ev.iter().any(|e| e.who == "B"), "B's command ran: {ev:#?}");
+}
+
+/// The processes of process group `pgid` that are not zombies, from /proc.
+fn live_members(pgid: i32) -> Vec<i32> {
+    let mut out = vec![];
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // pid (comm) state ppid pgrp …; comm may contain spaces: split after the last ')'.
+        let Some((_, tail)) = stat.rsplit_once(')') else {
+            continue;
+        };
+        let f: Vec<&str> = tail.split_whitespace().collect();
+        if f.len() > 2 && f[2] == pgid.to_string() && f[0] != "Z" {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+/// `lockkit run` SIGKILLed: its command, a grandchild included, ends too (parent-death signal
+/// and watcher), and never logs its end.
+#[test]
+fn sigkill_of_lockkit_ends_the_whole_command() {
+    let url = server("LOCKKIT_REDIS_URL");
+    let tmp = scratch("kill");
+    let dir = tmp.path();
+    let name = unique("kill");
+    let pgid_file = dir.join("pgid");
+    // The command's shell records its PID (= its group ID) and waits on a grandchild.
+    let script = format!(
+        "echo $$ > {p}.tmp && mv {p}.tmp {p}; sleep 60; echo end >> {log}",
+        p = pgid_file.display(),
+        log = dir.join("log").display()
+    );
+    let mut a = spawn(&run_args(
+        &url,
+        &name,
+        &["--ttl", "2s"],
+        &["sh".into(), "-c".into(), script],
+    ));
+    wait_until(Duration::from_secs(15), "the command to start", || {
+        pgid_file.exists()
+    });
+    let pgid: i32 = std::fs::read_to_string(&pgid_file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    wait_until(
+        Duration::from_secs(5),
+        "shell and sleep in the group",
+        || live_members(pgid).len() >= 2,
+    );
+    a.kill().unwrap(); // SIGKILL
+    a.wait().unwrap();
+    let t = Instant::now();
+    wait_until(Duration::from_secs(5), "the command's group to end", || {
+        live_members(pgid).is_empty()
+    });
+    eprintln!(
+        "the command's group was gone {:?} after SIGKILL",
+        t.elapsed()
+    );
+    assert!(
+        !dir.join("log").exists(),
+        "the command went on after lockkit died"
+    );
+}
+
+/// The holder's traffic stops (SIGSTOP of `lockkit`) past its TTL; a waiter gets the lock. When
+/// the holder resumes it sees the lease lost, terminates its command at once and exits 70 with
+/// the reason on stderr.
+fn lost_lease_terminates_the_command(url: &str) {
+    let tmp = scratch("lost");
+    let dir = tmp.path();
+    let name = unique("lost");
+    let mut a = spawn(&run_args(
+        url,
+        &name,
+        &["--ttl", "2s"],
+        &recorder(dir, "A", WORK_FOREVER),
+    ));
+    let a_err = stderr_lines(&mut a);
+    wait_until(Duration::from_secs(15), "A's command to start", || {
+        dir.join("A.started").exists()
+    });
+    let a_pid = Pid::from_raw(a.id() as i32);
+    kill(a_pid, Signal::SIGSTOP).unwrap();
+    let mut b = spawn(&run_args(
+        url,
+        &name,
+        &["--ttl", "2s", "-q"],
+        &recorder(dir, "B", "true"),
+    ));
+    let b_status = wait_exit(
+        &mut b,
+        Duration::from_secs(30),
+        "B to get the lock and exit",
+    );
+    assert_eq!(b_status.code(), Some(0));
+    let resumed = Instant::now();
+    kill(a_pid, Signal::SIGCONT).unwrap();
+    let a_status = wait_exit(&mut a, Duration::from_secs(10), "A to exit");
+    let took = resumed.elapsed();
+    let err = rest(&a_err);
+    assert_eq!(a_status.code(), Some(70), "{err}");
+    assert!(err.contains("was lost"), "the reason is printed: {err}");
+    let ev = events(&dir.join("log"));
+    let a_end = event(&ev, "end", "A");
+    let b_start = event(&ev, "start", "B");
+    assert!(b_start.token > event(&ev, "start", "A").token);
+    // A's command got SIGTERM and ended (its trap logs "end"); within LOST_GRACE (1 s) plus
+    // scheduling, whichever of its trap or the SIGKILL came first.
+    assert!(
+        took < Duration::from_secs(5),
+        "A took {took:?} to end its command"
+    );
+    eprintln!(
+        "{}: A exited {took:?} after SIGCONT; stderr: {err}; A's command ended {} ms after B's started",
+        url.split(':').next().unwrap(),
+        (a_end.at.saturating_sub(b_start.at)) / 1_000_000
+    );
+}
+
+/// One named, filterable `#[test]` per backend (and signal): `name: check("ENV_VAR", args…);`
+/// calls `check(&server("ENV_VAR"), args…)`.
+macro_rules! per_backend {
+    ($($name:ident: $check:ident($var:literal $(, $arg:expr)*);)*) => {
+        $(
+            #[test]
+            fn $name() {
+                $check(&server($var) $(, $arg)*);
+            }
+        )*
+    };
+}
+
+per_backend! {
+    sigterm_to_holder_redis: signalled_holder_ends_before_the_waiter_starts("LOCKKIT_REDIS_URL", Signal::SIGTERM);
+    sigint_to_holder_redis: signalled_holder_ends_before_the_waiter_starts("LOCKKIT_REDIS_URL", Signal::SIGINT);
+    sigterm_to_holder_etcd: signalled_holder_ends_before_the_waiter_starts("LOCKKIT_ETCD_URL", Signal::SIGTERM);
+    sigint_to_holder_etcd: signalled_holder_ends_before_the_waiter_starts("LOCKKIT_ETCD_URL", Signal::SIGINT);
+    sigterm_to_holder_zk: signalled_holder_ends_before_the_waiter_starts("LOCKKIT_ZK_URL", Signal::SIGTERM);
+    sigterm_to_holder_postgres: signalled_holder_ends_before_the_waiter_starts("LOCKKIT_POSTGRES_URL", Signal::SIGTERM);
+    sigterm_to_waiter_redis: signalled_waiter_gives_up_and_leaves_nothing_queued("LOCKKIT_REDIS_URL", Signal::SIGTERM);
+    sigint_to_waiter_etcd: signalled_waiter_gives_up_and_leaves_nothing_queued("LOCKKIT_ETCD_URL", Signal::SIGINT);
+    sigterm_to_waiter_zk: signalled_waiter_gives_up_and_leaves_nothing_queued("LOCKKIT_ZK_URL", Signal::SIGTERM);
+    sigint_to_waiter_postgres: signalled_waiter_gives_up_and_leaves_nothing_queued("LOCKKIT_POSTGRES_URL", Signal::SIGINT);
+    lost_lease_terminates_the_command_redis: lost_lease_terminates_the_command("LOCKKIT_REDIS_URL");
+    lost_lease_terminates_the_command_etcd: lost_lease_terminates_the_command("LOCKKIT_ETCD_URL");
+    lost_lease_terminates_the_command_zk: lost_lease_terminates_the_command("LOCKKIT_ZK_URL");
+    lost_lease_terminates_the_command_postgres: lost_lease_terminates_the_command("LOCKKIT_POSTGRES_URL");
+}
+
+/// `sh -c script` as a command line.
+fn sh(script: &str) -> Vec<String> {
+    vec!["sh".into(), "-c".into(), script.into()]
+}
+
+fn code_of<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> (Option<i32>, String, String) {
+    let out = lockkit().args(args).stdin(Stdio::null()).output().unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Starts `lockkit hold` with `extra` flags (stdin piped: closing it releases) and reads the
+/// token it prints.
+fn start_hold(url: &str, name: &str, extra: &[&str]) -> (Child, u64) {
+    let mut holder = lockkit()
+        .args(["hold", "--backend", url])
+        .args(extra)
+        .arg(name)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn lockkit hold");
+    let mut line = String::new();
+    BufReader::new(holder.stdout.take().unwrap())
+        .read_line(&mut line)
+        .expect("hold's stdout");
+    let token = line
+        .trim()
+        .parse::<lockkit::FencingToken>()
+        .unwrap_or_else(|_| panic!("hold prints the token: {line:?}"));
+    assert!(token.lock().ends_with(&format!("/{name}")), "{token}");
+    (holder, token.get())
+}
+
+/// Every row of the README's exit-status table that needs no signal (those are checked above).
+#[test]
+fn exit_statuses_of_the_readme_table() {
+    let url = server("LOCKKIT_REDIS_URL");
+    let name = unique("exit");
+    // The command's own status, with the token and lock name in its environment.
+    let (code, out, _) = code_of(&run_args(
+        &url,
+        &name,
+        &[],
+        &sh("echo \"$LOCKKIT_LOCK $LOCKKIT_FENCING_TOKEN\"; exit 3"),
+    ));
+    assert_eq!(code, Some(3));
+    let (lock, token) = out.trim().split_once(' ').unwrap();
+    assert_eq!(lock, name);
+    let token: lockkit::FencingToken = token.parse().expect("the token's string form");
+    assert!(token.lock().starts_with("redis/") && token.lock().ends_with(&format!("/{name}")));
+    assert!(token.get() > 0);
+    // 128+N for a command ended by signal N.
+    let (code, _, _) = code_of(&run_args(&url, &name, &[], &sh("kill -TERM $$")));
+    assert_eq!(code, Some(128 + 15));
+    // 127: cannot start, with the OS reason.
+    let (code, _, err) = code_of(&run_args(&url, &name, &[], &["/nonexistent/program"]));
+    assert_eq!(code, Some(127));
+    assert!(
+        err.contains("cannot start") && err.contains("No such file"),
+        "{err}"
+    );
+    // 69: the server is unreachable.
+    let (code, _, err) = code_of(&run_args("redis://127.0.0.1:1", &name, &[], &["true"]));
+    assert_eq!(code, Some(69), "{err}");
+    // 75: held, with --wait 0 and with a timed wait.
+    let (mut holder, held_token) = start_hold(&url, &name, &[]);
+    let (code, _, err) = code_of(&run_args(&url, &name, &["--wait", "0"], &["true"]));
+    assert_eq!(code, Some(75), "{err}");
+    let (code, _, err) = code_of(&run_args(
+        &url,
+        &name,
+        &["--wait", "1500ms", "-q"],
+        &["true"],
+    ));
+    assert_eq!(code, Some(75), "{err}");
+    assert!(err.contains("still held after waiting 1s"), "{err}");
+    assert!(!err.contains("lockkit: waiting for lock"), "-q: {err}");
+    // hold: stdin closed → released, exit 0; the next holder has a larger token.
+    drop(holder.stdin.take());
+    let st = wait_exit(&mut holder, Duration::from_secs(10), "hold to exit");
+    assert_eq!(st.code(), Some(0));
+    let (code, out, _) = code_of(&run_args(
+        &url,
+        &name,
+        &["--wait", "0"],
+        &sh("echo $LOCKKIT_FENCING_TOKEN"),
+    ));
+    assert_eq!(code, Some(0));
+    assert!(out.trim().parse::<u64>().unwrap() > held_token);
+}
+
+/// `lockkit hold` ends on SIGTERM with the lock released and exit 0.
+#[test]
+fn hold_releases_on_sigterm() {
+    let url = server("LOCKKIT_ETCD_URL");
+    let name = unique("hold");
+    let (mut holder, _token) = start_hold(&url, &name, &[]);
+    kill(Pid::from_raw(holder.id() as i32), Signal::SIGTERM).unwrap();
+    let st = wait_exit(&mut holder, Duration::from_secs(10), "hold to exit");
+    assert_eq!(st.code(), Some(0));
+    let (code, _, err) = code_of(&run_args(&url, &name, &["--wait", "0"], &["true"]));
+    assert_eq!(code, Some(0), "released: {err}");
+}
+
+/// Usage errors exit 64, with messages in the CLI's terms, never a panic.
+#[test]
+fn usage_errors_exit_64() {
+    // Never reached: each error comes before any connection.
+    let url = "redis://127.0.0.1:1";
+    for (args, says) in [
+        (&["run", "job", "--", "true"][..], "--backend"),
+        (
+            &["run", "--backend", url, "--wait", "5", "job", "--", "true"][..],
+            "\"5s\"",
+        ),
+        (
+            &[
+                "run",
+                "--backend",
+                url,
+                "--wait",
+                "48h",
+                "job",
+                "--",
+                "true",
+            ][..],
+            "--wait forever",
+        ),
+        (
+            &["run", "--backend", url, "--ttl", "25h", "job", "--", "true"][..],
+            "24h",
+        ),
+        (
+            &["run", "--backend", url, "--ttl", "0s", "job", "--", "true"][..],
+            "100ms",
+        ),
+        (&["run", "--backend", url, "job"][..], "COMMAND"),
+        (
+            &["run", "--backend", "bogus://x", "job", "--", "true"][..],
+            "unknown lock service scheme",
+        ),
+        (
+            &["run", "--backend", url, "a/b", "--", "true"][..],
+            "invalid lock name",
+        ),
+        (
+            &["run", "--backend", "memory://", "job", "--", "true"][..],
+            "one process",
+        ),
+        (
+            &["hold", "--backend", "memory://", "job"][..],
+            "one process",
+        ),
+        (&["run", "--bogus-flag"][..], "--bogus-flag"),
+    ] {
+        let (code, _, err) = code_of(args);
+        assert_eq!(code, Some(64), "{args:?}: {err}");
+        assert!(
+            err.contains(says),
+            "{args:?}: {err:?} does not say {says:?}"
+        );
+        for rust in ["panicked", "Wait::", "Duration", "90000s"] {
+            assert!(!err.contains(rust), "{args:?}: {err}");
+        }
+    }
+    let (code, out, _) = code_of(&["--help"]);
+    assert_eq!(code, Some(0));
+    assert!(out.contains("hold"));
+}
+
+/// `guarantees`: a table by default, JSON with --json.
+#[test]
+fn guarantees_table_and_json() {
+    let url = server("LOCKKIT_ETCD_URL");
+    let (code, out, _) = code_of(&["guarantees", &url]);
+    assert_eq!(code, Some(0));
+    assert!(
+        out.contains("kind                    correctness lock"),
+        "{out}"
+    );
+    assert!(out.contains("FIFO waiters            yes"), "{out}");
+    let (code, out, _) = code_of(&["guarantees", "--json", &url]);
+    assert_eq!(code, Some(0));
+    let v: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+    assert_eq!(v["backend"], "etcd");
+    assert_eq!(v["kind"], "correctness");
+    assert_eq!(v["fifo_waiters"], true);
+}
+
+/// A background job the command left in its group is ended before `lockkit run` releases and
+/// exits: nothing of the command outlives the lock.
+#[test]
+fn background_jobs_of_the_command_end_before_release() {
+    let url = server("LOCKKIT_REDIS_URL");
+    let tmp = scratch("bg");
+    let dir = tmp.path();
+    let pid_file = dir.join("bg.pid");
+    let script = format!("sleep 60 & echo $! > {}", pid_file.display());
+    let (code, _, err) = code_of(&[
+        "run",
+        "--backend",
+        &url,
+        &unique("bg"),
+        "--",
+        "sh",
+        "-c",
+        &script,
+    ]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(err.contains("left processes running"), "{err}");
+    let pid: i32 = std::fs::read_to_string(&pid_file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let state = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let running = state
+        .rsplit_once(')')
+        .is_some_and(|(_, t)| !t.trim_start().starts_with('Z'));
+    assert!(!running, "the background job {pid} still runs: {state}");
+}
+
+/// `lockkit hold` whose lease is lost (SIGSTOP past its TTL, a waiter takes the lock) exits 70
+/// with the reason once it runs again.
+#[test]
+fn hold_exits_70_when_its_lease_is_lost() {
+    let url = server("LOCKKIT_REDIS_URL");
+    let name = unique("holdlost");
+    let (mut holder, _token) = start_hold(&url, &name, &["--ttl", "2s"]);
+    let err = stderr_lines(&mut holder);
+    let pid = Pid::from_raw(holder.id() as i32);
+    kill(pid, Signal::SIGSTOP).unwrap();
+    let (code, _, e) = code_of(&run_args(&url, &name, &["--wait", "20s", "-q"], &["true"]));
+    assert_eq!(code, Some(0), "the waiter gets the lapsed lock: {e}");
+    kill(pid, Signal::SIGCONT).unwrap();
+    let st = wait_exit(&mut holder, Duration::from_secs(10), "hold to exit");
+    let text = rest(&err);
+    assert_eq!(st.code(), Some(70), "{text}");
+    assert!(text.contains("was lost"), "{text}");
+}
+
+/// `--metrics-addr` serves Prometheus text at /metrics while `lockkit` holds a lock.
+#[test]
+fn metrics_addr_serves_prometheus_text() {
+    use std::io::{Read, Write};
+    let url = server("LOCKKIT_REDIS_URL");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let (mut holder, _) = start_hold(&url, &unique("metrics"), &["--metrics-addr", &addr]);
+    let mut conn = std::net::TcpStream::connect(&addr).expect("the metrics listener is up");
+    conn.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    write!(
+        conn,
+        "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut reply = String::new();
+    let _ = conn.read_to_string(&mut reply);
+    assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+    drop(holder.stdin.take());
+    let st = wait_exit(&mut holder, Duration::from_secs(10), "hold to exit");
+    assert_eq!(st.code(), Some(0));
+    let (code, _, err) = code_of(&[
+        "hold",
+        "--metrics-addr",
+        "not-an-address",
+        "--backend",
+        &url,
+        "x",
+    ]);
+    assert_eq!(code, Some(64), "{err}");
 }

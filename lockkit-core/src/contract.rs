@@ -23,6 +23,45 @@ use crate::{
     Wait, drift_margin,
 };
 
+/// [`Lock::holder`] of a held lock, read by another client, reports the holder's token and at
+/// most its TTL left; of a free lock, `None`. A backend that cannot tell returns
+/// [`Error::NotSupported`] for both.
+pub async fn holder_is_reported(h: &dyn Harness) {
+    let (a, b) = (h.client().await, h.client().await);
+    let name = unique("holder");
+    let ttl = Duration::from_secs(10);
+    match b.holder(&name).await {
+        Ok(None) => {}
+        Err(Error::NotSupported { .. }) => {
+            let lease = a.try_acquire(&name, ttl).await.expect("acquire");
+            assert!(
+                matches!(b.holder(&name).await, Err(Error::NotSupported { .. })),
+                "holder() of a held lock must be NotSupported too"
+            );
+            lease.release().await.expect("release");
+            return;
+        }
+        other => panic!("holder() of a lock never taken: expected Ok(None), got {other:?}"),
+    }
+    let lease = a.try_acquire(&name, ttl).await.expect("acquire");
+    let info = b
+        .holder(&name)
+        .await
+        .expect("holder() of a held lock")
+        .expect("a held lock has a holder");
+    assert_eq!(info.token, Some(lease.token()), "holder token");
+    if let Some(left) = info.remaining {
+        assert!(left <= ttl, "{left:?} left of a {ttl:?} lease");
+    }
+    lease.release().await.expect("release");
+    let after = b.holder(&name).await.expect("holder() after release");
+    assert_eq!(after, None, "holder() of a released lock");
+    assert!(matches!(
+        b.holder("bad/name").await,
+        Err(Error::InvalidName { .. })
+    ));
+}
+
 /// Hands out clients of the backend under test.
 #[async_trait]
 pub trait Harness: Send + Sync {
@@ -614,7 +653,8 @@ macro_rules! contract_suite {
             lapsed_lease_cannot_touch_new_holder, wait_timeout, dropped_waiter_leaves_nothing,
             drop_releases, with_lock_releases, tokens_name_their_lock, foreign_token_rejected,
             own_stale_write_loses_the_lease, check_answers_without_extending,
-            bad_input, guarantees_are_consistent, fifo_waiters);
+            bad_input, guarantees_are_consistent, fifo_waiters,
+            holder_is_reported);
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn fenced_counter() {
             let h = $harness;

@@ -50,7 +50,7 @@ pub mod contract;
 pub use error::{BoxError, Error, Result};
 pub use fence::MemoryFence;
 pub use lease::{Lease, LeaseState, LeaseTracker, LossReason, drift_margin};
-pub use lock::{Guarantees, Lock, LockExt, LockKind};
+pub use lock::{Guarantees, HolderInfo, Lock, LockExt, LockKind};
 pub use memory::MemoryLock;
 pub use options::{
     AcquireOptions, DEFAULT_TTL, MAX_NAME_BYTES, MAX_PREFIX_BYTES, MAX_RETRY_DELAY, MAX_TTL,

@@ -10,7 +10,7 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use crate::observe::{Labels, TARGET};
-use crate::{AcquireOptions, Error, Lease, Result, Wait};
+use crate::{AcquireOptions, Error, FencingToken, Lease, Result, Wait};
 
 /// Whether a lock may be trusted for correctness or only for efficiency.
 ///
@@ -68,6 +68,27 @@ impl Guarantees {
     }
 }
 
+/// What a backend can tell about the current holder of a lock, from [`Lock::holder`].
+///
+/// Each field is `None` when the backend cannot tell it. A snapshot: by the time it is read the
+/// holder may have released, lapsed or been replaced.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct HolderInfo {
+    /// The holder's fencing token.
+    pub token: Option<FencingToken>,
+    /// How long the holder's lease has left on the server, unless renewed (for a lease shared by
+    /// several locks, such as an etcd session lease or a ZooKeeper session, the shared lease's).
+    pub remaining: Option<Duration>,
+}
+
+impl HolderInfo {
+    /// A holder with `token` and `remaining` time on its lease, either unknown.
+    pub fn new(token: Option<FencingToken>, remaining: Option<Duration>) -> Self {
+        Self { token, remaining }
+    }
+}
+
 /// A distributed lock service: grants [`Lease`]s on named locks.
 ///
 /// Object safe: the facade hands out `Arc<dyn Lock>` chosen from a URL. Implementations hold a
@@ -110,6 +131,21 @@ pub trait Lock: Send + Sync + fmt::Debug {
 
     /// What this backend promises.
     fn guarantees(&self) -> Guarantees;
+
+    /// Reads who holds `name` now: `None` if the lock is free, else what the server knows of
+    /// the holder. A read only: it takes no lock, queues nothing and changes nothing.
+    ///
+    /// Backends without a way to tell return [`Error::NotSupported`] (the default of
+    /// [`LockBackend::holder`]).
+    ///
+    /// # Errors
+    /// - [`Error::InvalidName`]: bad name, nothing was sent.
+    /// - [`Error::NotSupported`]: the backend cannot read the holder.
+    /// - [`Error::Unavailable`], [`Error::Auth`], [`Error::Backend`]: from the server (no retry).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: it only reads.
+    async fn holder(&self, name: &str) -> Result<Option<HolderInfo>>;
 }
 
 /// The backend half of [`Lock`]: what an adapter implements. Users call [`Lock::acquire`], which
@@ -128,6 +164,22 @@ pub trait LockBackend: Send + Sync + fmt::Debug {
 
     /// What this backend promises.
     fn guarantees(&self) -> Guarantees;
+
+    /// Reads who holds `name` now, as [`Lock::holder`] documents. The default returns
+    /// [`Error::NotSupported`]; backends override it where the server can tell.
+    ///
+    /// # Errors
+    /// As [`Lock::holder`].
+    ///
+    /// # Cancel safety
+    /// Must be cancel safe: it only reads.
+    async fn holder(&self, name: &str) -> Result<Option<HolderInfo>> {
+        crate::backend::validate_name(name)?;
+        Err(Error::NotSupported {
+            operation: "reading the holder",
+            backend: self.guarantees().backend,
+        })
+    }
 }
 
 #[async_trait]
@@ -159,6 +211,10 @@ impl<B: LockBackend + ?Sized> Lock for B {
 
     fn guarantees(&self) -> Guarantees {
         LockBackend::guarantees(self)
+    }
+
+    async fn holder(&self, name: &str) -> Result<Option<HolderInfo>> {
+        LockBackend::holder(self, name).await
     }
 }
 

@@ -12,7 +12,9 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::backend::{LeaseOps, LockBackend, TrackerHandle, validate_name, wait_deadline};
-use crate::{AcquireOptions, Error, FencingToken, Guarantees, Lease, LockKind, Result, Wait};
+use crate::{
+    AcquireOptions, Error, FencingToken, Guarantees, HolderInfo, Lease, LockKind, Result, Wait,
+};
 
 #[derive(Default)]
 struct State {
@@ -225,6 +227,19 @@ impl LockBackend for MemoryLock {
             notes: "one process only; nothing survives it",
             ..Guarantees::new("memory", LockKind::Correctness)
         }
+    }
+
+    /// The holder's token and the time left before its lease lapses.
+    async fn holder(&self, name: &str) -> Result<Option<HolderInfo>> {
+        validate_name(name)?;
+        let now = Instant::now();
+        let mut st = lock(&self.state);
+        let Some(e) = st.locks.get_mut(name) else {
+            return Ok(None);
+        };
+        let token = FencingToken::new(format!("{}{name}", self.lock_id_prefix), e.last_token);
+        Ok(e.holder_live(now)
+            .map(|h| HolderInfo::new(Some(token), Some(h.expires.saturating_duration_since(now)))))
     }
 }
 

@@ -30,8 +30,8 @@ use lockkit_core::backend::{
     LockBackend, TrackerHandle, retry_transient, validate_name, wait_deadline,
 };
 use lockkit_core::{
-    AcquireOptions, Error, FencingToken, Guarantees, Instant, Lease, LeaseState, LockKind,
-    LossReason, Result, Wait, async_trait,
+    AcquireOptions, Error, FencingToken, Guarantees, HolderInfo, Instant, Lease, LeaseState,
+    LockKind, LossReason, Result, Wait, async_trait,
 };
 use tokio::sync::watch;
 
@@ -861,6 +861,51 @@ impl LockBackend for EtcdLock {
                    etcd-io/etcd#15247 (Debian's 3.4.23 included) may free a lock early when a \
                    stalled former leader resumes: fence your writes";
         g
+    }
+
+    /// Reads the key with the lowest create revision under the name's prefix (the holder; its
+    /// create revision is the token), then its lease's remaining TTL (whole seconds, as etcd
+    /// reports it; the lease may be a session lease shared by other locks).
+    ///
+    /// # Errors
+    /// As [`Lock::holder`]. Each request is bounded by the client's request timeout.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: it only reads.
+    async fn holder(&self, name: &str) -> Result<Option<HolderInfo>> {
+        validate_name(name)?;
+        let opts = GetOptions::new()
+            .with_prefix()
+            .with_sort(SortTarget::Create, SortOrder::Ascend)
+            .with_limit(1)
+            .with_keys_only();
+        let mut kv = self.inner.client.kv_client();
+        let resp = timed(
+            self.request_timeout(),
+            "a holder read",
+            kv.get(self.name_prefix(name), Some(opts)),
+        )
+        .await?;
+        let Some(first) = resp.kvs().first() else {
+            return Ok(None);
+        };
+        let token = u64::try_from(first.create_revision())
+            .ok()
+            .map(|rev| FencingToken::new(self.lock_id(name), rev));
+        let mut lc = self.inner.client.lease_client();
+        let remaining = match first.lease() {
+            0 => None,
+            id => timed(
+                self.request_timeout(),
+                "a lease TTL read",
+                lc.time_to_live(id, None),
+            )
+            .await
+            .ok()
+            .and_then(|t| u64::try_from(t.ttl()).ok())
+            .map(Duration::from_secs),
+        };
+        Ok(Some(HolderInfo::new(token, remaining)))
     }
 }
 

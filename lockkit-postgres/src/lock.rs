@@ -11,8 +11,8 @@ use lockkit_core::backend::{
     LockBackend, TrackerHandle, retry_transient, validate_name, wait_deadline,
 };
 use lockkit_core::{
-    AcquireOptions, Error, FencingToken, Guarantees, Instant, Lease, LeaseState, LockKind,
-    LossReason, Result, Wait,
+    AcquireOptions, Error, FencingToken, Guarantees, HolderInfo, Instant, Lease, LeaseState,
+    LockKind, LossReason, Result, Wait,
 };
 use sha2::{Digest, Sha256};
 use sqlx::{Connection, PgConnection};
@@ -122,6 +122,8 @@ struct Sql {
     grant_try: String,
     bump: String,
     name_of: String,
+    /// Whether key `$1` is held (`pg_locks`), with its fence token and stored name.
+    holder: String,
     table_exists: String,
     migrate: String,
 }
@@ -157,6 +159,14 @@ impl Sql {
             ),
             bump,
             name_of: format!("SELECT name FROM {q}.fence WHERE key = $1"),
+            holder: format!(
+                "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted \
+                   AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+                   AND classid = (($1 >> 32) & 4294967295)::oid \
+                   AND objid = ($1 & 4294967295)::oid AND objsubid = 1), \
+                 (SELECT token FROM {q}.fence WHERE key = $1), \
+                 (SELECT name FROM {q}.fence WHERE key = $1)"
+            ),
             table_exists: format!(
                 "SELECT to_regclass('{}.fence') IS NOT NULL",
                 q.replace('\'', "''")
@@ -422,6 +432,34 @@ impl Inner {
         self.sessions_gone(&[pid])
             .await
             .is_some_and(|g| g.is_empty())
+    }
+
+    /// Whether a session of this database holds the advisory lock `key`, and the token and
+    /// name the fence table stores for it: `None` if not held. One statement on a cached or
+    /// new connection, within the connect timeout. `pg_locks` shows a single-`bigint` key as
+    /// `classid` (high 32 bits), `objid` (low 32 bits), `objsubid = 1`.
+    async fn holder_of(&self, key: i64) -> Result<Option<(Option<i64>, Option<String>)>> {
+        let t = self.config.connect_timeout;
+        let read = async {
+            let (mut c, _) = self.checkout().await?;
+            if !self.table_exists(&mut c).await? {
+                self.put_idle(c);
+                return Ok(None); // never migrated: nothing was ever granted
+            }
+            c.last_sent = Instant::now();
+            let row: (bool, Option<i64>, Option<String>) = sqlx::query_as(&self.sql.holder)
+                .bind(key)
+                .fetch_one(&mut c.conn)
+                .await
+                .map_err(from_sqlx)?;
+            self.put_idle(c);
+            Ok(row.0.then_some((row.1, row.2)))
+        };
+        tokio::time::timeout(t, read).await.unwrap_or_else(|_| {
+            Err(unavailable(Msg(format!(
+                "no answer from the server within the connect timeout ({t:?})"
+            ))))
+        })
     }
 
     /// Which of the sessions `pids` no longer exist on the server (one query on another
@@ -868,6 +906,33 @@ impl LockBackend for PgLock {
             ops,
             &opts,
         ))
+    }
+
+    /// Looks the name's advisory lock up in `pg_locks` and its token in the fence table. The
+    /// remaining time is unknown: the lease's deadline lives in the holder's process (the
+    /// server holds the lock as long as the holder's session lives).
+    ///
+    /// # Errors
+    /// As [`Lock::holder`]; [`Error::Unavailable`] if no answer came within the connect
+    /// timeout.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: it only reads (a dropped read closes its connection).
+    async fn holder(&self, name: &str) -> Result<Option<HolderInfo>> {
+        validate_name(name)?;
+        let c = &self.inner.config;
+        let full = full_name(&c.prefix, name);
+        Ok(match self.inner.holder_of(self.key(name)).await? {
+            // Another name stored under the key is a hash collision: not this lock's holder.
+            Some((_, Some(stored))) if stored != full => None,
+            Some((token, _)) => Some(HolderInfo::new(
+                token
+                    .and_then(|t| u64::try_from(t).ok())
+                    .map(|t| FencingToken::new(self.lock_id(name), t)),
+                None,
+            )),
+            None => None,
+        })
     }
 
     fn guarantees(&self) -> Guarantees {

@@ -15,7 +15,8 @@ use lockkit_core::backend::{
     LockBackend, TrackerHandle, retry_transient, validate_name, wait_deadline,
 };
 use lockkit_core::{
-    AcquireOptions, Error, FencingToken, Guarantees, Lease, LeaseState, LockKind, Result, Wait,
+    AcquireOptions, Error, FencingToken, Guarantees, HolderInfo, Lease, LeaseState, LockKind,
+    Result, Wait,
 };
 
 use crate::config::RedisConfig;
@@ -75,6 +76,20 @@ if counter + 1 > token then
 end
 redis.call('SET', KEYS[2], string.format('%d', token))
 return {1, token, ''}
+",
+    )
+});
+
+/// The holder-read script. `KEYS[1]` lock key, `KEYS[2]` fence counter key. A free lock:
+/// `{0, 0, ''}`; a held one: `{1, PTTL, counter}`. The counter is the holder's token: the acquire
+/// script bumps it in the same step as it sets the lock key, and nothing else writes it.
+static HOLDER: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  return {0, 0, ''}
+end
+return {1, redis.call('PTTL', KEYS[1]), redis.call('GET', KEYS[2]) or ''}
 ",
     )
 });
@@ -598,6 +613,35 @@ impl LockBackend for RedisLock {
         g.expiry_slack = EXPIRY_SLACK;
         g.notes = NOTES;
         g
+    }
+
+    /// Reads the lock key's `PTTL` and the fence counter (the holder's token) in one script.
+    ///
+    /// # Errors
+    /// As [`Lock::holder`]; [`Error::Backend`] if the fence counter is not a number.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: it only reads.
+    async fn holder(&self, name: &str) -> Result<Option<HolderInfo>> {
+        validate_name(name)?;
+        let keys = Keys::new(self.prefix(), name);
+        let (held, pttl, counter): (i64, i64, String) = self
+            .inner
+            .conn
+            .invoke(HOLDER.key(&keys.lock).key(&keys.fence))
+            .await
+            .map_err(from_redis)?;
+        if held == 0 {
+            return Ok(None);
+        }
+        let token = match counter.as_str() {
+            "" => None,
+            c => Some(FencingToken::new(
+                self.lock_id(name),
+                c.parse().map_err(|_| bad_reply("holder"))?,
+            )),
+        };
+        Ok(Some(HolderInfo::new(token, held_pttl(pttl))))
     }
 }
 

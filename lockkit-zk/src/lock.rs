@@ -10,8 +10,8 @@ use lockkit_core::backend::{
     LockBackend, TrackerHandle, retry_transient, validate_name, wait_deadline,
 };
 use lockkit_core::{
-    AcquireOptions, Error, FencingToken, Guarantees, Instant, Lease, LockKind, Result, Wait,
-    async_trait,
+    AcquireOptions, Error, FencingToken, Guarantees, HolderInfo, Instant, Lease, LockKind, Result,
+    Wait, async_trait,
 };
 use tokio::sync::watch;
 use zookeeper_client as zk;
@@ -199,6 +199,22 @@ impl ZkLock {
             .collect();
         queue.sort_unstable();
         Ok(queue.into_iter().map(|(_, c)| c).collect())
+    }
+
+    /// The shortest TTL the server allows: the session timeout it negotiates when asked for
+    /// [`MIN_TTL`](lockkit_core::MIN_TTL), which is its `minSessionTimeout` (by default 2 ×
+    /// `tickTime`: 4 s with the stock `tickTime=2000`). Opens one session for the question and
+    /// closes it.
+    ///
+    /// # Errors
+    /// [`Error::Unavailable`] if no session could be opened within the connect timeout;
+    /// [`Error::Auth`] if the server refuses the credentials.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: a session being opened is closed when the future is dropped.
+    pub async fn min_ttl(&self) -> Result<Duration> {
+        let probe = Session::open(&self.inner.cfg, lockkit_core::MIN_TTL, false).await?;
+        Ok(probe.ttl)
     }
 
     /// Runs `fut` for at most the connect timeout (the bound of one request round), else
@@ -692,6 +708,40 @@ impl LockBackend for ZkLock {
                    timeout; token = holder node czxid; FIFO by sequence number; tokens durable \
                    when the transaction log is fsynced (forceSync=yes, the default)";
         g
+    }
+
+    /// Lists the lock's nodes and reads the first one's `czxid` (the holder's token). The
+    /// remaining time is unknown: a node does not tell its owner session's timeout to others.
+    /// A holder node deleted between the two reads makes the next one the holder: read again.
+    ///
+    /// # Errors
+    /// As [`Lock::holder`]; [`Error::Unavailable`] if no answer came within the connect timeout.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: it only reads.
+    async fn holder(&self, name: &str) -> Result<Option<HolderInfo>> {
+        let dir = self.lock_dir(name)?;
+        for _ in 0..3 {
+            let Some(first) = self.contenders(name).await?.into_iter().next() else {
+                return Ok(None);
+            };
+            let path = format!("{dir}/{first}");
+            let stat = self
+                .bounded(async {
+                    let session = self.control_session().await?;
+                    session.client.check_stat(&path).await.map_err(from_zk)
+                })
+                .await?;
+            if let Some(stat) = stat {
+                let token = u64::try_from(stat.czxid)
+                    .ok()
+                    .map(|z| FencingToken::new(self.lock_id(name), z));
+                return Ok(Some(HolderInfo::new(token, None)));
+            }
+        }
+        Err(unavailable(
+            "the lock's holder changed during three reads in a row",
+        ))
     }
 }
 

@@ -55,11 +55,14 @@ pub const WAITER_TTL: Duration = Duration::from_secs(3);
 ///   connection): `{2, 0, ''}`, nothing touched.
 /// - The lock key holds our ID (a release handed it to us): the TTL is set anew from now and
 ///   the token read back, `{1, token, ''}`.
-/// - Free lock: if live waiters queue before us (the holder's key expired, nobody released),
-///   the first is handed the lock and we go on as for a held lock. Otherwise `SET PX` with our
-///   ID, a new token from `bump()`, and we leave the queue: `{1, token, ''}`.
-/// - Held lock: with a channel, we join the queue's tail (or keep our place) and refresh our
-///   waiter key; `{0, PTTL, holder}` (the holder's remaining TTL in ms, or -1 for a key without
+/// - Free lock (`SET NX PX … GET` set it to our ID, Redis 7.0+): if live waiters queue before
+///   us (the holder's key expired, nobody released), the first is handed the lock instead and we
+///   go on as for a held lock. Otherwise the counter is `INCR`ed (a counter that is not an
+///   integer fails the script, and the lock key is deleted again) and we leave the queue:
+///   `{1, token, ''}`.
+/// - Held lock: with a channel, we join the queue's tail (`ZADD NX` scored by the server's
+///   `TIME` in µs: a script takes longer than a µs, so scores increase in arrival order; an
+///   existing entry keeps its place) and refresh our waiter key; `{0, PTTL, holder}` (the holder's remaining TTL in ms, or -1 for a key without
 ///   expiry).
 ///
 /// Lua numbers are doubles: tokens stay exact below 2^53 µs (the year 2255).
@@ -71,7 +74,7 @@ if redis.call('EXISTS', KEYS[4]) == 1 then
   return {{2, 0, ''}}
 end
 local me = ARGV[2]
-local v = redis.call('GET', KEYS[1])
+local v = redis.call('SET', KEYS[1], me, 'NX', 'PX', ARGV[3], 'GET')
 if v == me then
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
   return {{1, tonumber(redis.call('GET', KEYS[2])) or bump(), ''}}
@@ -79,16 +82,20 @@ end
 if not v then
   v = serve(me)
   if not v then
-    local t = bump()
-    redis.call('SET', KEYS[1], me, 'PX', ARGV[3])
+    local t = redis.pcall('INCR', KEYS[2])
+    if type(t) == 'table' then
+      redis.call('DEL', KEYS[1])
+      return redis.error_reply('lockkit: the fence counter is not an integer')
+    end
+    if t == 1 then
+      t = bump_floor()
+    end
     return {{1, t, ''}}
   end
 end
 if ARGV[4] ~= '' then
-  if not redis.call('ZSCORE', KEYS[3], me) then
-    local last = redis.call('ZRANGE', KEYS[3], -1, -1, 'WITHSCORES')[2]
-    redis.call('ZADD', KEYS[3], (tonumber(last) or 0) + 1, me)
-  end
+  local now = redis.call('TIME')
+  redis.call('ZADD', KEYS[3], 'NX', tonumber(now[1]) * 1000000 + tonumber(now[2]), me)
   redis.call('SET', ARGV[1] .. me, ARGV[3] .. ' ' .. ARGV[4], 'PX', ARGV[5])
 end
 return {{0, redis.call('PTTL', KEYS[1]), v}}

@@ -234,7 +234,9 @@ impl Renewer {
                         let _ = lease.release().await;
                     });
                 }
-            } else if tracker.state() != LeaseState::Lost {
+            } else if tracker.state() != LeaseState::Lost && lease.is_batched() {
+                // (A lease released while this call was in flight is no longer batched: its
+                // key is gone because of the release, not lost.)
                 tracing::warn!(lock = %lease.name, "keepalive: lease no longer held on the server");
                 tracker.mark_lost();
             }

@@ -53,9 +53,20 @@ impl Variant {
         }
     }
 
-    /// The commands a client sends itself (the rest of `INFO commandstats` ran inside scripts).
+    /// The commands a client sends itself (the rest of `INFO commandstats` ran inside scripts):
+    /// their calls, or with `"usec:"` prefixed keys the server's time in them (a script's time
+    /// includes the commands it ran).
     fn requests(self, stats: &HashMap<String, u64>) -> u64 {
-        let get = |c: &str| stats.get(c).copied().unwrap_or(0);
+        self.top_level(stats, "")
+    }
+
+    /// Server time (µs) spent in the commands the clients sent.
+    fn server_us(self, stats: &HashMap<String, u64>) -> u64 {
+        self.top_level(stats, "usec:")
+    }
+
+    fn top_level(self, stats: &HashMap<String, u64>, kind: &str) -> u64 {
+        let get = |c: &str| stats.get(&format!("{kind}{c}")).copied().unwrap_or(0);
         match self {
             Variant::Lockkit => get("evalsha") + get("eval"),
             // SET NX PX by the client, release as a script.
@@ -150,20 +161,32 @@ async fn commandstats(conn: &mut ConnectionManager) -> HashMap<String, u64> {
         .query_async(conn)
         .await
         .expect("INFO");
-    info.lines()
-        .filter_map(|l| {
-            let rest = l.strip_prefix("cmdstat_")?;
-            let (cmd, rest) = rest.split_once(":calls=")?;
-            let n = rest.split(',').next()?.parse().ok()?;
-            Some((cmd.to_owned(), n))
-        })
-        .collect()
+    let mut out = HashMap::new();
+    for l in info.lines() {
+        let Some((cmd, rest)) = l
+            .strip_prefix("cmdstat_")
+            .and_then(|r| r.split_once(":calls="))
+        else {
+            continue;
+        };
+        let mut fields = rest.split(',');
+        let calls = fields.next().and_then(|n| n.parse().ok());
+        let usec = fields
+            .next()
+            .and_then(|f| f.strip_prefix("usec="))
+            .and_then(|n| n.parse().ok());
+        if let (Some(calls), Some(usec)) = (calls, usec) {
+            out.insert(cmd.to_owned(), calls);
+            out.insert(format!("usec:{cmd}"), usec);
+        }
+    }
+    out
 }
 
 fn delta(after: &HashMap<String, u64>, before: &HashMap<String, u64>) -> HashMap<String, u64> {
     after
         .iter()
-        .filter(|(c, _)| c.as_str() != "info")
+        .filter(|(c, _)| !c.ends_with("info"))
         .map(|(c, n)| (c.clone(), n - before.get(c).copied().unwrap_or(0)))
         .filter(|(_, n)| *n > 0)
         .collect()
@@ -176,6 +199,7 @@ struct Window {
     fairness: f64,
     requests_per_grant: f64,
     commands_per_grant: f64,
+    server_us_per_grant: f64,
 }
 
 async fn contention_window(
@@ -214,7 +238,11 @@ async fn contention_window(
     let total: u64 = grants.iter().sum();
     let min = grants.iter().copied().min().unwrap_or(0);
     let max = grants.iter().copied().max().unwrap_or(0);
-    let commands: u64 = stats.values().sum();
+    let commands: u64 = stats
+        .iter()
+        .filter(|(c, _)| !c.starts_with("usec:"))
+        .map(|(_, n)| n)
+        .sum();
     Window {
         grants_per_s: total as f64 / elapsed.as_secs_f64(),
         fairness: if max == 0 {
@@ -224,6 +252,7 @@ async fn contention_window(
         },
         requests_per_grant: variant.requests(&stats) as f64 / total.max(1) as f64,
         commands_per_grant: commands as f64 / total.max(1) as f64,
+        server_us_per_grant: variant.server_us(&stats) as f64 / total.max(1) as f64,
     }
 }
 
@@ -268,12 +297,14 @@ async fn contention(base: &str, admin: &mut ConnectionManager) -> Vec<Contention
                     let w = contention_window(v, &pools[&v], &name, cs, length, admin).await;
                     eprintln!(
                         "contention {clients:>2} clients, cs {cs:?}, {:<17} {:>9.0} grants/s \
-                         fairness {:.2} requests/grant {:.2} commands/grant {:.1}",
+                         fairness {:.2} requests/grant {:.2} commands/grant {:.1} server \
+                         µs/grant {:.1}",
                         v.name(),
                         w.grants_per_s,
                         w.fairness,
                         w.requests_per_grant,
-                        w.commands_per_grant
+                        w.commands_per_grant,
+                        w.server_us_per_grant
                     );
                     windows.entry(v).or_default().push(w);
                 }
@@ -405,7 +436,12 @@ async fn many(base: &str, n: usize, admin: &mut ConnectionManager) -> ManyResult
         acquire_time,
         rss_per_lease: rss1.saturating_sub(rss0) as f64 / n as f64,
         requests_per_s: Variant::Lockkit.requests(&stats) as f64 / secs,
-        commands_per_s: stats.values().sum::<u64>() as f64 / secs,
+        commands_per_s: stats
+            .iter()
+            .filter(|(c, _)| !c.starts_with("usec:"))
+            .map(|(_, n)| *n)
+            .sum::<u64>() as f64
+            / secs,
         per_lease_requests_per_s: n as f64 / (ttl / 3).as_secs_f64(),
     };
     while !leases.is_empty() {
@@ -670,14 +706,16 @@ fn report(
         "\n### Contention: clients on one lock\n\nEach cell: median of the windows (min–max in \
          brackets). Ratio = lockkit's median grants/s over the best peer's. Fairness = min/max \
          grants per client in a window. Requests = commands the clients sent; commands = all \
-         commands the server ran, inside scripts too (`INFO commandstats`).\n"
+         commands the server ran, inside scripts too; server µs = the server's time in the \
+         clients' commands (scripts included), all from `INFO commandstats`.\n"
     );
     let _ = writeln!(
         md,
         "| clients | critical section | ratio to best peer | lockkit grants/s | rslock grants/s \
          | redis-lock grants/s | fairness lockkit / rslock / redis-lock | requests per grant \
-         lockkit / rslock / redis-lock | commands per grant lockkit / rslock / redis-lock |\n\
-         |---|---|---|---|---|---|---|---|---|"
+         lockkit / rslock / redis-lock | commands per grant lockkit / rslock / redis-lock | \
+         server µs per grant lockkit / rslock / redis-lock |\n\
+         |---|---|---|---|---|---|---|---|---|---|"
     );
     for c in cont {
         let of = |v: Variant, f: fn(&Window) -> f64| -> Vec<f64> {
@@ -699,7 +737,7 @@ fn report(
         };
         let _ = writeln!(
             md,
-            "| {} | {} | **{:.2}×** | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | **{:.2}×** | {} | {} | {} | {} | {} | {} | {} |",
             c.clients,
             cs_label(c.cs),
             med(Variant::Lockkit) / best_peer.max(1e-9),
@@ -709,6 +747,7 @@ fn report(
             three(|w| w.fairness, 2),
             three(|w| w.requests_per_grant, 2),
             three(|w| w.commands_per_grant, 1),
+            three(|w| w.server_us_per_grant, 1),
         );
     }
     let _ = writeln!(md, "\n![contention](benchmarks/redis-contention.svg)\n");

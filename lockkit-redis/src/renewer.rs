@@ -60,6 +60,8 @@ struct State {
     entries: HashMap<u64, Entry>,
     next_id: u64,
     running: bool,
+    /// Number of the task started last.
+    epoch: u64,
     /// The task's current tick.
     tick: Option<Duration>,
 }
@@ -131,8 +133,10 @@ impl Renewer {
             }
         } else {
             st.running = true;
+            st.epoch += 1;
+            let epoch = st.epoch;
             drop(st);
-            rt.spawn(self.clone().run());
+            rt.spawn(self.clone().run(epoch));
         }
         Some(Batched {
             renewer: self.clone(),
@@ -153,21 +157,33 @@ impl Renewer {
         st.tick
     }
 
-    async fn run(self: Arc<Self>) {
+    async fn run(self: Arc<Self>, epoch: u64) {
+        // If the task is dropped (its runtime shut down), the next registration starts a new one.
+        struct Stopped(Arc<Renewer>, u64);
+        impl Drop for Stopped {
+            fn drop(&mut self) {
+                let mut st = lock(&self.0.state);
+                if st.epoch == self.1 {
+                    st.running = false;
+                }
+            }
+        }
+        let this = Stopped(self, epoch);
+        let me = &this.0;
         let mut last = Instant::now();
         let mut retry_at = None;
         loop {
-            let Some(interval) = self.interval() else {
+            let Some(interval) = me.interval() else {
                 return;
             };
             let at = retry_at.unwrap_or(last + interval);
             tokio::select! {
                 _ = tokio::time::sleep_until(at) => {}
                 // A lease with a shorter TTL: tick sooner.
-                _ = self.notify.notified() => continue,
+                _ = me.notify.notified() => continue,
             }
             last = Instant::now();
-            retry_at = if self.renew_all().await {
+            retry_at = if me.renew_all().await {
                 None
             } else {
                 Some(Instant::now() + (interval / 4).max(Duration::from_millis(5)))

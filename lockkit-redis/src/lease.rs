@@ -51,16 +51,12 @@ return 0
 /// new holder's ID, or `false` if no other waiter is live. With `me` (a waiter's own acquire),
 /// the queue is only looked at up to `me`, which is removed: then the caller takes the lock.
 pub(crate) const SERVE_LUA: &str = r"
-local function bump_floor()
-  local now = redis.call('TIME')
-  local t = tonumber(now[1]) * 1000000 + tonumber(now[2])
-  redis.call('SET', KEYS[2], string.format('%d', t))
-  return t
-end
 local function bump()
   local t = redis.call('INCR', KEYS[2])
   if t == 1 then
-    t = bump_floor()
+    local now = redis.call('TIME')
+    t = tonumber(now[1]) * 1000000 + tonumber(now[2])
+    redis.call('SET', KEYS[2], string.format('%d', t))
   end
   return t
 end

@@ -82,13 +82,10 @@ end
 if not v then
   v = serve(me)
   if not v then
-    local t = redis.pcall('INCR', KEYS[2])
-    if type(t) == 'table' then
+    local ok, t = pcall(bump)
+    if not ok then
       redis.call('DEL', KEYS[1])
       return redis.error_reply('lockkit: the fence counter is not an integer')
-    end
-    if t == 1 then
-      t = bump_floor()
     end
     return {{1, t, ''}}
   end

@@ -36,7 +36,8 @@
 //! ## How it works
 //! - **Acquire** is one Lua script, run atomically by the server
 //!   (<https://redis.io/docs/latest/develop/interact/programmability/eval-intro/>): if the lock key
-//!   is free and no live waiter queues before us, it is `SET … PX ttl`
+//!   is free and no live waiter queues before us, it is `SET … NX PX ttl GET` (Redis 7.0 or
+//!   later)
 //!   (<https://redis.io/docs/latest/commands/set/>) to the acquire's random 128-bit waiter ID
 //!   (hex), and the lock's fence counter is `INCR`ed; a counter that did not exist (new name, or
 //!   lost in a restart without persistence, evicted or deleted) starts at the server's `TIME` in

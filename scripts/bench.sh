@@ -2,6 +2,9 @@
 # The benchmark: starts private servers, runs lockbench (release build) on every backend, stops
 # them. Extra arguments pick backends: scripts/bench.sh redis etcd
 # LOCKBENCH_ITERS (default 2000) sets the number of measured iterations per row.
+# Redis scenarios: LOCKBENCH_ROUNDS (windows per variant, default 3), LOCKBENCH_WINDOW_MS (1000),
+# LOCKBENCH_HANDOFFS (samples per hand-off run, 300); LOCKBENCH_NO_SCENARIOS=1 skips them.
+# The Redis part takes about 2-3 minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -12,4 +15,6 @@ set -a
 # shellcheck disable=SC1090
 . "$env_file"
 set +a
+# The Redis scenarios (issue #11) write their tables and plots here.
+export LOCKBENCH_REPORT="${LOCKBENCH_REPORT:-$PWD/docs/benchmarks.md}"
 cargo bench --bench lockbench --all-features -- "$@"

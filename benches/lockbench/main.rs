@@ -15,6 +15,8 @@ use std::time::{Duration, Instant};
 #[cfg(feature = "etcd")]
 mod etcd;
 mod memory;
+#[cfg(feature = "redis")]
+mod plot;
 #[cfg(feature = "postgres")]
 mod postgres;
 #[cfg(feature = "redis")]
@@ -135,7 +137,11 @@ fn main() {
         }
         #[cfg(feature = "redis")]
         if want("redis") {
-            rows.extend(redis::run(iters).await);
+            let uncontended = redis::run(iters).await;
+            if std::env::var_os("LOCKBENCH_NO_SCENARIOS").is_none() {
+                redis::scenarios(&uncontended).await;
+            }
+            rows.extend(uncontended);
         }
         #[cfg(feature = "etcd")]
         if want("etcd") {

@@ -103,13 +103,14 @@ impl RedisFence {
             .ok_or_else(|| Error::config("RedisFence needs a lease granted by lockkit-redis"))?;
         // `{prefix}:lock:{name}`.
         let prefix_len = redis
-            .lock_key
+            .keys
+            .lock
             .len()
             .saturating_sub(redis.name.len() + ":lock:".len());
         Ok(Self {
             lease: LeaseFence::new(lease),
             conn: redis.conn.clone(),
-            guard_prefix: format!("{}:guard:", &redis.lock_key[..prefix_len]),
+            guard_prefix: format!("{}:guard:", &redis.keys.lock[..prefix_len]),
         })
     }
 

@@ -36,44 +36,64 @@
 //! ## How it works
 //! - **Acquire** is one Lua script, run atomically by the server
 //!   (<https://redis.io/docs/latest/develop/interact/programmability/eval-intro/>): if the lock key
-//!   is free it is `SET … NX PX ttl` (<https://redis.io/docs/latest/commands/set/>) to this grant's
-//!   random 128-bit owner value (hex), and the lock's fence counter becomes
-//!   `max(counter + 1, server TIME in µs)` (<https://redis.io/docs/latest/commands/time/>); the new
-//!   counter is the [`FencingToken`](lockkit_core::FencingToken). If the lock is held, the script
-//!   returns the holder's remaining `PTTL` instead (0 in the key's last millisecond, which a
-//!   waiter takes as "expires now"). The scripts run with `EVALSHA` through the redis crate's
-//!   [`Script`](redis::Script), which reloads them after a server restart or `SCRIPT FLUSH`.
+//!   is free and no live waiter queues before us, it is `SET … NX PX ttl GET` (Redis 7.0 or
+//!   later)
+//!   (<https://redis.io/docs/latest/commands/set/>) to the acquire's random 128-bit waiter ID
+//!   (hex), and the lock's fence counter is `INCR`ed; a counter that did not exist (new name, or
+//!   lost in a restart without persistence, evicted or deleted) starts at the server's `TIME` in
+//!   µs (<https://redis.io/docs/latest/commands/time/>). The counter is the
+//!   [`FencingToken`](lockkit_core::FencingToken). If the lock is held, the same script puts a
+//!   waiting acquire at the end of the lock's queue and returns the holder's remaining `PTTL` (0
+//!   in the key's last millisecond, which a waiter takes as "expires now"). The scripts run with
+//!   `EVALSHA` through the redis crate's [`Script`](redis::Script), which reloads them after a
+//!   server restart or `SCRIPT FLUSH`.
 //! - **Renew** is compare-and-`PEXPIRE` and **release** is compare-and-`DEL` on the owner value
 //!   (both scripts), so a lease that lapsed can neither extend nor delete another holder's lock:
 //!   both return [`Error::NotHeld`](lockkit_core::Error::NotHeld), and a lapsed lock is never
 //!   re-taken by a renewal.
-//! - **Waiting** does not spin. The release script `PUBLISH`es on the lock's release channel
-//!   (<https://redis.io/docs/latest/develop/interact/pubsub/>); a waiter subscribes (one shared
-//!   pub/sub connection per [`RedisLock`]) *before* the attempt that finds the lock held, so no
-//!   release is missed between its attempt and its sleep. Expiry publishes nothing and pub/sub
-//!   delivery is at-most-once, so a waiter also wakes just after the holder's `PTTL` (plus up to
-//!   [`EXPIRY_JITTER`]) and at least every [`MAX_WAIT_POLL`] (≈1 s, jittered), also while its
-//!   `SUBSCRIBE` is still pending. A `SUBSCRIBE` that gets no reply within the response timeout
-//!   drops the pub/sub connection (the next waiter opens a new one). Waiters are not served in
-//!   FIFO order.
-//! - **ACL users** need the commands `EVAL`, `EVALSHA`, `SCRIPT`, `PING` and `SUBSCRIBE`/
-//!   `UNSUBSCRIBE`, and the keys and channels under the prefix
+//! - **Waiting** does not spin and does not herd. The queue `P:queue:N` is a sorted set of
+//!   waiter IDs in arrival order; each waiter also has a key `P:waiter:ID` (its TTL and its
+//!   client's channel) that expires after [`WAITER_TTL`] unless the waiter looks at the lock
+//!   again. A release (or an acquire that finds the holder's key expired) hands the lock to the
+//!   first live waiter: the lock key becomes that waiter's ID with its TTL, the counter is
+//!   bumped, and `"ID TOKEN"` is `PUBLISH`ed on that waiter's client channel `P:client:CID`
+//!   only (<https://redis.io/docs/latest/develop/interact/pubsub/>); a release with nobody
+//!   waiting publishes nothing. Each [`RedisLock`] subscribes to its own channel once, on one
+//!   shared pub/sub connection, before its first waiter queues; no SUBSCRIBE per wait. Pub/sub
+//!   delivery is at-most-once, so a waiter also looks again just after the holder's `PTTL`
+//!   (plus up to [`EXPIRY_JITTER`]) and at least every [`MAX_WAIT_POLL`] (≈1 s, jittered): a
+//!   waiter that was handed the lock finds its ID in the lock key. A `SUBSCRIBE` that gets no
+//!   reply within the response timeout drops the pub/sub connection (the next waiter opens a
+//!   new one). Waiters are served in FIFO order; one that stops looking (its process died)
+//!   leaves the queue after [`WAITER_TTL`], and a lock handed to it in that window is free
+//!   again after that lease's TTL.
+//! - **Keepalive** is batched: the leases of one [`RedisLock`] that are kept alive are renewed
+//!   together, by one script per [`RENEW_BATCH`] leases every TTL/3 (of the shortest TTL among
+//!   them), answering per lease: a lease whose key is gone is marked lost alone, and a failed
+//!   call marks its leases suspect and is retried after TTL/12. `keepalive(false)` leases renew
+//!   with [`Lease::renew`](lockkit_core::Lease::renew), one script each.
+//! - **ACL users** need the commands `EVAL`, `EVALSHA`, `SCRIPT`, `PING` and `SUBSCRIBE`,
+//!   and the keys and channels under the prefix
 //!   (<https://redis.io/docs/latest/operate/oss_and_stack/management/security/acl/>). Without
 //!   channel permission (Redis 7's default `acl-pubsub-default resetchannels`) locks still work:
-//!   the release's `PUBLISH` is best effort, and waiters poll about once a second (a warning is
-//!   logged once per [`RedisLock`]).
-//! - **Cancel safety**: if an acquire is dropped after its script was sent but before the reply
-//!   arrived (or the reply was lost, or came after the TTL), a drop guard spawns a cleanup for
-//!   that attempt's owner value, sent as plain `EVAL` (immune to a flushed script cache) and
-//!   retried on transient errors for the TTL (at least 60 s): it deletes the lock if the attempt
-//!   took it, or else leaves a *tombstone* (`P:cancelled:OWNER`, expiring after the TTL or 60 s,
-//!   whichever is longer) that makes the attempt's script take nothing if it reaches the server
-//!   later, on another connection. So no orphaned lock waits out its TTL, unless the script
-//!   reaches the server after the tombstone expired. An acquire never hands out a lease that is
-//!   already lost (a grant whose reply took longer than the TTL is given back and retried).
-//! - **Leases** use lockkit-core's [`TrackerHandle`](lockkit_core::backend::TrackerHandle) from
-//!   the *send* time of the granting request, and its keepalive (renew at about TTL/3). TTLs are
-//!   sent in whole milliseconds, rounded up.
+//!   the hand-off `PUBLISH` is best effort, and waiters poll about once a second (a warning is
+//!   logged once per [`RedisLock`]); they do not queue then.
+//! - **Cancel safety**: if an acquire is dropped (or times out, or fails) while its script is in
+//!   flight or while it is queued (or its reply was lost, or came after the TTL), a drop guard
+//!   spawns a cleanup for its waiter ID, sent as plain `EVAL` (immune to a flushed script
+//!   cache) and retried on transient errors for the TTL (at least 60 s): it takes the ID out of
+//!   the queue, gives the lock to the next live waiter (or deletes it) if the ID holds it (the
+//!   script took it, or a release handed it over), and leaves a *tombstone*
+//!   (`P:cancelled:ID`, expiring after the TTL or 60 s, whichever is longer) that makes a
+//!   script of that ID do nothing if it reaches the server later, on another connection. An
+//!   acquire whose reply was lost goes on with a fresh ID (at the end of the queue). So no
+//!   orphaned lock waits out its TTL, unless the script reaches the server after the tombstone
+//!   expired. An acquire never hands out a lease that is already lost (a grant whose reply took
+//!   longer than the TTL is given back and retried; a handed-over lock whose waiter last looked
+//!   more than TTL/2 ago is renewed first).
+//! - **Leases** use lockkit-core's [`TrackerHandle`](lockkit_core::backend::TrackerHandle) from the *send*
+//!   time of the granting request, and its keepalive (renew at about TTL/3). TTLs are sent in
+//!   whole milliseconds, rounded up.
 //! - **Connections**: one auto-reconnecting [`ConnectionManager`](redis::aio::ConnectionManager)
 //!   per [`RedisLock`] (clones share it). It reconnects when a connection is closed or reset,
 //!   but not when replies merely stop coming (a dead NAT entry, a partition that drops packets),
@@ -100,9 +120,11 @@
 //! |---|---|
 //! | `P:lock:N` | the holder's owner value, with the lease's TTL |
 //! | `P:fence:N` | the fence counter (the last token), no expiry |
-//! | `P:cancelled:OWNER` | tombstone of a cancelled acquire attempt (see *Cancel safety*), expires |
+//! | `P:queue:N` | the waiters' queue: waiter IDs scored by arrival |
+//! | `P:waiter:ID` | a queued waiter's TTL and client channel, expires after [`WAITER_TTL`] |
+//! | `P:cancelled:ID` | tombstone of a cancelled acquire (see *Cancel safety*), expires |
 //! | `P:guard:K` | for a key `K` written through [`RedisFence`]: the lock guarding it and the highest token that wrote it, no expiry |
-//! | channel `P:released:N` | a message on every release |
+//! | channel `P:client:CID` | hand-off messages for the waiters of one [`RedisLock`] |
 //!
 //! Fence counters are never deleted (deleting one would let tokens repeat, were it not for the
 //! `TIME` floor): every lock name ever used keeps one small key. With a name per request (for
@@ -135,14 +157,14 @@
 //! | kind | efficiency | see below |
 //! | safe across failover | **no** | Redis replicates asynchronously: a failover to a replica that had not yet received the lock key grants the lock again while the old holder still holds it (<https://redis.io/docs/latest/operate/oss_and_stack/management/replication/>). Fencing tokens may then also repeat. |
 //! | tokens survive restart | yes, with the caveat below | |
-//! | FIFO waiters | no | waiters race after each release |
+//! | FIFO waiters | yes | the release hands the lock to the first live waiter of the queue |
 //! | manual renewal | yes | `keepalive(false)` leases renew with [`Lease::renew`](lockkit_core::Lease::renew) |
 //! | expiry slack | [`EXPIRY_SLACK`] (50 ms) | a waiter wakes up to [`EXPIRY_JITTER`] after the holder's `PTTL`, then needs one round trip |
 //!
 //! **Tokens across restarts.** A server restarted without persistence (or with its data lost)
-//! forgets the fence counter. Because every grant sets the counter to at least the server's
-//! `TIME` in microseconds, the first grant after the restart still gets a token above every
-//! earlier one, **provided that** (1) the server's wall clock never steps backwards (across the
+//! forgets the fence counter. Because a missing counter starts at the server's `TIME` in
+//! microseconds, and from then on grows by one per grant, the first grant after the restart
+//! still gets a token above every earlier one, **provided that** (1) the server's wall clock never steps backwards (across the
 //! restart too: NTP slews, it does not step, unless told to), and (2) the lock is granted fewer
 //! than once per microsecond on average, so that the counter never runs ahead of the clock by
 //! more than the time the restart takes. The same floor protects against the counter key being
@@ -166,6 +188,7 @@ mod error;
 mod fence;
 mod lease;
 mod lock;
+mod renewer;
 mod waiters;
 
 pub use config::{
@@ -173,7 +196,8 @@ pub use config::{
     MAX_PREFIX_BYTES, RedisConfig, validate_prefix,
 };
 pub use fence::RedisFence;
-pub use lock::{EXPIRY_JITTER, EXPIRY_SLACK, MAX_WAIT_POLL, RedisLock};
+pub use lock::{EXPIRY_JITTER, EXPIRY_SLACK, MAX_WAIT_POLL, RedisLock, WAITER_TTL};
+pub use renewer::BATCH as RENEW_BATCH;
 
 /// The redis crate this backend is built on, for users who need its types.
 pub use redis;

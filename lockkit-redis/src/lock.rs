@@ -22,8 +22,9 @@ use lockkit_core::{
 use crate::config::RedisConfig;
 use crate::conn::Conn;
 use crate::error::{BACKEND, bad_reply, from_redis, timed_out};
-use crate::lease::{RedisLease, cancel_attempt, cancel_once, ttl_millis};
-use crate::waiters::{Hub, Subscription};
+use crate::lease::{RENEW, RedisLease, SERVE_LUA, cancel_attempt, cancel_once, ttl_millis};
+use crate::renewer::Renewer;
+use crate::waiters::{Hub, Waiting};
 
 /// The longest a waiter sleeps without looking at the lock again, when no release message
 /// arrives: about 1 s (jittered down by up to 10 %).
@@ -41,43 +42,64 @@ const REFUSED_SUBSCRIBE_RETRY: Duration = Duration::from_secs(30);
 /// a round trip on a busy machine. Declared as [`Guarantees::expiry_slack`].
 pub const EXPIRY_SLACK: Duration = Duration::from_millis(50);
 
-/// The acquire script. `KEYS[1]` lock key, `KEYS[2]` fence counter key, `KEYS[3]` this
-/// attempt's tombstone key; `ARGV[1]` owner value, `ARGV[2]` TTL in ms.
+/// How long a queued waiter's key (`P:waiter:ID`) lives unless the waiter looks at the lock
+/// again (it does at least every [`MAX_WAIT_POLL`]): 3 s. A waiter whose process died drops out
+/// of the queue this long after its last look; until then a release may still hand it the lock,
+/// which then waits out that lease's TTL.
+pub const WAITER_TTL: Duration = Duration::from_secs(3);
+
+/// The acquire script (with [`SERVE_LUA`]). `KEYS[1]` lock key, `KEYS[2]` fence counter key,
+/// `KEYS[3]` queue, `KEYS[4]` the waiter ID's tombstone key; `ARGV[1]` waiter-key prefix,
+/// `ARGV[2]` the acquire's waiter ID (also the owner value of its grant), `ARGV[3]` TTL in ms,
+/// `ARGV[4]` the client's hand-off channel (`''`: do not queue), `ARGV[5]` [`WAITER_TTL`] in ms.
 ///
-/// A tombstone means the attempt was cancelled and its cleanup ran first (it came on another
-/// connection): `{2, 0, ''}`, nothing taken. Free lock: `SET NX PX` with our owner value, then
-/// the counter becomes `max(counter + 1, TIME in µs)` and is returned as `{1, token, ''}`. Held
-/// lock: `{0, PTTL, holder}` (the holder's remaining TTL in ms, or -1 for a key without expiry,
-/// and its owner value). The counter is checked before
-/// anything is written, so a corrupt counter fails the script without taking the lock. Lua
-/// numbers are doubles: tokens stay exact below 2^53 µs (the year 2255).
-/// See <https://redis.io/docs/latest/commands/set/> and <https://redis.io/docs/latest/commands/time/>.
+/// - A tombstone means the ID was retired and its cleanup ran first (it came on another
+///   connection): `{2, 0, ''}`, nothing touched.
+/// - The lock key holds our ID (a release handed it to us): the TTL is set anew from now and
+///   the token read back, `{1, token, ''}`.
+/// - Free lock (`SET NX PX … GET` set it to our ID, Redis 7.0+): if live waiters queue before
+///   us (the holder's key expired, nobody released), the first is handed the lock instead and we
+///   go on as for a held lock. Otherwise the counter is `INCR`ed (a counter that is not an
+///   integer fails the script, and the lock key is deleted again) and we leave the queue:
+///   `{1, token, ''}`.
+/// - Held lock: with a channel, we join the queue's tail (`ZADD NX` scored by the server's
+///   `TIME` in µs: a script takes longer than a µs, so scores increase in arrival order; an
+///   existing entry keeps its place) and refresh our waiter key; `{0, PTTL, holder}` (the holder's remaining TTL in ms, or -1 for a key without
+///   expiry).
+///
+/// Lua numbers are doubles: tokens stay exact below 2^53 µs (the year 2255).
+/// See <https://redis.io/docs/latest/commands/set/> and <https://redis.io/docs/latest/commands/zadd/>.
 static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r"
-if redis.call('EXISTS', KEYS[3]) == 1 then
-  return {2, 0, ''}
+    Script::new(&format!(
+        r"{SERVE_LUA}
+if redis.call('EXISTS', KEYS[4]) == 1 then
+  return {{2, 0, ''}}
 end
-local last = redis.call('GET', KEYS[2])
-local counter = 0
-if last then
-  counter = tonumber(last)
-  if not counter then
-    return redis.error_reply('lockkit: the fence counter is not a number')
+local me = ARGV[2]
+local v = redis.call('SET', KEYS[1], me, 'NX', 'PX', ARGV[3], 'GET')
+if v == me then
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+  return {{1, tonumber(redis.call('GET', KEYS[2])) or bump(), ''}}
+end
+if not v then
+  v = serve(me)
+  if not v then
+    local ok, t = pcall(bump)
+    if not ok then
+      redis.call('DEL', KEYS[1])
+      return redis.error_reply('lockkit: the fence counter is not an integer')
+    end
+    return {{1, t, ''}}
   end
 end
-if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  return {0, redis.call('PTTL', KEYS[1]), redis.call('GET', KEYS[1])}
+if ARGV[4] ~= '' then
+  local now = redis.call('TIME')
+  redis.call('ZADD', KEYS[3], 'NX', tonumber(now[1]) * 1000000 + tonumber(now[2]), me)
+  redis.call('SET', ARGV[1] .. me, ARGV[3] .. ' ' .. ARGV[4], 'PX', ARGV[5])
 end
-local t = redis.call('TIME')
-local token = tonumber(t[1]) * 1000000 + tonumber(t[2])
-if counter + 1 > token then
-  token = counter + 1
-end
-redis.call('SET', KEYS[2], string.format('%d', token))
-return {1, token, ''}
-",
-    )
+return {{0, redis.call('PTTL', KEYS[1]), v}}
+"
+    ))
 });
 
 /// The holder-read script. `KEYS[1]` lock key, `KEYS[2]` fence counter key. A free lock:
@@ -95,20 +117,24 @@ return {1, redis.call('PTTL', KEYS[1]), redis.call('GET', KEYS[2]) or ''}
 });
 
 const NOTES: &str = "efficiency lock on one Redis server. Tokens: a per-name counter that never \
-expires, floored at the server's TIME in µs, so they keep increasing across restarts without \
-persistence as long as the server's wall clock never steps backwards and the lock is granted \
-fewer than once per µs on average. A failover to an asynchronously replicated replica can \
+expires, started at the server's TIME in µs whenever it is missing, so they keep increasing across \
+restarts without persistence as long as the server's wall clock never steps backwards and the lock \
+is granted fewer than once per µs on average. A failover to an asynchronously replicated replica can \
 grant a held lock a second time, and so can a restart that loses the data: a waiter may get the \
-lock while the old holder still reads Held until its next renewal (up to TTL/3 later). Fence \
-counters are never deleted: one small key per lock name ever used.";
+lock while the old holder still reads Held until its next renewal (up to TTL/3 later). Waiters are \
+served in queue order (a waiter that stops looking drops out after WAITER_TTL). Fence counters are \
+never deleted: one small key per lock name ever used.";
 
-/// The keys and channel of one lock name. See the crate docs, "Keys".
+/// The keys of one lock name. See the crate docs, "Keys".
 #[derive(Debug, Clone)]
 pub(crate) struct Keys {
     pub(crate) lock: String,
     pub(crate) fence: String,
-    pub(crate) channel: String,
-    /// `P:cancelled:`, to which an attempt's owner value is appended for its tombstone.
+    /// The waiters' queue, a ZSET of waiter IDs in arrival order.
+    pub(crate) queue: String,
+    /// `P:waiter:`, to which a waiter ID is appended for its liveness key.
+    pub(crate) waiter_prefix: String,
+    /// `P:cancelled:`, to which a waiter ID is appended for its tombstone.
     cancelled: String,
 }
 
@@ -117,15 +143,16 @@ impl Keys {
         Self {
             lock: format!("{prefix}:lock:{name}"),
             fence: format!("{prefix}:fence:{name}"),
-            channel: format!("{prefix}:released:{name}"),
+            queue: format!("{prefix}:queue:{name}"),
+            waiter_prefix: format!("{prefix}:waiter:"),
             cancelled: format!("{prefix}:cancelled:"),
         }
     }
 
-    /// The tombstone key of a cancelled acquire attempt with `owner` value. The lock name is
-    /// not in it: `P:cancelled:OWNER`, a kind of its own.
-    pub(crate) fn tombstone(&self, owner: &str) -> String {
-        format!("{}{owner}", self.cancelled)
+    /// The tombstone key of a retired waiter ID. The lock name is not in it:
+    /// `P:cancelled:ID`, a kind of its own.
+    pub(crate) fn tombstone(&self, id: &str) -> String {
+        format!("{}{id}", self.cancelled)
     }
 }
 
@@ -142,6 +169,7 @@ pub struct RedisLock {
 struct Inner {
     conn: Conn,
     hub: Arc<Hub>,
+    renewer: Arc<Renewer>,
     config: RedisConfig,
 }
 
@@ -257,10 +285,12 @@ impl RedisLock {
             Ok(Err(e)) => return Err(from_redis(e)),
             Err(_) => return Err(timed_out("connecting to redis", ct)),
         };
+        let conn = Conn::new(client.clone(), manager, conn);
         Ok(Self {
             inner: Arc::new(Inner {
-                conn: Conn::new(client.clone(), manager, conn),
-                hub: Hub::new(client, ct, rt),
+                renewer: Renewer::new(conn.clone()),
+                conn,
+                hub: Hub::new(client, &config.prefix, ct, rt),
                 config,
             }),
         })
@@ -289,33 +319,44 @@ impl RedisLock {
         Keys::new(self.prefix(), name).fence
     }
 
-    /// One run of the acquire script with a fresh owner value.
+    /// This client's hand-off channel (`P:client:ID`, subscribed on the waiters' pub/sub
+    /// connection while anyone waits), for inspection and tests.
+    pub fn waiter_channel(&self) -> &str {
+        self.inner.hub.channel()
+    }
+
+    /// The Redis key of the waiters' queue of lock `name` (a sorted set of waiter IDs in
+    /// arrival order), for inspection. Does not validate `name`.
+    pub fn queue_key(&self, name: &str) -> String {
+        Keys::new(self.prefix(), name).queue
+    }
+
+    /// One run of the acquire script for the call's current waiter ID, joining the queue if
+    /// `route` is this ID's hand-off route.
     ///
     /// A grant whose reply came after its TTL (the lease would be lost on arrival) is undone and
     /// reported as [`Error::Unavailable`], so that the caller retries.
     ///
-    /// An attempt that fails after its script may have run adds its owner value to
-    /// `abandoned`, so that the caller can tell its own orphaned grant from another holder.
+    /// An attempt that fails after its script may have run retires the ID (see [`Call`]), so
+    /// that the caller can tell its own orphaned grant from another holder.
     ///
     /// Cancel safe: if the future is dropped (or the reply is lost) after the script may have
-    /// run, a drop guard spawns a cleanup for this owner value (see [`cancel_attempt`]).
+    /// run, the call's drop guard cleans up for this ID (see [`cancel_attempt`]).
     async fn attempt(
         &self,
-        keys: &Keys,
+        call: &Call,
         ttl: Duration,
-        abandoned: &Mutex<Vec<String>>,
+        route: Option<&Waiting>,
     ) -> Result<Attempt> {
-        let owner = format!("{:032x}", rand::random::<u128>());
-        let tombstone = keys.tombstone(&owner);
-        let sent = Instant::now();
-        let mut guard = InFlight {
-            conn: self.inner.conn.clone(),
-            keys: keys.clone(),
-            owner,
-            sent,
-            ttl,
-            armed: true,
+        let keys = &call.keys;
+        let (me, queue) = {
+            let mut st = call.lock();
+            st.armed = true;
+            let queue = route.filter(|w| w.id() == st.me).is_some();
+            (st.me.clone(), queue)
         };
+        let channel = if queue { self.inner.hub.channel() } else { "" };
+        let sent = Instant::now();
         let reply: (i64, i64, String) = match self
             .inner
             .conn
@@ -323,16 +364,20 @@ impl RedisLock {
                 ACQUIRE
                     .key(&keys.lock)
                     .key(&keys.fence)
-                    .key(&tombstone)
-                    .arg(&guard.owner)
-                    .arg(ttl_millis(ttl)),
+                    .key(&keys.queue)
+                    .key(keys.tombstone(&me))
+                    .arg(&keys.waiter_prefix)
+                    .arg(&me)
+                    .arg(ttl_millis(ttl))
+                    .arg(channel)
+                    .arg(ttl_millis(WAITER_TTL)),
             )
             .await
         {
             Ok(r) => r,
             Err(e) => {
-                // The script may have run: the guard stays armed and cleans up.
-                locked(abandoned).push(guard.owner.clone());
+                // The script may have run: the old ID is cleaned up in the background.
+                call.retire(&me);
                 return Err(from_redis(e));
             }
         };
@@ -340,15 +385,12 @@ impl RedisLock {
             (1, token, _) if token > 0 => {
                 let tracker = TrackerHandle::new(sent, ttl);
                 if tracker.state() == LeaseState::Lost {
-                    // Too late to be of use: undo it now (if that fails, the guard retries in
+                    // Too late to be of use: undo it now (if that fails, the cleanup retries in
                     // the background) so that the retry does not find its own stale lock.
-                    if cancel_once(&self.inner.conn, keys, &guard.owner, ttl)
-                        .await
-                        .is_ok()
-                    {
-                        guard.armed = false;
+                    if cancel_once(&self.inner.conn, keys, &me, ttl).await.is_ok() {
+                        call.forget(&me);
                     } else {
-                        locked(abandoned).push(guard.owner.clone());
+                        call.retire(&me);
                     }
                     return Err(Error::Unavailable {
                         backend: BACKEND,
@@ -360,27 +402,66 @@ impl RedisLock {
                         .into(),
                     });
                 }
-                guard.armed = false;
                 Ok(Attempt::Granted {
                     token: token.unsigned_abs(),
-                    owner: std::mem::take(&mut guard.owner),
+                    owner: call.granted(),
                     tracker,
                 })
             }
             (0, pttl, holder) => {
-                guard.armed = false;
+                let mut st = call.lock();
+                st.queued |= queue;
+                st.armed = st.queued;
+                if queue {
+                    st.queued_at = Some(sent);
+                }
                 Ok(Attempt::Held {
                     pttl: held_pttl(pttl),
                     holder,
                 })
             }
-            _ => Err(bad_reply("acquire")),
+            _ => {
+                call.retire(&me);
+                Err(bad_reply("acquire"))
+            }
         }
     }
-}
 
-fn locked(m: &Mutex<Vec<String>>) -> MutexGuard<'_, Vec<String>> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
+    /// The lease of a grant with `token` to `owner`, renewed by this connection's batch when
+    /// `opts.keepalive` is on.
+    fn lease(
+        &self,
+        name: &str,
+        keys: Keys,
+        owner: String,
+        token: u64,
+        tracker: TrackerHandle,
+        opts: &AcquireOptions,
+    ) -> Lease {
+        let ops = Arc::new(RedisLease {
+            conn: self.inner.conn.clone(),
+            name: name.to_owned(),
+            keys,
+            owner,
+            batch: Mutex::new(None),
+            self_renewing: opts.keepalive,
+        });
+        if opts.keepalive {
+            // Registered once the lease exists: the renewer drops entries whose lease is gone.
+            let batch = self.inner.renewer.register(Arc::downgrade(&ops), &tracker);
+            if batch.is_none() {
+                tracing::warn!(lock = %name, "no Tokio runtime: the lease will not be kept alive");
+            }
+            *ops.batch.lock().unwrap_or_else(|p| p.into_inner()) = batch;
+        }
+        Lease::new(
+            name,
+            FencingToken::new(self.lock_id(name), token),
+            tracker,
+            ops,
+            opts,
+        )
+    }
 }
 
 /// The holder's remaining TTL from the acquire script's `PTTL`: `None` for a key without expiry
@@ -404,32 +485,127 @@ enum Attempt {
     },
 }
 
-/// Armed while an acquire script is in flight: on drop it spawns [`cancel_attempt`] for its
-/// owner value, so a cancelled acquire leaves no lock behind.
-struct InFlight {
-    conn: Conn,
-    keys: Keys,
-    owner: String,
-    sent: Instant,
-    ttl: Duration,
-    armed: bool,
+fn new_id() -> String {
+    format!("{:032x}", rand::random::<u128>())
 }
 
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        if !self.armed {
-            return;
+/// One acquire call on the server: its current waiter ID (a random 128-bit value in hex, also
+/// the owner value of its grant) and whether the server may hold something for that ID (an
+/// attempt in flight, a place in the queue, a lock handed to it).
+///
+/// Dropped while armed (the acquire was cancelled, timed out or failed), it spawns the cleanup
+/// for the ID ([`cancel_attempt`]). An attempt whose reply was lost *retires* the ID: its
+/// cleanup is spawned, and the call goes on with a fresh ID (at the end of the queue), so a late
+/// script of the old ID can never touch the new one's grant.
+struct Call {
+    conn: Conn,
+    keys: Keys,
+    ttl: Duration,
+    state: Mutex<CallState>,
+}
+
+struct CallState {
+    me: String,
+    armed: bool,
+    /// Some attempt of this ID joined the queue.
+    queued: bool,
+    /// Send time of the last attempt of this ID that left it queued: a lock handed to the ID
+    /// later was handed after that.
+    queued_at: Option<Instant>,
+    /// Retired IDs whose grant this call may still meet as "the holder".
+    retired: Vec<String>,
+}
+
+impl Call {
+    fn new(conn: Conn, keys: Keys, ttl: Duration) -> Self {
+        Self {
+            conn,
+            keys,
+            ttl,
+            state: Mutex::new(CallState {
+                me: new_id(),
+                armed: false,
+                queued: false,
+                queued_at: None,
+                retired: Vec::new(),
+            }),
         }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, CallState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn me(&self) -> String {
+        self.lock().me.clone()
+    }
+
+    /// Retires `id` (if it is still the current one) and cleans up after it in the background.
+    fn retire(&self, id: &str) {
+        let old = {
+            let mut st = self.lock();
+            if st.me != id {
+                return;
+            }
+            let old = std::mem::replace(&mut st.me, new_id());
+            st.retired.push(old.clone());
+            st.armed = false;
+            st.queued = false;
+            st.queued_at = None;
+            old
+        };
+        self.spawn_cleanup(old);
+    }
+
+    /// Replaces `id` after its cleanup ran to completion.
+    fn forget(&self, id: &str) {
+        let mut st = self.lock();
+        if st.me == id {
+            st.me = new_id();
+            st.armed = false;
+            st.queued = false;
+            st.queued_at = None;
+        }
+    }
+
+    fn is_retired(&self, holder: &str) -> bool {
+        self.lock().retired.iter().any(|r| r == holder)
+    }
+
+    fn unretire(&self, holder: &str) {
+        self.lock().retired.retain(|r| r != holder);
+    }
+
+    /// The call got its grant: nothing to clean up. Returns the owner value.
+    fn granted(&self) -> String {
+        let mut st = self.lock();
+        st.armed = false;
+        st.me.clone()
+    }
+
+    fn spawn_cleanup(&self, id: String) {
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
-            return; // no runtime: the TTL frees the lock
+            return; // no runtime: the TTLs free the lock and the queue
         };
         rt.spawn(cancel_attempt(
             self.conn.clone(),
             self.keys.clone(),
-            std::mem::take(&mut self.owner),
-            self.sent,
+            id,
+            Instant::now(),
             self.ttl,
         ));
+    }
+}
+
+impl Drop for Call {
+    fn drop(&mut self) {
+        let st = self.lock();
+        if !st.armed {
+            return;
+        }
+        let id = st.me.clone();
+        drop(st);
+        self.spawn_cleanup(id);
     }
 }
 
@@ -448,16 +624,16 @@ fn fallback_delay(pttl: Option<Duration>) -> Duration {
     }
 }
 
-async fn released(sub: &mut Option<Subscription>) {
-    match sub {
-        Some(s) => s.released().await,
+async fn handed(route: &mut Option<Waiting>) -> Option<u64> {
+    match route {
+        Some(w) => w.handed().await,
         None => std::future::pending().await,
     }
 }
 
-type Subscribing = Pin<Box<dyn Future<Output = Result<Subscription>> + Send>>;
+type Subscribing = Pin<Box<dyn Future<Output = Result<()>> + Send>>;
 
-async fn subscribed(f: &mut Option<Subscribing>) -> Result<Subscription> {
+async fn subscribed(f: &mut Option<Subscribing>) -> Result<()> {
     match f {
         Some(f) => f.await,
         None => std::future::pending().await,
@@ -466,7 +642,9 @@ async fn subscribed(f: &mut Option<Subscribing>) -> Result<Subscription> {
 
 /// What ended a waiter's sleep.
 enum Woken {
-    Subscribed(Result<Subscription>),
+    Subscribed(Result<()>),
+    /// A release handed the lock to the waiter: its token.
+    Handed(u64),
     Look,
     Deadline,
 }
@@ -480,24 +658,29 @@ async fn until(deadline: Option<Instant>) {
 
 #[async_trait]
 impl LockBackend for RedisLock {
-    /// Acquires `name`: one atomic script sets the lock key if it is free and bumps the fence
-    /// counter.
+    /// Acquires `name`: one atomic script takes the lock key if it is free and nobody queues
+    /// before us, and bumps the fence counter; if it is held, the same script puts a waiting
+    /// acquire at the end of the lock's queue.
     ///
-    /// A waiting acquire subscribes to the lock's release channel before the attempt that finds
-    /// it held, then sleeps until a release message arrives, the holder's TTL runs out (jittered
-    /// by up to [`EXPIRY_JITTER`]) or [`MAX_WAIT_POLL`] passes, whichever comes first. Waiters
-    /// are not served in FIFO order.
+    /// Waiters are served in queue order: a release hands the lock directly to the first live
+    /// waiter and tells only that waiter's client (one `PUBLISH` on its own channel), so a
+    /// waiter usually gets the lock with no request of its own. Before its first wait a client
+    /// subscribes once to its channel (the first waiter of a `RedisLock` looks at the lock once
+    /// more, queued, when that is confirmed). Waiters also look again just after the holder's
+    /// TTL runs out (jittered by up to [`EXPIRY_JITTER`]) and at least every [`MAX_WAIT_POLL`],
+    /// which keeps their place in the queue alive ([`WAITER_TTL`]) and covers lost messages.
     ///
     /// # Errors
     /// As [`Lock::acquire`](lockkit_core::Lock::acquire). [`Error::Backend`] if the fence counter key holds something that is
-    /// not a number (nothing is written then).
+    /// not an integer (nothing is written then).
     ///
     /// # Cancel safety
-    /// Cancel safe: if dropped while the acquire script is in flight, a cleanup for this
-    /// attempt's owner value is spawned: it deletes the lock if the script took it, or else
-    /// leaves a tombstone that stops the script if it arrives later (on another connection),
-    /// and it retries transient errors for the TTL (at least 60 s). A dropped waiter's
-    /// subscription is removed in the background.
+    /// Cancel safe: if dropped (or timed out, or failed) while a script is in flight or while
+    /// queued, a cleanup for the call's waiter ID is spawned: it leaves the queue, gives the lock
+    /// to the next waiter (or deletes it) if the script took it or a release handed it over, and
+    /// leaves a tombstone that stops a script of that ID arriving later (on another
+    /// connection). It retries transient errors for the TTL (at least 60 s). Should the cleanup
+    /// never get through, the waiter's place expires after [`WAITER_TTL`].
     async fn grant(&self, name: &str, opts: AcquireOptions) -> Result<Lease> {
         validate_name(name)?;
         opts.validate()?;
@@ -508,16 +691,24 @@ impl LockBackend for RedisLock {
             name: name.to_owned(),
             waited: start.elapsed(),
         };
-        // Owner values of this call's attempts that failed after their script may have run.
-        let abandoned = Mutex::new(Vec::new());
-        let mut sub: Option<Subscription> = None;
+        let call = Call::new(self.inner.conn.clone(), keys.clone(), opts.ttl);
+        let hub = &self.inner.hub;
+        // The hand-off route of the current waiter ID, registered before the attempt that
+        // queues, so that no hand-off is missed.
+        let mut route: Option<Waiting> = None;
         // A SUBSCRIBE in progress: it goes on across sleeps, so that a slow or dead pub/sub
         // connection never delays a look at the lock.
         let mut subscribing: Option<Subscribing> = None;
         let mut next_subscribe = start;
         loop {
+            if opts.wait != Wait::No {
+                let me = call.me();
+                if route.as_ref().is_none_or(|r| r.is_dead() || r.id() != me) {
+                    route = hub.register(&me);
+                }
+            }
             let attempt = retry_transient(&opts, deadline, || {
-                self.attempt(&keys, opts.ttl, &abandoned)
+                self.attempt(&call, opts.ttl, route.as_ref())
             })
             .await?;
             let pttl = match attempt {
@@ -525,31 +716,16 @@ impl LockBackend for RedisLock {
                     token,
                     owner,
                     tracker,
-                } => {
-                    let ops = Arc::new(RedisLease {
-                        conn: self.inner.conn.clone(),
-                        name: name.to_owned(),
-                        lock_key: keys.lock,
-                        channel: keys.channel,
-                        owner,
-                    });
-                    return Ok(Lease::new(
-                        name,
-                        FencingToken::new(self.lock_id(name), token),
-                        tracker,
-                        ops,
-                        &opts,
-                    ));
-                }
+                } => return Ok(self.lease(name, keys, owner, token, tracker, &opts)),
                 Attempt::Held { pttl, holder } => {
-                    if locked(&abandoned).contains(&holder) {
+                    if call.is_retired(&holder) {
                         // An earlier attempt of this call timed out but took the lock after
                         // all: give it back and look again (never report it as Held).
                         if cancel_once(&self.inner.conn, &keys, &holder, opts.ttl)
                             .await
                             .is_ok()
                         {
-                            locked(&abandoned).retain(|o| *o != holder);
+                            call.unretire(&holder);
                             continue;
                         }
                     }
@@ -565,39 +741,63 @@ impl LockBackend for RedisLock {
             if deadline.is_some_and(|d| now >= d) {
                 return Err(timeout());
             }
-            if sub.as_ref().is_some_and(Subscription::is_dead) {
-                sub = None;
+            if route.is_none() && subscribing.is_none() && now >= next_subscribe {
+                let hub = hub.clone();
+                subscribing = Some(Box::pin(async move { hub.ensure().await }));
             }
-            if sub.is_none() && subscribing.is_none() && now >= next_subscribe {
-                let hub = self.inner.hub.clone();
-                let channel = keys.channel.clone();
-                subscribing = Some(Box::pin(async move { hub.subscribe(&channel).await }));
+            let mut poll = fallback_delay(pttl);
+            if route.is_some() {
+                // A handed-over lease counts from our last look: keep it recent.
+                poll = poll.min(opts.ttl / 4);
             }
-            let poll = fallback_delay(pttl);
             let woken = tokio::select! {
                 s = subscribed(&mut subscribing) => Woken::Subscribed(s),
-                _ = released(&mut sub) => Woken::Look,
+                t = handed(&mut route) => t.map_or(Woken::Look, Woken::Handed),
                 _ = tokio::time::sleep(poll) => Woken::Look,
                 _ = until(deadline) => Woken::Deadline,
             };
             match woken {
                 Woken::Look => {}
                 Woken::Deadline => return Err(timeout()),
-                // Subscribed: look again before sleeping, so a release between the last
-                // attempt and the subscription is not missed.
-                Woken::Subscribed(Ok(s)) => {
-                    subscribing = None;
-                    sub = Some(s);
-                }
+                // Subscribed: look again at once, queued this time.
+                Woken::Subscribed(Ok(())) => subscribing = None,
                 Woken::Subscribed(Err(e)) => {
                     subscribing = None;
                     next_subscribe = Instant::now()
                         + if e.is_retryable() {
                             MAX_WAIT_POLL
                         } else {
-                            self.inner.hub.refused(&e);
+                            hub.refused(&e);
                             REFUSED_SUBSCRIBE_RETRY
                         };
+                }
+                Woken::Handed(token) => {
+                    let me = call.me();
+                    let Some(queued_at) = call.lock().queued_at else {
+                        continue;
+                    };
+                    if route.as_ref().is_none_or(|r| r.id() != me) {
+                        continue; // for a retired ID: its cleanup gives the lock on
+                    }
+                    let mut tracker = TrackerHandle::new(queued_at, opts.ttl);
+                    if tracker.state() != LeaseState::Held {
+                        // We last looked long ago (a short TTL): extend the handed lease from
+                        // now rather than hand it out suspect or lost. If that fails, the next
+                        // look finds out where the lock stands.
+                        let sent = Instant::now();
+                        let renewed: Result<i64> = self
+                            .inner
+                            .conn
+                            .invoke(RENEW.key(&keys.lock).arg(&me).arg(ttl_millis(opts.ttl)))
+                            .await
+                            .map_err(from_redis);
+                        if !matches!(renewed, Ok(1)) {
+                            continue;
+                        }
+                        tracker = TrackerHandle::new(sent, opts.ttl);
+                    }
+                    let owner = call.granted();
+                    return Ok(self.lease(name, keys, owner, token, tracker, &opts));
                 }
             }
         }
@@ -608,7 +808,7 @@ impl LockBackend for RedisLock {
         let mut g = Guarantees::new(BACKEND, LockKind::Efficiency);
         g.tokens_survive_restart = true;
         g.safe_across_failover = false;
-        g.fifo_waiters = false;
+        g.fifo_waiters = true;
         g.manual_renewal = true;
         g.expiry_slack = EXPIRY_SLACK;
         g.notes = NOTES;
@@ -654,7 +854,7 @@ mod tests {
         let k = Keys::new("app", "a:lock:b *?[x]");
         assert_eq!(k.lock, "app:lock:a:lock:b *?[x]");
         assert_eq!(k.fence, "app:fence:a:lock:b *?[x]");
-        assert_eq!(k.channel, "app:released:a:lock:b *?[x]");
+        assert_eq!(k.queue, "app:queue:a:lock:b *?[x]");
         assert_ne!(Keys::new("app", "x").lock, Keys::new("app", "x ").lock);
     }
 

@@ -260,7 +260,7 @@ async fn waiters_keep_polling_when_the_pubsub_connection_goes_silent() {
         w.acquire("x", opts(30_000, Wait::Timeout(Duration::from_secs(30))))
             .await
     });
-    let channel = format!("{prefix}:released:x");
+    let channel = waiter.waiter_channel().to_owned();
     let start = Instant::now();
     loop {
         let (_, n): (String, i64) = redis::cmd("PUBSUB")

@@ -13,6 +13,7 @@ use crate::common::{ServerProcess, free_port, fresh_prefix, server_url, wait_unt
 
 mod failures;
 mod fence;
+mod queue;
 
 mod contract {
     use crate::common::UrlHarness;
@@ -460,8 +461,8 @@ fn evalsha_calls(info: &str) -> u64 {
         .unwrap_or(0)
 }
 
-/// A waiter is woken by the release's PUBLISH, long before the holder's TTL and before its own
-/// fallback poll (~1 s).
+/// A queued waiter is handed the lock by the release (one PUBLISH on the waiter's client
+/// channel), long before the holder's TTL and before its own fallback poll (~1 s).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn waiter_is_woken_by_the_release_message() {
     // A private server, so the command counters below count only this test's commands.
@@ -469,6 +470,7 @@ async fn waiter_is_woken_by_the_release_message() {
     let url = with_prefix(&server.url(), &fresh_prefix());
     let holder = RedisLock::connect(&url).await.expect("connect");
     let waiter = RedisLock::connect(&url).await.expect("connect");
+    let channel = waiter.waiter_channel().to_owned();
     let name = "wake";
     let lease = holder
         .acquire(
@@ -503,8 +505,8 @@ async fn waiter_is_woken_by_the_release_message() {
             .await;
         (Instant::now(), l)
     });
-    // The waiter has subscribed and then tried again (two acquire scripts): it is asleep now.
-    let channel = format!("{}:released:{name}", holder.prefix());
+    // The waiter has subscribed to its client's channel and then tried again, queued (two
+    // acquire scripts): it is asleep now.
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let subs: (String, i64) = redis::cmd("PUBSUB")
@@ -532,13 +534,14 @@ async fn waiter_is_woken_by_the_release_message() {
 }
 
 /// When the waiters' pub/sub connection is killed, a waiter subscribes again on a new one and is
-/// still woken by the next release message.
+/// still handed the lock by the next release.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn waiter_resubscribes_after_its_pubsub_connection_dies() {
     let server = PrivateRedis::start(None).await;
     let url = with_prefix(&server.url(), &fresh_prefix());
     let holder = RedisLock::connect(&url).await.expect("connect");
     let waiter = RedisLock::connect(&url).await.expect("connect");
+    let channel = waiter.waiter_channel().to_owned();
     let name = "resubscribe";
     let lease = holder
         .acquire(
@@ -562,7 +565,6 @@ async fn waiter_resubscribes_after_its_pubsub_connection_dies() {
         (Instant::now(), l)
     });
     let conn = server.raw().await;
-    let channel = format!("{}:released:{name}", holder.prefix());
     let numsub = |mut c: redis::aio::MultiplexedConnection, ch: String| async move {
         let r: (String, i64) = redis::cmd("PUBSUB")
             .arg("NUMSUB")

@@ -1,0 +1,253 @@
+//! The waiters' queue and the batched keepalive, on private servers: FIFO hand-off with one
+//! message per release, cancelled and dead waiters, and per-lease results of a batch renewal.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use lockkit::redis::redis;
+use lockkit::redis::{RedisLock, WAITER_TTL};
+use lockkit::{AcquireOptions, LeaseState, Lock, Wait};
+use tokio::time::Instant;
+
+use super::{PrivateRedis, await_exists, exists};
+use crate::common::proxy::Proxy;
+use crate::common::{fresh_prefix, with_prefix};
+
+fn opts(ttl_ms: u64, wait: Wait) -> AcquireOptions {
+    AcquireOptions::new()
+        .ttl(Duration::from_millis(ttl_ms))
+        .keepalive(false)
+        .wait(wait)
+}
+
+fn stat(info: &str, command: &str) -> u64 {
+    info.lines()
+        .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
+async fn info(conn: &mut redis::aio::MultiplexedConnection) -> String {
+    redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async::<String>(conn)
+        .await
+        .expect("INFO")
+}
+
+async fn queue_len(conn: &mut redis::aio::MultiplexedConnection, key: &str) -> u64 {
+    redis::cmd("ZCARD")
+        .arg(key)
+        .query_async(conn)
+        .await
+        .expect("ZCARD")
+}
+
+/// Waits (bounded, 10 s) until the queue at `key` has `n` entries.
+async fn await_queue(conn: &mut redis::aio::MultiplexedConnection, key: &str, n: u64) {
+    let start = Instant::now();
+    while queue_len(conn, key).await != n {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "queue {key:?} never reached {n} entries"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Waiters get the lock in the order they queued, each hand-off is one PUBLISH to the one
+/// waiter concerned, and no waiter retries the acquire script on a release.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_are_handed_the_lock_in_queue_order_one_message_each() {
+    let server = PrivateRedis::start(None).await;
+    let url = with_prefix(&server.url(), &fresh_prefix());
+    let holder = RedisLock::connect(&url).await.expect("connect");
+    let name = "fifo";
+    let queue = holder.queue_key(name);
+    let mut conn = server.raw().await;
+    let lease = holder
+        .acquire(name, opts(30_000, Wait::No))
+        .await
+        .expect("acquire");
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let mut joins = Vec::new();
+    for i in 0..4u64 {
+        let c = RedisLock::connect(&url).await.expect("connect");
+        let order = order.clone();
+        joins.push(tokio::spawn(async move {
+            let l = c
+                .acquire(name, opts(30_000, Wait::Timeout(Duration::from_secs(20))))
+                .await
+                .expect("acquire");
+            order.lock().unwrap().push(i);
+            l.release().await.expect("release");
+        }));
+        await_queue(&mut conn, &queue, i + 1).await;
+    }
+    let before = info(&mut conn).await;
+    lease.release().await.expect("release");
+    for j in joins {
+        j.await.expect("waiter");
+    }
+    let after = info(&mut conn).await;
+    assert_eq!(*order.lock().unwrap(), vec![0, 1, 2, 3]);
+    let publishes = stat(&after, "publish") - stat(&before, "publish");
+    assert_eq!(publishes, 4, "one hand-off message per waiter");
+    // Five releases; any other script is a waiter's look (at most one per second each).
+    let scripts = stat(&after, "evalsha") - stat(&before, "evalsha");
+    assert!(
+        scripts <= 5 + 4,
+        "{scripts} scripts for 5 releases and 4 hand-offs"
+    );
+    assert_eq!(queue_len(&mut conn, &queue).await, 0);
+    assert!(!exists(&mut conn, &holder.lock_key(name)).await);
+}
+
+/// A queued waiter that is cancelled (its future dropped) leaves nothing behind: its place and
+/// its waiter key are removed, and the next release does not hand it the lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelled_waiter_in_the_queue_leaves_nothing_behind() {
+    let server = PrivateRedis::start(None).await;
+    let prefix = fresh_prefix();
+    let url = with_prefix(&server.url(), &prefix);
+    let holder = RedisLock::connect(&url).await.expect("connect");
+    let waiter = RedisLock::connect(&url).await.expect("connect");
+    let name = "cancelled";
+    let queue = holder.queue_key(name);
+    let mut conn = server.raw().await;
+    let lease = holder
+        .acquire(name, opts(30_000, Wait::No))
+        .await
+        .expect("acquire");
+    let task = tokio::spawn(async move {
+        waiter
+            .acquire(name, opts(30_000, Wait::Forever))
+            .await
+            .map(|l| l.leak())
+    });
+    await_queue(&mut conn, &queue, 1).await;
+    let ids: Vec<String> = redis::cmd("ZRANGE")
+        .arg(&queue)
+        .arg(0)
+        .arg(-1)
+        .query_async(&mut conn)
+        .await
+        .expect("ZRANGE");
+    let waiter_key = format!("{prefix}:waiter:{}", ids[0]);
+    assert!(exists(&mut conn, &waiter_key).await, "no waiter key");
+    task.abort();
+    await_exists(&mut conn, &waiter_key, false, Duration::from_secs(5)).await;
+    assert_eq!(queue_len(&mut conn, &queue).await, 0, "queue entry left");
+    lease.release().await.expect("release");
+    assert!(
+        !exists(&mut conn, &holder.lock_key(name)).await,
+        "the release handed the lock to the cancelled waiter"
+    );
+}
+
+/// A waiter whose process died (all its connections frozen: no refresh and no cleanup reaches
+/// the server) drops out of the queue after WAITER_TTL: a release after that hands the lock to
+/// the live waiter behind it at once. Handed to the dead waiter before that, the lock is free
+/// again after that lease's TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_waiter_does_not_block_the_queue_past_its_ttl() {
+    let server = PrivateRedis::start(None).await;
+    let prefix = fresh_prefix();
+    let url = with_prefix(&server.url(), &prefix);
+    let holder = RedisLock::connect(&url).await.expect("connect");
+    let mut conn = server.raw().await;
+    for (round, wait_out) in [("expired", true), ("handed", false)] {
+        let name = format!("dead-{round}");
+        let queue = holder.queue_key(&name);
+        let proxy = Proxy::start_local(server.port).await;
+        let doomed =
+            RedisLock::connect(&format!("redis://127.0.0.1:{}?prefix={prefix}", proxy.port))
+                .await
+                .expect("connect");
+        let live = RedisLock::connect(&url).await.expect("connect");
+        let lease = holder
+            .acquire(&name, opts(30_000, Wait::No))
+            .await
+            .expect("acquire");
+        let n = name.clone();
+        let dead =
+            tokio::spawn(async move { doomed.acquire(&n, opts(1_000, Wait::Forever)).await });
+        await_queue(&mut conn, &queue, 1).await;
+        proxy.freeze(); // the process is gone as far as the server can tell
+        let n = name.clone();
+        let waiting = tokio::spawn(async move {
+            let l = live
+                .acquire(&n, opts(30_000, Wait::Timeout(Duration::from_secs(20))))
+                .await;
+            (Instant::now(), l)
+        });
+        await_queue(&mut conn, &queue, 2).await;
+        if wait_out {
+            tokio::time::sleep(WAITER_TTL + Duration::from_millis(200)).await;
+        }
+        let released = Instant::now();
+        lease.release().await.expect("release");
+        let (at, l) = waiting.await.expect("live waiter");
+        let l = l.expect("the live waiter got the lock");
+        let took = at - released;
+        let limit = if wait_out {
+            Duration::from_millis(500)
+        } else {
+            Duration::from_millis(1_000 + 2_500)
+        };
+        assert!(took < limit, "{round}: the live waiter waited {took:?}");
+        l.release().await.expect("release");
+        dead.abort();
+    }
+}
+
+/// One batched keepalive renews every lease of the connection; a lease whose key is gone is
+/// marked lost alone (soon, not at its deadline), while the others of the same batch stay held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_renewal_failing_for_one_lease_marks_only_that_one_lost() {
+    let server = PrivateRedis::start(None).await;
+    let url = with_prefix(&server.url(), &fresh_prefix());
+    let locks = RedisLock::connect(&url).await.expect("connect");
+    let mut conn = server.raw().await;
+    let ttl = Duration::from_millis(1_500);
+    let kept = AcquireOptions::new().ttl(ttl).wait(Wait::No);
+    let mut leases = Vec::new();
+    for i in 0..3 {
+        leases.push(
+            locks
+                .acquire(&format!("batch{i}"), kept.clone())
+                .await
+                .expect("acquire"),
+        );
+    }
+    let before = stat(&info(&mut conn).await, "evalsha");
+    redis::cmd("DEL")
+        .arg(locks.lock_key("batch1"))
+        .query_async::<()>(&mut conn)
+        .await
+        .expect("DEL");
+    let deleted = Instant::now();
+    leases[1].lost().await;
+    let took = deleted.elapsed();
+    assert!(
+        took < ttl / 3 + Duration::from_millis(300),
+        "lost after {took:?}: not told by the batch renewal"
+    );
+    let window = ttl * 2;
+    tokio::select! {
+        s = leases[0].at_risk() => panic!("batch0 turned {s:?}"),
+        s = leases[2].at_risk() => panic!("batch2 turned {s:?}"),
+        _ = tokio::time::sleep(window) => {}
+    }
+    assert_eq!(leases[0].state(), LeaseState::Held);
+    assert_eq!(leases[2].state(), LeaseState::Held);
+    let calls = stat(&info(&mut conn).await, "evalsha") - before;
+    // One call per tick (TTL/3) for all leases, not one per lease: about 7 calls in this window,
+    // where per-lease renewals would make about 14 (two leases left) or 21.
+    let ticks = (deleted.elapsed().as_millis() / (ttl / 3).as_millis()) as u64 + 1;
+    assert!(calls <= ticks + 1, "{calls} renewal calls in {ticks} ticks");
+    for l in leases {
+        let _ = l.release().await;
+    }
+}

@@ -30,6 +30,7 @@
 #![deny(rustdoc::broken_intra_doc_links)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod config;
 mod error;
 mod fence;
 mod keeper;
@@ -63,10 +64,24 @@ pub use options::{
 /// each grant to [`Lease::new`] with a [`LeaseTracker`] started at the granting request's send
 /// time; the core then owns deadlines, keepalive, the loss signal and release-on-drop.
 /// `lockkit-core/src/memory.rs` is a complete backend to copy from.
+///
+/// The connection-URL grammar all backends share lives here too: [`BackendUrl`](backend::BackendUrl)
+/// (its docs give the rules and the shared parameter names).
 pub mod backend {
+    #[cfg(feature = "serde")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "serde")))]
+    pub use crate::config::deserialize_url;
+    pub use crate::config::{
+        BackendUrl, CommonParams, HostPort, MAX_EXCERPT_CHARS, MAX_URL_BYTES, Secret, TlsOptions,
+        excerpt, parse_duration, parse_host_port,
+    };
     pub use crate::lease::LeaseOps;
     pub use crate::lock::{retry_transient, wait_deadline};
     pub use crate::options::{validate_name, validate_prefix, validate_ttl};
+    /// The serde version lockkit's configs implement `Deserialize` of (feature `serde`).
+    #[cfg(feature = "serde")]
+    #[doc(hidden)]
+    pub use serde;
 }
 pub use token::FencingToken;
 

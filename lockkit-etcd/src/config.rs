@@ -1,11 +1,10 @@
 //! Connection settings: [`EtcdConfig`], from an `etcd://` URL or built in code.
 
 use std::fmt;
-use std::str::FromStr;
 use std::time::Duration;
 
+use lockkit_core::backend::{BackendUrl, parse_host_port};
 use lockkit_core::{Error, MAX_TTL, Result};
-use percent_encoding::percent_decode_str;
 
 /// The default key prefix: `lockkit`.
 pub const DEFAULT_PREFIX: &str = "lockkit";
@@ -15,11 +14,20 @@ pub const DEFAULT_PORT: u16 = 2379;
 
 /// How to reach etcd and where to keep the locks.
 ///
-/// From a URL ([`EtcdConfig::from_url`], also via [`FromStr`]):
+/// From a URL ([`EtcdConfig::from_url`], also via [`FromStr`](std::str::FromStr)):
 ///
 /// ```text
-/// etcd://[user[:password]@]host[:port][,host[:port]…][/][?prefix=…&connect_timeout_ms=…&request_timeout_ms=…]
+/// etcd://[user[:password]@]host[:port][,host[:port]…][/][?prefix=…&connect_timeout=…&request_timeout=…]
 /// ```
+///
+/// The grammar is the one all lockkit backends share
+/// ([`BackendUrl`](lockkit_core::backend::BackendUrl)); the parameters:
+///
+/// | parameter | meaning | default | old spelling (alias) |
+/// |---|---|---|---|
+/// | `prefix` | key namespace | `lockkit` | |
+/// | `connect_timeout` | duration (`500ms`, `2s`, bare seconds) for connecting | `3s` | `connect_timeout_ms` |
+/// | `request_timeout` | duration any one request may take | `5s` | `request_timeout_ms` |
 ///
 /// Every `host:port` becomes an `http://host:port` endpoint; the client balances requests over
 /// them and fails over between them. `user`/`password` (percent-encoded) enable etcd
@@ -39,7 +47,8 @@ pub const DEFAULT_PORT: u16 = 2379;
 /// assert!(!format!("{cfg:?}").contains("s3cret"));
 /// ```
 ///
-/// `Debug` never shows the password.
+/// `Debug` never shows the password. With the `serde` feature it deserializes from its URL
+/// string.
 #[derive(Clone, PartialEq, Eq)]
 pub struct EtcdConfig {
     endpoints: Vec<String>,
@@ -95,77 +104,44 @@ impl EtcdConfig {
     /// prefix, or an unknown query parameter. The message never repeats the URL (it may hold a
     /// password).
     pub fn from_url(url: &str) -> Result<Self> {
-        let Some((scheme, rest)) = url.split_once("://") else {
-            return Err(Error::config("etcd URL must start with etcd://"));
-        };
-        match scheme.to_ascii_lowercase().as_str() {
-            "etcd" => {}
-            "etcds" | "https" => {
-                return Err(Error::config(
-                    "TLS is not supported by lockkit-etcd: use etcd:// (plain http) endpoints",
-                ));
-            }
-            _ => return Err(Error::config("etcd URL must start with etcd://")),
+        let mut u = BackendUrl::parse(url, &["etcd", "etcds"])?;
+        if u.scheme() == "etcds" {
+            return Err(Error::config(
+                "TLS is not supported by lockkit-etcd yet: use etcd:// (plain http) endpoints",
+            ));
         }
-        let (rest, query) = match rest.split_once('?') {
-            Some((r, q)) => (r, Some(q)),
-            None => (rest, None),
-        };
-        if rest.contains('#') {
+        if u.fragment().is_some() {
             return Err(Error::config("etcd URL must not have a fragment"));
         }
-        let authority = rest.strip_suffix('/').unwrap_or(rest);
-        if authority.contains('/') {
+        if !matches!(u.path(), "" | "/") {
             return Err(Error::config(
                 "etcd URL must not have a path: use ?prefix=… for the key namespace",
             ));
         }
-        let (userinfo, hosts) = match authority.rsplit_once('@') {
-            Some((u, h)) => (Some(u), h),
-            None => (None, authority),
-        };
-        let mut cfg = Self::new(hosts.split(','));
-        for e in &cfg.endpoints {
-            normalize_endpoint(e)?;
+        let hosts = u.host_list(Some(DEFAULT_PORT))?;
+        let mut cfg = Self::new(hosts.iter().map(|h| h.to_string()));
+        match (u.username(), u.password()) {
+            (Some(user), pw) => cfg.user = Some((user.to_owned(), pw.unwrap_or("").to_owned())),
+            (None, Some(_)) => return Err(Error::config("etcd URL has an empty user name")),
+            (None, None) => {}
         }
-        if let Some(userinfo) = userinfo {
-            let (user, password) = userinfo.split_once(':').unwrap_or((userinfo, ""));
-            let decode = |s: &str, what: &str| {
-                percent_decode_str(s)
-                    .decode_utf8()
-                    .map(|c| c.into_owned())
-                    .map_err(|_| Error::config(format!("etcd URL {what} is not valid UTF-8")))
-            };
-            let user = decode(user, "user name")?;
-            if user.is_empty() {
-                return Err(Error::config("etcd URL has an empty user name"));
-            }
-            cfg.user = Some((user, decode(password, "password")?));
+        let common = u.take_common([&[], &[], &[]])?;
+        if common.tls.is_set() || u.take("tls", &[])?.is_some() {
+            return Err(Error::config(
+                "TLS is not supported by lockkit-etcd yet: use plain http endpoints",
+            ));
         }
-        let mut seen = std::collections::HashSet::new();
-        for (k, v) in url::form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
-            if !seen.insert(k.clone()) {
-                return Err(Error::config(format!(
-                    "etcd URL parameter {k:?} is given more than once"
-                )));
-            }
-            match &*k {
-                "prefix" => cfg.prefix = v.into_owned(),
-                "connect_timeout_ms" => cfg.connect_timeout = parse_ms(&k, &v)?,
-                "request_timeout_ms" => cfg.request_timeout = parse_ms(&k, &v)?,
-                "tls" => {
-                    return Err(Error::config(
-                        "TLS is not supported by lockkit-etcd: use plain http endpoints",
-                    ));
-                }
-                other => {
-                    return Err(Error::config(format!(
-                        "unknown etcd URL parameter {other:?} (known: prefix, connect_timeout_ms, request_timeout_ms)"
-                    )));
-                }
-            }
+        if let Some(p) = common.prefix {
+            cfg.prefix = p;
         }
-        validate_prefix(&cfg.prefix)?;
+        if let Some(t) = common.connect_timeout {
+            cfg.connect_timeout = t;
+        }
+        if let Some(t) = u.take_duration("request_timeout", Some("request_timeout_ms"))? {
+            cfg.request_timeout = t;
+        }
+        u.finish("etcd", &["prefix", "connect_timeout", "request_timeout"])?;
+        cfg.validate()?;
         Ok(cfg)
     }
 
@@ -231,6 +207,16 @@ impl EtcdConfig {
         self.user.as_ref()
     }
 
+    /// The connect timeout.
+    pub fn get_connect_timeout(&self) -> Duration {
+        self.connect_timeout
+    }
+
+    /// The request timeout.
+    pub fn get_request_timeout(&self) -> Duration {
+        self.request_timeout
+    }
+
     pub(crate) fn connect_timeout_value(&self) -> Duration {
         self.connect_timeout
     }
@@ -265,22 +251,7 @@ impl EtcdConfig {
     }
 }
 
-impl FromStr for EtcdConfig {
-    type Err = Error;
-
-    fn from_str(s: &str) -> Result<Self> {
-        Self::from_url(s)
-    }
-}
-
-fn parse_ms(key: &str, v: &str) -> Result<Duration> {
-    match v.parse::<u64>() {
-        Ok(ms) if ms > 0 => Ok(Duration::from_millis(ms)),
-        _ => Err(Error::config(format!(
-            "etcd URL parameter {key} must be a positive number of milliseconds"
-        ))),
-    }
-}
+lockkit_core::impl_url_config!(EtcdConfig);
 
 /// Checks a key prefix with the rules every lockkit backend shares
 /// ([`lockkit_core::backend::validate_prefix`]: 1 to 64 bytes, no `/`, not `.` or `..`, no control
@@ -310,23 +281,8 @@ fn normalize_endpoint(e: &str) -> Result<String> {
         None => e,
     };
     let bare = bare.strip_suffix('/').unwrap_or(bare);
-    if bare.is_empty() {
-        return Err(Error::config("empty etcd endpoint in the host list"));
-    }
-    if bare.contains(['/', '@', '?', '#']) || bare.chars().any(|c| c.is_whitespace()) {
-        return Err(Error::config("malformed etcd endpoint: expected host:port"));
-    }
-    let parsed = url::Url::parse(&format!("http://{bare}"))
-        .map_err(|e| Error::config_with("malformed etcd endpoint: expected host:port", e))?;
-    let host = parsed
-        .host_str()
-        .filter(|h| !h.is_empty())
-        .ok_or_else(|| Error::config("etcd endpoint has no host"))?;
-    let port = parsed.port().unwrap_or(DEFAULT_PORT);
-    if port == 0 {
-        return Err(Error::config("etcd endpoint port must not be 0"));
-    }
-    Ok(format!("http://{host}:{port}"))
+    let hp = parse_host_port(bare, Some(DEFAULT_PORT))?;
+    Ok(format!("http://{hp}"))
 }
 
 #[cfg(test)]
@@ -336,7 +292,7 @@ mod tests {
     #[test]
     fn parses_hosts_user_and_params() {
         let c = EtcdConfig::from_url(
-            "etcd://app:p%40ss@127.0.0.1:2379,localhost:22379,[::1]:1/?prefix=jobs&request_timeout_ms=250",
+            "etcd://app:p%40ss@127.0.0.1:2379,localhost:22379,[::1]:1/?prefix=jobs&request_timeout_ms=250&connect_timeout=1.5",
         )
         .unwrap();
         assert_eq!(
@@ -349,7 +305,8 @@ mod tests {
         );
         assert_eq!(c.credentials().unwrap(), &("app".into(), "p@ss".into()));
         assert_eq!(c.get_prefix(), "jobs");
-        assert_eq!(c.request_timeout_value(), Duration::from_millis(250));
+        assert_eq!(c.get_request_timeout(), Duration::from_millis(250));
+        assert_eq!(c.get_connect_timeout(), Duration::from_millis(1500));
         let dbg = format!("{c:?}");
         assert!(!dbg.contains("p@ss") && !dbg.contains("p%40ss"), "{dbg}");
         let plain = EtcdConfig::from_url("etcd://h").unwrap();
@@ -374,6 +331,11 @@ mod tests {
             "redis://h",
             "etcd://:secretpw@h",
             "etcd://u:secretpw@h:99999",
+            "etcd://h:+1",
+            "etcd://u:12?secretpw@h",
+            "etcd://h?prefix=a&prefix=b",
+            "etcd://h?connect_timeout=2s&connect_timeout_ms=9",
+            "etcd://h?tls_ca=ca.pem",
         ] {
             match EtcdConfig::from_url(bad).and_then(|c| c.validate().map(|_| c)) {
                 Err(Error::InvalidConfig { reason, .. }) => {

@@ -726,7 +726,18 @@ impl PgLock {
     /// # Cancel safety
     /// Cancel safe: dropping the future closes the connection it was opening.
     pub async fn connect(url: &str) -> Result<Self> {
-        Self::with_config(PgConfig::from_url(url)?).await
+        Self::connect_with(PgConfig::from_url(url)?).await
+    }
+
+    /// The old name of [`connect_with`](Self::connect_with).
+    ///
+    /// # Errors
+    /// As [`connect`](Self::connect).
+    ///
+    /// # Cancel safety
+    /// As [`connect`](Self::connect).
+    pub async fn with_config(config: PgConfig) -> Result<Self> {
+        Self::connect_with(config).await
     }
 
     /// Connects with `config`; see [`connect`](Self::connect).
@@ -736,7 +747,7 @@ impl PgLock {
     ///
     /// # Cancel safety
     /// Cancel safe: dropping the future closes the connection it was opening.
-    pub async fn with_config(config: PgConfig) -> Result<Self> {
+    pub async fn connect_with(config: PgConfig) -> Result<Self> {
         config.validate()?;
         let inner = Arc::new(Inner {
             sql: Sql::new(&config.schema),

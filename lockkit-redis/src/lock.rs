@@ -17,7 +17,7 @@ use lockkit_core::{
     LockKind, Result, Wait,
 };
 
-use crate::config::RedisConfig;
+use crate::config::{RedisConfig, TlsFiles};
 use crate::conn::Conn;
 use crate::error::{BACKEND, bad_reply, from_redis, timed_out};
 use crate::lease::{RedisLease, cancel_attempt, cancel_once, ttl_millis};
@@ -151,7 +151,7 @@ impl RedisLock {
     ///
     /// # Errors
     /// - [`Error::InvalidConfig`]: malformed URL or options (the URL is not echoed), a
-    ///   `tls_ca_file` that is not a readable regular file of at most 1 MiB, or a database
+    ///   `tls_ca`, `tls_cert` or `tls_key` that is not a readable regular file of at most 1 MiB, or a database
     ///   number the server does not have.
     /// - [`Error::Unavailable`]: the server did not answer within the connect timeout
     ///   (default 5 s), refused the connection, or is loading. A `rediss://` URL for a
@@ -162,7 +162,18 @@ impl RedisLock {
     /// # Cancel safety
     /// Cancel safe: dropping the future closes whatever connection it opened.
     pub async fn connect(url: &str) -> Result<Self> {
-        Self::with_config(RedisConfig::from_url(url)?).await
+        Self::connect_with(RedisConfig::from_url(url)?).await
+    }
+
+    /// The old name of [`connect_with`](Self::connect_with).
+    ///
+    /// # Errors
+    /// As [`connect`](Self::connect).
+    ///
+    /// # Cancel safety
+    /// Cancel safe, as [`connect`](Self::connect).
+    pub async fn with_config(config: RedisConfig) -> Result<Self> {
+        Self::connect_with(config).await
     }
 
     /// Connects with a [`RedisConfig`] built by hand.
@@ -177,7 +188,7 @@ impl RedisLock {
     ///
     /// # Cancel safety
     /// Cancel safe, as [`connect`](Self::connect).
-    pub async fn with_config(config: RedisConfig) -> Result<Self> {
+    pub async fn connect_with(config: RedisConfig) -> Result<Self> {
         config.validate()?;
         #[cfg(feature = "tls")]
         {
@@ -186,22 +197,28 @@ impl RedisLock {
             let _ = rustls::crypto::ring::default_provider().install_default();
         }
         let ct = config.connect_timeout;
-        let root_cert = match tokio::time::timeout(ct, config.root_cert()).await {
+        let files = match tokio::time::timeout(ct, config.tls_files()).await {
             Ok(r) => r?,
-            Err(_) => return Err(timed_out("reading tls_ca_file", ct)),
+            Err(_) => return Err(timed_out("reading the TLS files", ct)),
         };
-        let client = match &root_cert {
-            None => redis::Client::open(config.connection_info()?),
+        let client = match files {
+            TlsFiles {
+                root: None,
+                client: None,
+            } => redis::Client::open(config.connection_info()?),
             #[cfg(feature = "tls")]
-            Some(pem) => redis::Client::build_with_tls(
+            TlsFiles { root, client } => redis::Client::build_with_tls(
                 config.connection_info()?,
                 redis::TlsCertificates {
-                    client_tls: None,
-                    root_cert: Some(pem.clone()),
+                    client_tls: client.map(|(client_cert, client_key)| redis::ClientTlsConfig {
+                        client_cert,
+                        client_key,
+                    }),
+                    root_cert: root,
                 },
             ),
             #[cfg(not(feature = "tls"))]
-            Some(_) => {
+            _ => {
                 return Err(Error::config(
                     "TLS needs lockkit-redis's Cargo feature \"tls\" (on by default)",
                 ));

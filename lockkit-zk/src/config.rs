@@ -3,8 +3,8 @@
 use std::fmt;
 use std::time::Duration;
 
+use lockkit_core::backend::{BackendUrl, parse_host_port};
 use lockkit_core::{Error, Result};
-use percent_encoding::percent_decode_str;
 
 /// The key prefix used when none is given: `lockkit`.
 pub const DEFAULT_PREFIX: &str = "lockkit";
@@ -38,6 +38,8 @@ pub const CONTROL_SESSION_TTL: Duration = lockkit_core::DEFAULT_TTL;
 /// // The password never shows.
 /// assert!(!format!("{cfg:?}").contains("s3cret"));
 /// ```
+///
+/// With the `serde` feature it deserializes from its URL string.
 #[derive(Clone, PartialEq, Eq)]
 pub struct ZkConfig {
     hosts: Vec<String>,
@@ -80,7 +82,9 @@ impl ZkConfig {
         }
     }
 
-    /// Parses `zk://[user:password@]host:port[,host:port…][/chroot][?prefix=…&connect_timeout_ms=…]`.
+    /// Parses `zk://[user:password@]host:port[,host:port…][/chroot][?prefix=…&connect_timeout=…]`,
+    /// by the grammar all lockkit backends share
+    /// ([`BackendUrl`](lockkit_core::backend::BackendUrl)).
     ///
     /// - `user:password` (percent-encoded) turns on ZooKeeper `digest` authentication; lock nodes
     ///   (and fenced data nodes) are then created with the `CREATOR_ALL_ACL`, so only that
@@ -90,74 +94,48 @@ impl ZkConfig {
     /// - `/chroot` is ZooKeeper's chroot suffix of the connect string: every path lives under it
     ///   (it must exist).
     /// - `prefix` (default `lockkit`) is the node under which lock nodes live.
-    /// - `connect_timeout_ms` (default 5000) bounds connecting and opening each session.
+    /// - `connect_timeout` (a duration: `500ms`, `2s`, bare seconds; default `5s`, at most 1 h;
+    ///   old spelling `connect_timeout_ms`, whole milliseconds) bounds connecting and opening
+    ///   each session.
     ///
     /// # Errors
     /// [`Error::InvalidConfig`] for anything malformed; the URL itself is never echoed (it may
     /// hold a password).
     pub fn from_url(url: &str) -> Result<Self> {
-        let rest = url
-            .strip_prefix("zk://")
-            .ok_or_else(|| Error::config("a ZooKeeper URL must start with zk://"))?;
-        let (main, query) = match rest.split_once('?') {
-            Some((m, q)) => (m, Some(q)),
-            None => (rest, None),
-        };
-        if main.contains('#') {
+        let mut u = BackendUrl::parse(url, &["zk"])?;
+        if u.fragment().is_some() {
             return Err(Error::config(
                 "a ZooKeeper URL must not contain a '#' fragment",
             ));
         }
-        let (authority, chroot) = match main.find('/') {
-            Some(i) => (&main[..i], Some(&main[i..])),
-            None => (main, None),
-        };
-        let (userinfo, hosts) = match authority.rsplit_once('@') {
-            Some((u, h)) => (Some(u), h),
-            None => (None, authority),
-        };
-        let mut cfg = ZkConfig::new(hosts.split(','));
-        let decode = |s: &str, what: &str| {
-            percent_decode_str(s)
-                .decode_utf8()
-                .map(|c| c.into_owned())
-                .map_err(|_| Error::config(format!("ZooKeeper URL {what} is not UTF-8")))
-        };
-        if let Some(userinfo) = userinfo {
-            let (user, pass) = userinfo
-                .split_once(':')
-                .ok_or_else(|| Error::config("ZooKeeper URL credentials must be user:password"))?;
-            cfg = cfg.digest(decode(user, "user")?, decode(pass, "password")?);
-        }
-        if let Some(chroot) = chroot.filter(|c| *c != "/") {
-            // Percent-decoded, like the prefix.
-            cfg = cfg.chroot(decode(chroot, "chroot")?);
-        }
-        let mut seen: Vec<String> = Vec::new();
-        for (key, value) in url::form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
-            if seen.iter().any(|k| *k == key) {
-                return Err(Error::config(format!(
-                    "ZooKeeper URL parameter {:?} is given more than once",
-                    key.chars().take(32).collect::<String>()
-                )));
-            }
-            seen.push(key.clone().into_owned());
-            match &*key {
-                "prefix" => cfg = cfg.prefix(value.into_owned()),
-                "connect_timeout_ms" => {
-                    let ms: u64 = value.parse().map_err(|e| {
-                        Error::config_with("connect_timeout_ms must be a whole number", e)
-                    })?;
-                    cfg = cfg.connect_timeout(Duration::from_millis(ms));
-                }
-                other => {
-                    return Err(Error::config(format!(
-                        "unknown ZooKeeper URL parameter {:?} (known: prefix, connect_timeout_ms)",
-                        other.chars().take(32).collect::<String>()
-                    )));
-                }
+        let hosts = u.host_list(None)?;
+        let mut cfg = ZkConfig::new(hosts.iter().map(|h| h.to_string()));
+        match (u.username(), u.password()) {
+            (Some(user), Some(pass)) => cfg = cfg.digest(user, pass),
+            (None, None) => {}
+            _ => {
+                return Err(Error::config(
+                    "ZooKeeper URL credentials must be user:password",
+                ));
             }
         }
+        let chroot = u.decoded_path()?;
+        if !chroot.is_empty() && chroot != "/" {
+            cfg = cfg.chroot(chroot);
+        }
+        let common = u.take_common([&[], &[], &[]])?;
+        if common.tls.is_set() {
+            return Err(Error::config(
+                "TLS is not supported by lockkit-zk yet: use a plain client port",
+            ));
+        }
+        if let Some(p) = common.prefix {
+            cfg = cfg.prefix(p);
+        }
+        if let Some(t) = common.connect_timeout {
+            cfg = cfg.connect_timeout(t);
+        }
+        u.finish("ZooKeeper", &["prefix", "connect_timeout"])?;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -232,27 +210,7 @@ impl ZkConfig {
             ));
         }
         for h in &self.hosts {
-            let (host, port) = h
-                .rsplit_once(':')
-                .ok_or_else(|| Error::config("each ZooKeeper server must be given as host:port"))?;
-            // An IPv6 address must be bracketed: `[::1]:2181`; `h:1:2` is not a host and port.
-            let bracketed = host.starts_with('[') && host.ends_with(']') && host.len() > 2;
-            if host.is_empty()
-                || host.contains(['/', '@', ' '])
-                || (host.contains(':') && !bracketed)
-            {
-                return Err(Error::config(
-                    "a ZooKeeper server has an empty or invalid host",
-                ));
-            }
-            match port.parse::<u16>() {
-                Ok(p) if p > 0 => {}
-                _ => {
-                    return Err(Error::config(
-                        "a ZooKeeper server has an invalid port (1-65535)",
-                    ));
-                }
-            }
+            parse_host_port(h, None)?;
         }
         if let Some(c) = &self.chroot {
             let bad = !c.starts_with('/')
@@ -292,6 +250,8 @@ impl ZkConfig {
         Ok(())
     }
 }
+
+lockkit_core::impl_url_config!(ZkConfig);
 
 /// Characters ZooKeeper refuses in node names (`PathUtils.validatePath`): U+0000–U+001F,
 /// U+007F–U+009F, U+D800–U+F8FF, U+FFF0–U+FFFF, and, because the server works in UTF-16, every
@@ -383,6 +343,10 @@ mod tests {
             "zk://h:1?prefix=a&prefix=b",
             "zk://h:1?connect_timeout_ms=18446744073709551615",
             "zk://h:1?connect_timeout_ms=3600001",
+            "zk://h:+1",
+            "zk://h:1?connect_timeout=2s&connect_timeout_ms=5",
+            "zk://u:12?pw@h:1",
+            "zk://h:1?tls_ca=ca.pem",
         ] {
             match ZkConfig::from_url(bad) {
                 Err(Error::InvalidConfig { .. }) => {}
@@ -398,6 +362,8 @@ mod tests {
         let cfg = ZkConfig::from_url("zk://h:1/apps%20x/b").unwrap();
         assert_eq!(cfg.connect_string(), "h:1/apps x/b");
         assert!(ZkConfig::from_url("zk://[::1]:2181").is_ok());
+        let c: ZkConfig = "zk://h:1?connect_timeout=750ms".parse().unwrap();
+        assert_eq!(c.get_connect_timeout(), Duration::from_millis(750));
     }
 
     #[test]

@@ -7,6 +7,7 @@
 
 mod common;
 mod memory;
+mod urls;
 
 #[cfg(feature = "etcd")]
 mod etcd;

@@ -6,7 +6,10 @@
 #   scripts/servers.sh stop  [DIR]   # stops only the processes this script started (by PID)
 #   scripts/servers.sh logs  [DIR]   # tails every server's log
 #
-# The env file defines LOCKKIT_REDIS_URL, LOCKKIT_ETCD_URL, LOCKKIT_ZK_URL, LOCKKIT_POSTGRES_URL.
+# The env file defines LOCKKIT_REDIS_URL, LOCKKIT_ETCD_URL, LOCKKIT_ZK_URL, LOCKKIT_POSTGRES_URL,
+# and for the TLS tests LOCKKIT_TLS_DIR (certificates made by scripts/certs.sh at start),
+# LOCKKIT_REDIS_TLS_URL (a TLS-only redis-server that requires client certificates) and
+# LOCKKIT_POSTGRES_TLS_URL (a PostgreSQL that accepts only TLS with a client certificate).
 # Set LOCKKIT_SERVERS="redis etcd" to start a subset.
 set -euo pipefail
 
@@ -54,6 +57,17 @@ start_redis() {
   echo $! > "$dir/redis.pid"
   wait_for redis 100 redis-cli -p "$p" ping
   echo "export LOCKKIT_REDIS_URL=redis://127.0.0.1:$p" >> "$dir/env"
+  # TLS only (no plain port), client certificates required.
+  local t="$dir/tls" tp; tp=$(free_port)
+  mkdir -p "$dir/redis-tls"
+  redis-server --bind 127.0.0.1 --port 0 --tls-port "$tp" --tls-cert-file "$t/server.pem" \
+    --tls-key-file "$t/server.key" --tls-ca-cert-file "$t/ca.pem" --tls-auth-clients yes \
+    --dir "$dir/redis-tls" --save '' --appendonly no --daemonize no \
+    --logfile "$dir/redis-tls.log" >/dev/null 2>&1 &
+  echo $! > "$dir/redis-tls.pid"
+  wait_for redis-tls 100 redis-cli --tls --cacert "$t/ca.pem" --cert "$t/client.pem" \
+    --key "$t/client.key" -h 127.0.0.1 -p "$tp" ping
+  echo "export LOCKKIT_REDIS_TLS_URL='rediss://127.0.0.1:$tp?tls_ca=$t/ca.pem&tls_cert=$t/client.pem&tls_key=$t/client.key'" >> "$dir/env"
 }
 
 start_etcd() {
@@ -104,17 +118,37 @@ start_postgres() {
   echo "$p" > "$dir/postgres.port"
   wait_for postgres 100 pg_isready -h 127.0.0.1 -p "$p"
   echo "export LOCKKIT_POSTGRES_URL=postgres://postgres@127.0.0.1:$p/postgres" >> "$dir/env"
+  # A second cluster that takes TLS connections with a client certificate only
+  # (hostssl … clientcert=verify-full; plain TCP is rejected).
+  local t="$dir/tls" tr="$dir/pg-tls" tp; tp=$(free_port)
+  install -d -o postgres -g postgres "$tr"
+  runuser -u postgres -- "$bin/initdb" -D "$tr/data" -U postgres -A trust -E UTF8 --no-sync >/dev/null
+  install -o postgres -g postgres -m 600 "$t/server.pem" "$t/server.key" "$t/ca.pem" "$tr/data/"
+  cat > "$tr/data/pg_hba.conf" <<HBA
+local all all trust
+hostssl all all 127.0.0.1/32 trust clientcert=verify-full
+hostnossl all all 127.0.0.1/32 reject
+HBA
+  runuser -u postgres -- "$bin/pg_ctl" -D "$tr/data" -l "$tr/postgres.log" -w \
+    -o "-c listen_addresses=127.0.0.1 -p $tp -k $tr -c fsync=off -c max_connections=100 -c ssl=on -c ssl_cert_file=server.pem -c ssl_key_file=server.key -c ssl_ca_file=ca.pem" start >/dev/null
+  ln -sf "$tr/postgres.log" "$dir/postgres-tls.log"
+  wait_for postgres-tls 100 pg_isready -h 127.0.0.1 -p "$tp"
+  echo "export LOCKKIT_POSTGRES_TLS_URL='postgres://postgres@127.0.0.1:$tp/postgres?sslmode=verify-full&tls_ca=$t/ca.pem&tls_cert=$t/client.pem&tls_key=$t/client.key'" >> "$dir/env"
 }
 
 stop_postgres() {
-  [ -d "$dir/pg/data" ] || return 0
-  runuser -u postgres -- "$(pg_bin)/pg_ctl" -D "$dir/pg/data" -m immediate -w stop >/dev/null 2>&1 || true
+  for d in "$dir/pg/data" "$dir/pg-tls/data"; do
+    [ -d "$d" ] || continue
+    runuser -u postgres -- "$(pg_bin)/pg_ctl" -D "$d" -m immediate -w stop >/dev/null 2>&1 || true
+  done
 }
 
 case "$cmd" in
   start)
     "$0" stop "$dir" >/dev/null 2>&1 || true
     rm -rf "$dir"; mkdir -p "$dir"; chmod 755 "$dir"; : > "$dir/env"
+    "$root/scripts/certs.sh" "$dir/tls"
+    echo "export LOCKKIT_TLS_DIR=$dir/tls" >> "$dir/env"
     for s in $servers; do
       case "$s" in
         redis) start_redis;; etcd) start_etcd;; zk) start_zk;; postgres) start_postgres;;
@@ -125,7 +159,7 @@ case "$cmd" in
     ;;
   stop)
     [ -d "$dir" ] || exit 0
-    for s in redis etcd zk; do stop_pid "$dir/$s.pid"; done
+    for s in redis redis-tls etcd zk; do stop_pid "$dir/$s.pid"; done
     stop_postgres
     if [ -f "$dir/etcd.datadir" ]; then rm -rf "$(cat "$dir/etcd.datadir")"; fi
     ;;

@@ -544,6 +544,84 @@ where
     s.parse().map_err(serde::de::Error::custom)
 }
 
+/// Why a TLS handshake failed, as far as the client can tell ([`tls_failure`]).
+#[cfg(feature = "rustls")]
+#[cfg_attr(docsrs, doc(cfg(feature = "rustls")))]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TlsFailure {
+    /// The client rejected the server's certificate: unknown CA, expired, not for this name.
+    ServerCertificate,
+    /// The server rejected the client's certificate (or its absence) with a TLS alert.
+    ClientCertificate,
+}
+
+#[cfg(feature = "rustls")]
+impl TlsFailure {
+    /// The [`Error::Auth`] for this failure: names what to check, keeps `source`.
+    pub fn into_error(self, backend: &'static str, source: crate::BoxError) -> Error {
+        let what = match self {
+            TlsFailure::ServerCertificate => {
+                "TLS: the server's certificate was not accepted (is tls_ca the CA that signed \
+                 it, is it valid now, does it name the host?)"
+            }
+            TlsFailure::ClientCertificate => {
+                "TLS: the server refused the client certificate (tls_cert/tls_key missing, \
+                 signed by a CA the server does not trust, or not accepted)"
+            }
+        };
+        Error::Auth {
+            backend,
+            source: format!("{what}: {source}").into(),
+        }
+    }
+}
+
+/// Looks through `err`'s source chain for a rustls error that means a certificate was
+/// refused. Backends turn that into [`Error::Auth`] (a wrong CA, an expired or mismatched
+/// certificate and a missing or foreign client certificate are all authentication failures;
+/// retrying does not help), and leave other TLS errors, such as a TLS client talking to a
+/// plain-text server, as they are (`Unavailable`).
+#[cfg(feature = "rustls")]
+#[cfg_attr(docsrs, doc(cfg(feature = "rustls")))]
+pub fn tls_failure(err: &(dyn std::error::Error + 'static)) -> Option<TlsFailure> {
+    use rustls::AlertDescription as A;
+    let mut next = Some(err);
+    while let Some(e) = next {
+        // Some clients (redis) keep their cause behind an `Arc<dyn Error>`, whose own
+        // `source()` skips the cause itself.
+        if let Some(inner) = e.downcast_ref::<std::sync::Arc<dyn std::error::Error + Send + Sync>>()
+        {
+            next = Some(&**inner);
+            continue;
+        }
+        let tls = e.downcast_ref::<rustls::Error>().or_else(|| {
+            e.downcast_ref::<std::io::Error>()
+                .and_then(|io| io.get_ref())
+                .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+        });
+        match tls {
+            Some(rustls::Error::InvalidCertificate(_)) => {
+                return Some(TlsFailure::ServerCertificate);
+            }
+            Some(rustls::Error::AlertReceived(
+                A::BadCertificate
+                | A::UnsupportedCertificate
+                | A::CertificateRevoked
+                | A::CertificateExpired
+                | A::CertificateUnknown
+                | A::UnknownCA
+                | A::AccessDenied
+                | A::CertificateRequired
+                | A::NoCertificate
+                | A::HandshakeFailure,
+            )) => return Some(TlsFailure::ClientCertificate),
+            _ => {}
+        }
+        next = e.source();
+    }
+    None
+}
+
 /// Implements [`FromStr`](std::str::FromStr) (by its `from_url`) and, with the backend crate's
 /// `serde` feature, `Deserialize` from the URL string ([`deserialize_url`]) for a backend's
 /// config type, so every backend's config offers the same ways in.

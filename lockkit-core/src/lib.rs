@@ -75,6 +75,9 @@ pub mod backend {
         BackendUrl, CommonParams, HostPort, MAX_EXCERPT_CHARS, MAX_URL_BYTES, Secret, TlsOptions,
         excerpt, parse_duration, parse_host_port,
     };
+    #[cfg(feature = "rustls")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "rustls")))]
+    pub use crate::config::{TlsFailure, tls_failure};
     pub use crate::lease::LeaseOps;
     pub use crate::lock::{retry_transient, wait_deadline};
     pub use crate::options::{validate_name, validate_prefix, validate_ttl};

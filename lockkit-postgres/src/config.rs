@@ -258,6 +258,28 @@ impl PgConfig {
         self
     }
 
+    /// Checks that each TLS file is a regular file (sqlx reads them while connecting; a missing
+    /// file would otherwise look like an unreachable server, a FIFO would block).
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] naming the parameter.
+    pub(crate) fn check_tls_files(&self) -> Result<()> {
+        let t = &self.tls;
+        for (name, path) in [
+            ("tls_ca", &t.ca),
+            ("tls_cert", &t.cert),
+            ("tls_key", &t.key),
+        ] {
+            let Some(path) = path else { continue };
+            match std::fs::metadata(path) {
+                Ok(m) if m.is_file() => {}
+                Ok(_) => return Err(Error::config(format!("{name} is not a regular file"))),
+                Err(e) => return Err(Error::config_with(format!("cannot read {name}"), e)),
+            }
+        }
+        Ok(())
+    }
+
     /// The TLS files configured (`tls_ca`, `tls_cert`, `tls_key`).
     pub fn get_tls(&self) -> &TlsOptions {
         &self.tls

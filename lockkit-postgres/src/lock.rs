@@ -634,6 +634,20 @@ fn connect_error(e: sqlx::Error) -> Error {
             return pooler_detected();
         }
     }
+    if let Some(f) = lockkit_core::backend::tls_failure(&e) {
+        return f.into_error(BACKEND, e.into());
+    }
+    if let sqlx::Error::Tls(tls) = &e {
+        if tls.to_string().contains("does not support TLS") {
+            return Error::config_with(
+                "the server does not accept TLS connections, and sslmode (require, verify-ca, \
+                 verify-full, or implied by tls_ca/tls_cert) demands TLS",
+                e,
+            );
+        }
+        // A TLS file sqlx could not read or parse (tls_ca, tls_cert, tls_key).
+        return Error::config_with("cannot use the TLS files (tls_ca, tls_cert, tls_key)", e);
+    }
     from_sqlx(e)
 }
 
@@ -749,6 +763,7 @@ impl PgLock {
     /// Cancel safe: dropping the future closes the connection it was opening.
     pub async fn connect_with(config: PgConfig) -> Result<Self> {
         config.validate()?;
+        config.check_tls_files()?;
         let inner = Arc::new(Inner {
             sql: Sql::new(&config.schema),
             config,

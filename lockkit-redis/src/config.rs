@@ -414,6 +414,16 @@ impl RedisConfig {
 
 lockkit_core::impl_url_config!(RedisConfig);
 
+/// The error of a failed first connection: a refused certificate is [`Error::Auth`]
+/// ([`tls_failure`](lockkit_core::backend::tls_failure)), the rest as [`from_redis`].
+pub(crate) fn connect_error(e: redis::RedisError) -> Error {
+    #[cfg(feature = "tls")]
+    if let Some(f) = lockkit_core::backend::tls_failure(&e) {
+        return f.into_error(crate::error::BACKEND, e.into());
+    }
+    from_redis(e)
+}
+
 /// PEM contents read at connect time.
 pub(crate) struct TlsFiles {
     pub(crate) root: Option<Vec<u8>>,

@@ -17,7 +17,7 @@ use lockkit_core::{
     LockKind, Result, Wait,
 };
 
-use crate::config::{RedisConfig, TlsFiles};
+use crate::config::{RedisConfig, TlsFiles, connect_error};
 use crate::conn::Conn;
 use crate::error::{BACKEND, bad_reply, from_redis, timed_out};
 use crate::lease::{RedisLease, cancel_attempt, cancel_once, ttl_millis};
@@ -224,7 +224,9 @@ impl RedisLock {
                 ));
             }
         }
-        .map_err(from_redis)?;
+        .map_err(|e| {
+            Error::config_with("cannot use the TLS files (tls_ca, tls_cert, tls_key)", e)
+        })?;
         let rt = config.response_timeout;
         let probe = AsyncConnectionConfig::new()
             .set_connection_timeout(Some(ct))
@@ -239,7 +241,7 @@ impl RedisLock {
         });
         match probed.await {
             Ok(Ok(())) => {}
-            Ok(Err(e)) => return Err(from_redis(e)),
+            Ok(Err(e)) => return Err(connect_error(e)),
             Err(_) => return Err(timed_out("connecting to redis", ct)),
         }
         let manager = ConnectionManagerConfig::new()

@@ -7,6 +7,7 @@
 
 mod common;
 mod memory;
+mod tls;
 mod urls;
 
 #[cfg(feature = "etcd")]

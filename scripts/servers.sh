@@ -8,7 +8,8 @@
 #
 # The env file defines LOCKKIT_REDIS_URL, LOCKKIT_ETCD_URL, LOCKKIT_ZK_URL, LOCKKIT_POSTGRES_URL,
 # and for the TLS tests LOCKKIT_TLS_DIR (certificates made by scripts/certs.sh at start),
-# LOCKKIT_REDIS_TLS_URL (a TLS-only redis-server that requires client certificates) and
+# LOCKKIT_REDIS_TLS_URL (a TLS-only redis-server that requires client certificates),
+# LOCKKIT_ETCD_TLS_URL (etcd with an https client port and --client-cert-auth) and
 # LOCKKIT_POSTGRES_TLS_URL (a PostgreSQL that accepts only TLS with a client certificate).
 # Set LOCKKIT_SERVERS="redis etcd" to start a subset.
 set -euo pipefail
@@ -84,6 +85,21 @@ start_etcd() {
   echo $! > "$dir/etcd.pid"
   wait_for etcd 150 env ETCDCTL_API=3 etcdctl --endpoints="http://127.0.0.1:$c" endpoint health
   echo "export LOCKKIT_ETCD_URL=etcd://127.0.0.1:$c" >> "$dir/env"
+  # TLS client port, client certificates required (--client-cert-auth).
+  local t="$dir/tls" tc tpp; tc=$(free_port); tpp=$(free_port)
+  local tdata="$dir/etcd-tls-data"
+  [ -d /dev/shm ] && tdata=$(mktemp -d /dev/shm/lockkit-etcd-tls.XXXXXX) && echo "$tdata" > "$dir/etcd-tls.datadir"
+  etcd --name t1 --data-dir "$tdata" \
+    --listen-client-urls "https://127.0.0.1:$tc" --advertise-client-urls "https://127.0.0.1:$tc" \
+    --cert-file "$t/server.pem" --key-file "$t/server.key" --client-cert-auth --trusted-ca-file "$t/ca.pem" \
+    --listen-peer-urls "http://127.0.0.1:$tpp" --initial-advertise-peer-urls "http://127.0.0.1:$tpp" \
+    --initial-cluster "t1=http://127.0.0.1:$tpp" --initial-cluster-state new \
+    --heartbeat-interval 10 --election-timeout 100 \
+    --logger zap --log-outputs stderr --log-level warn > "$dir/etcd-tls.log" 2>&1 &
+  echo $! > "$dir/etcd-tls.pid"
+  wait_for etcd-tls 150 env ETCDCTL_API=3 etcdctl --endpoints="https://127.0.0.1:$tc" \
+    --cacert "$t/ca.pem" --cert "$t/client.pem" --key "$t/client.key" endpoint health
+  echo "export LOCKKIT_ETCD_TLS_URL='etcds://127.0.0.1:$tc?tls_ca=$t/ca.pem&tls_cert=$t/client.pem&tls_key=$t/client.key'" >> "$dir/env"
 }
 
 start_zk() {
@@ -159,9 +175,11 @@ case "$cmd" in
     ;;
   stop)
     [ -d "$dir" ] || exit 0
-    for s in redis redis-tls etcd zk; do stop_pid "$dir/$s.pid"; done
+    for s in redis redis-tls etcd etcd-tls zk; do stop_pid "$dir/$s.pid"; done
     stop_postgres
-    if [ -f "$dir/etcd.datadir" ]; then rm -rf "$(cat "$dir/etcd.datadir")"; fi
+    for f in "$dir/etcd.datadir" "$dir/etcd-tls.datadir"; do
+      if [ -f "$f" ]; then rm -rf "$(cat "$f")"; fi
+    done
     ;;
   logs)
     for f in "$dir"/*.log; do [ -e "$f" ] || continue; echo "==> $f <=="; tail -n 40 "$f"; done

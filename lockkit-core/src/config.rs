@@ -89,6 +89,39 @@ impl TlsOptions {
     }
 }
 
+/// The largest PEM file (`tls_ca`, `tls_cert`, `tls_key`) read, in bytes: 1 MiB.
+pub const MAX_PEM_BYTES: u64 = 1 << 20;
+
+/// Reads the PEM file `path` of parameter `what` (`tls_ca`, `tls_cert`, `tls_key`).
+///
+/// # Errors
+/// [`Error::InvalidConfig`] naming `what` if the file is missing, not a regular file (a FIFO or a
+/// device would block), larger than [`MAX_PEM_BYTES`] or unreadable. Never the contents.
+///
+/// # Cancel safety
+/// Cancel safe.
+pub async fn read_pem(path: &std::path::Path, what: &str) -> Result<Vec<u8>> {
+    use tokio::io::AsyncReadExt;
+    let cannot = |e| Error::config_with(format!("cannot read {what}"), e);
+    let meta = tokio::fs::metadata(path).await.map_err(cannot)?;
+    if !meta.is_file() {
+        return Err(Error::config(format!("{what} is not a regular file")));
+    }
+    if meta.len() > MAX_PEM_BYTES {
+        return Err(Error::config(format!("{what} is larger than 1 MiB")));
+    }
+    let file = tokio::fs::File::open(path).await.map_err(cannot)?;
+    let mut pem = Vec::new();
+    file.take(MAX_PEM_BYTES + 1)
+        .read_to_end(&mut pem)
+        .await
+        .map_err(cannot)?;
+    if pem.len() as u64 > MAX_PEM_BYTES {
+        return Err(Error::config(format!("{what} is larger than 1 MiB")));
+    }
+    Ok(pem)
+}
+
 /// What [`BackendUrl::take_common`] read.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct CommonParams {

@@ -72,8 +72,8 @@ pub mod backend {
     #[cfg_attr(docsrs, doc(cfg(feature = "serde")))]
     pub use crate::config::deserialize_url;
     pub use crate::config::{
-        BackendUrl, CommonParams, HostPort, MAX_EXCERPT_CHARS, MAX_URL_BYTES, Secret, TlsOptions,
-        excerpt, parse_duration, parse_host_port,
+        BackendUrl, CommonParams, HostPort, MAX_EXCERPT_CHARS, MAX_PEM_BYTES, MAX_URL_BYTES,
+        Secret, TlsOptions, excerpt, parse_duration, parse_host_port, read_pem,
     };
     #[cfg(feature = "rustls")]
     #[cfg_attr(docsrs, doc(cfg(feature = "rustls")))]

@@ -1,10 +1,10 @@
 //! Connection settings: from a `redis://` / `rediss://` URL or built by hand.
 
 use std::fmt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
-use lockkit_core::backend::{BackendUrl, TlsOptions};
+use lockkit_core::backend::{BackendUrl, TlsOptions, read_pem};
 use lockkit_core::{Error, Result};
 use redis::{
     ConnectionAddr, ConnectionInfo, IntoConnectionInfo, ProtocolVersion, RedisConnectionInfo,
@@ -27,7 +27,7 @@ pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The largest PEM file (`tls_ca`, `tls_cert`, `tls_key`) read, in bytes: 1 MiB.
-pub const MAX_CA_FILE_BYTES: u64 = 1 << 20;
+pub const MAX_CA_FILE_BYTES: u64 = lockkit_core::backend::MAX_PEM_BYTES;
 
 /// lockkit-redis's URL parameters, for error messages.
 const KNOWN: &[&str] = &[
@@ -431,28 +431,6 @@ pub(crate) struct TlsFiles {
     pub(crate) client: Option<(Vec<u8>, Vec<u8>)>,
 }
 
-async fn read_pem(path: &Path, what: &str) -> Result<Vec<u8>> {
-    use tokio::io::AsyncReadExt;
-    let cannot = |e| Error::config_with(format!("cannot read {what}"), e);
-    let meta = tokio::fs::metadata(path).await.map_err(cannot)?;
-    if !meta.is_file() {
-        return Err(Error::config(format!("{what} is not a regular file")));
-    }
-    if meta.len() > MAX_CA_FILE_BYTES {
-        return Err(Error::config(format!("{what} is larger than 1 MiB")));
-    }
-    let file = tokio::fs::File::open(path).await.map_err(cannot)?;
-    let mut pem = Vec::new();
-    file.take(MAX_CA_FILE_BYTES + 1)
-        .read_to_end(&mut pem)
-        .await
-        .map_err(cannot)?;
-    if pem.len() as u64 > MAX_CA_FILE_BYTES {
-        return Err(Error::config(format!("{what} is larger than 1 MiB")));
-    }
-    Ok(pem)
-}
-
 /// Checks a key prefix: the rules of [`lockkit_core::backend::validate_prefix`] (1 to
 /// [`MAX_PREFIX_BYTES`] bytes, no `/`, no control characters), and no `:`.
 ///
@@ -538,7 +516,10 @@ mod tests {
             "rediss://localhost?tls_ca_file=ca.pem&tls_cert=c.pem&tls_key=k.pem&connect_timeout=750ms&response_timeout=1.5",
         )
         .unwrap();
-        assert_eq!(c.get_tls().ca.as_deref(), Some(Path::new("ca.pem")));
+        assert_eq!(
+            c.get_tls().ca.as_deref(),
+            Some(std::path::Path::new("ca.pem"))
+        );
         assert_eq!(c.get_connect_timeout(), Duration::from_millis(750));
         assert_eq!(c.get_response_timeout(), Duration::from_millis(1500));
         let secret = "redis://:hunter2@localhost/x";

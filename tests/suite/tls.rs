@@ -204,6 +204,89 @@ mod redis {
     }
 }
 
+#[cfg(feature = "etcd")]
+mod etcd {
+    use super::*;
+
+    mod contract {
+        use crate::common::UrlHarness;
+        lockkit::contract_suite!(UrlHarness::from_env("LOCKKIT_ETCD_TLS_URL"));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn bad_certificates_are_typed_fast_errors() {
+        let url = server_url("LOCKKIT_ETCD_TLS_URL");
+        let tls = url.split_once('?').expect("query").0.to_owned();
+        let port = tls.rsplit_once(':').expect("port").1.to_owned();
+        let q = "connect_timeout=2s&request_timeout=2s";
+        let (ca, c, k) = (cert("ca.pem"), cert("client.pem"), cert("client.key"));
+        let mtls = format!("tls_cert={c}&tls_key={k}");
+        let long = Duration::from_secs(3);
+        lockkit::connect(&format!("{tls}?{q}&tls_ca={ca}&{mtls}"))
+            .await
+            .expect("mutual TLS");
+        let plain_port = server_url("LOCKKIT_ETCD_URL");
+        let plain_port = plain_port.rsplit_once(':').expect("port").1;
+        let cases = [
+            (
+                "etcd: wrong CA",
+                format!("{tls}?{q}&tls_ca={}&{mtls}", cert("other-ca.pem")),
+                Kind::Auth,
+            ),
+            (
+                "etcd: system roots",
+                format!("{tls}?{q}&{mtls}"),
+                Kind::Auth,
+            ),
+            (
+                "etcd: name mismatch",
+                format!("etcds://localhost:{port}?{q}&tls_ca={ca}&{mtls}"),
+                Kind::Auth,
+            ),
+            (
+                "etcd: server name override that does not match",
+                format!("{tls}?{q}&tls_ca={ca}&{mtls}&tls_server_name=other.invalid"),
+                Kind::Auth,
+            ),
+            // etcd (Go, TLS 1.3) closes the connection after the handshake without an alert
+            // the client sees: indistinguishable from a server going away, so Unavailable
+            // after the connect timeout.
+            (
+                "etcd: no client certificate",
+                format!("{tls}?{q}&tls_ca={ca}"),
+                Kind::Unavailable,
+            ),
+            (
+                "etcd: client certificate of another CA",
+                format!(
+                    "{tls}?{q}&tls_ca={ca}&tls_cert={}&tls_key={}",
+                    cert("other-client.pem"),
+                    cert("other-client.key")
+                ),
+                Kind::Unavailable,
+            ),
+            (
+                "etcd: missing CA file",
+                format!("{tls}?{q}&tls_ca=/nonexistent/ca.pem&{mtls}"),
+                Kind::InvalidConfig,
+            ),
+            (
+                "etcd: plain client, TLS-only server",
+                format!("etcd://127.0.0.1:{port}?{q}"),
+                Kind::Unavailable,
+            ),
+            (
+                "etcd: TLS client, plain server",
+                format!("etcds://127.0.0.1:{plain_port}?{q}&tls_ca={ca}&{mtls}"),
+                Kind::Unavailable,
+            ),
+        ];
+        for (what, url, kind) in cases {
+            refused(what, &url, kind, long).await;
+        }
+    }
+}
+
 #[cfg(feature = "postgres")]
 mod postgres {
     use super::*;

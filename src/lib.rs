@@ -9,9 +9,9 @@
 //! |---|---|---|
 //! | `memory://` | in-process ([`MemoryLock`]) | always on |
 //! | `redis://host:port`, `rediss://…` (TLS) | Redis (efficiency lock) | `redis` |
-//! | `etcd://host:port[,host:port]` | etcd v3 (correctness lock) | `etcd` |
+//! | `etcd://host:port[,host:port]`, `etcds://…` (TLS) | etcd v3 (correctness lock) | `etcd` |
 //! | `zk://host:port[,host:port][/chroot]` | ZooKeeper (correctness lock) | `zk` |
-//! | `postgres://user@host:port/db` | PostgreSQL advisory locks | `postgres` |
+//! | `postgres://user@host:port/db` (TLS with `sslmode`, `tls_ca`, …) | PostgreSQL advisory locks | `postgres` |
 //!
 //! ```
 //! use std::time::Duration;

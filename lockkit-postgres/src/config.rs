@@ -141,7 +141,13 @@ impl PgConfig {
         if u.fragment().is_some() {
             return Err(Error::config("a postgres:// URL must not have a fragment"));
         }
-        if !u.hosts().is_empty() {
+        // A percent-encoded socket directory (`postgres://%2Fvar%2Frun%2Fpostgresql/db`) is
+        // sqlx's to read; anything else must be one host[:port].
+        let socket = u
+            .hosts()
+            .get(..3)
+            .is_some_and(|h| h.eq_ignore_ascii_case("%2F"));
+        if !u.hosts().is_empty() && !socket {
             parse_host_port(u.hosts(), Some(DEFAULT_PORT))?;
         }
         let common = u.take_common([
@@ -485,6 +491,7 @@ mod tests {
         assert_eq!(c.get_tls().key, Some(PathBuf::from("k.pem")));
         assert_eq!(c.get_connect_timeout(), Duration::from_millis(500));
         let c = PgConfig::from_url("postgres://h/db?sslmode=require&tls_ca=ca.pem").unwrap();
+        assert!(PgConfig::from_url("postgres://u@%2Fvar%2Frun%2Fpostgresql/db").is_ok());
         assert!(matches!(c.get_ssl_mode(), PgSslMode::Require));
         let err = PgConfig::from_url("postgres://u:hunter2@h:xx/db").unwrap_err();
         assert!(!format!("{err:?}").contains("hunter2"));

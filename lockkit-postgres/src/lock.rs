@@ -731,9 +731,13 @@ impl PgLock {
     /// ```
     ///
     /// # Errors
-    /// - [`Error::InvalidConfig`]: malformed URL or parameter; a connection pooler was detected.
+    /// - [`Error::InvalidConfig`]: malformed URL or parameter; a connection pooler was detected;
+    ///   a TLS file (`tls_ca`, `tls_cert`, `tls_key`) missing or not PEM; the server has no TLS
+    ///   while `sslmode` demands it.
     /// - [`Error::Unavailable`]: the server cannot be reached within the connect timeout.
-    /// - [`Error::Auth`]: the server refused the credentials.
+    /// - [`Error::Auth`]: the server refused the credentials (a `hostnossl … reject` line
+    ///   refusing a plain connection included); or TLS refused a certificate (the server's:
+    ///   unknown CA, expired, not for the host; or the server refused ours, or its absence).
     /// - [`Error::NotSupported`]: the server is older than PostgreSQL 14.
     /// - [`Error::Backend`]: anything else the server reported (e.g. no right to create the table).
     ///

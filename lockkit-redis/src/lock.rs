@@ -141,7 +141,7 @@ impl fmt::Debug for RedisLock {
 impl RedisLock {
     /// Connects to the server named by a `redis://` or `rediss://` URL (see
     /// [`RedisConfig::from_url`] for the format and lockkit's query parameters `prefix`,
-    /// `connect_timeout_ms`, `response_timeout_ms`).
+    /// `connect_timeout`, `response_timeout`, `tls_ca`, `tls_cert`, `tls_key`).
     ///
     /// ```no_run
     /// # async fn f() -> lockkit_core::Result<()> {
@@ -157,7 +157,9 @@ impl RedisLock {
     ///   (default 5 s), refused the connection, or is loading. A `rediss://` URL for a
     ///   plain-text port ends here too, after the connect timeout (the server never answers
     ///   the TLS handshake).
-    /// - [`Error::Auth`]: wrong user name or password, or a password is required.
+    /// - [`Error::Auth`]: wrong user name or password, or a password is required; or TLS
+    ///   refused a certificate (the server's: unknown CA, expired, not for the host; or the
+    ///   server refused ours, or its absence).
     ///
     /// # Cancel safety
     /// Cancel safe: dropping the future closes whatever connection it opened.

@@ -287,6 +287,61 @@ mod etcd {
     }
 }
 
+#[cfg(feature = "etcd")]
+mod etcd_expired {
+    use super::*;
+    use crate::common::{ServerProcess, free_port, wait_until};
+
+    /// A private etcd whose https client port presents a certificate that expired in 2001
+    /// (signed by the trusted test CA, for 127.0.0.1): refused as `Auth`.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn expired_server_certificate_is_auth() {
+        let (c, p) = (free_port(), free_port());
+        let dir = tempfile::tempdir().expect("temp dir");
+        let mut cmd = std::process::Command::new("etcd");
+        cmd.args(["--name", "x1", "--data-dir"])
+            .arg(dir.path().join("data"))
+            .arg(format!("--listen-client-urls=https://127.0.0.1:{c}"))
+            .arg(format!("--advertise-client-urls=https://127.0.0.1:{c}"))
+            .args([
+                "--cert-file",
+                &cert("expired.pem"),
+                "--key-file",
+                &cert("expired.key"),
+            ])
+            .arg(format!("--listen-peer-urls=http://127.0.0.1:{p}"))
+            .arg(format!(
+                "--initial-advertise-peer-urls=http://127.0.0.1:{p}"
+            ))
+            .arg(format!("--initial-cluster=x1=http://127.0.0.1:{p}"))
+            .args(["--heartbeat-interval", "10", "--election-timeout", "100"])
+            .args([
+                "--logger",
+                "zap",
+                "--log-outputs",
+                "stderr",
+                "--log-level",
+                "warn",
+            ]);
+        let _server = ServerProcess::spawn("etcd-tls-expired", dir, cmd);
+        wait_until("expired-certificate etcd", Duration::from_secs(10), || {
+            std::net::TcpStream::connect(("127.0.0.1", c)).is_ok()
+        })
+        .await;
+        let url = format!(
+            "etcds://127.0.0.1:{c}?connect_timeout=2s&tls_ca={}",
+            cert("ca.pem")
+        );
+        refused(
+            "etcd: expired server certificate",
+            &url,
+            Kind::Auth,
+            Duration::from_secs(3),
+        )
+        .await;
+    }
+}
+
 #[cfg(feature = "postgres")]
 mod postgres {
     use super::*;

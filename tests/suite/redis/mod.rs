@@ -242,16 +242,17 @@ async fn rediss_to_a_plain_server_fails_cleanly() {
 }
 
 /// `rediss://` with a password against a real TLS listener of a private redis-server, with the
-/// test certificates in `tls/` (a test CA and a server certificate for 127.0.0.1 signed by it,
-/// valid 2000–2099; see `tls/README.md`): verified through `tls_ca_file`, accepted unverified
+/// test certificates `scripts/certs.sh` made at server start (`LOCKKIT_TLS_DIR`: a test CA and
+/// a server certificate for 127.0.0.1 signed by it): verified through `tls_ca_file` (the old
+/// spelling of `tls_ca`), accepted unverified
 /// with the redis crate's `#insecure`, rejected against the system's roots.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rediss_with_password_over_tls() {
-    let tls = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/suite/redis/tls");
+    let tls = std::path::PathBuf::from(server_url("LOCKKIT_TLS_DIR"));
     let (ca, cert, key) = (
         tls.join("ca.pem"),
-        tls.join("cert.pem"),
-        tls.join("key.pem"),
+        tls.join("server.pem"),
+        tls.join("server.key"),
     );
     let dir = tempfile::tempdir().expect("temp dir");
     let port = free_port();

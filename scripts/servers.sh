@@ -9,7 +9,8 @@
 # The env file defines LOCKKIT_REDIS_URL, LOCKKIT_ETCD_URL, LOCKKIT_ZK_URL, LOCKKIT_POSTGRES_URL,
 # and for the TLS tests LOCKKIT_TLS_DIR (certificates made by scripts/certs.sh at start),
 # LOCKKIT_REDIS_TLS_URL (a TLS-only redis-server that requires client certificates),
-# LOCKKIT_ETCD_TLS_URL (etcd with an https client port and --client-cert-auth) and
+# LOCKKIT_ETCD_TLS_URL (etcd with an https client port and --client-cert-auth),
+# LOCKKIT_ZK_TLS_URL (ZooKeeper's secureClientPort, ssl.clientAuth=need) and
 # LOCKKIT_POSTGRES_TLS_URL (a PostgreSQL that accepts only TLS with a client certificate).
 # Set LOCKKIT_SERVERS="redis etcd" to start a subset.
 set -euo pipefail
@@ -121,6 +122,41 @@ CFG
   echo $! > "$dir/zk.pid"
   wait_for zk 300 bash -c "[ \"\$(echo ruok | timeout 2 nc -w 2 -q 1 127.0.0.1 $p)\" = imok ]"
   echo "export LOCKKIT_ZK_URL=zk://127.0.0.1:$p" >> "$dir/env"
+  # TLS: a secureClientPort served by Netty, client certificates required. Started with java
+  # directly: Debian's zkServer.sh classpath lacks the Netty codec jars.
+  local t="$dir/tls" tp sp j=/usr/share/java; tp=$(free_port); sp=$(free_port)
+  mkdir -p "$dir/zk-tls-data"
+  cat "$t/server.pem" "$t/server.key" > "$dir/zk-tls-keystore.pem"
+  cat > "$dir/zoo-tls.cfg" <<CFG
+tickTime=500
+minSessionTimeout=1000
+maxSessionTimeout=60000
+dataDir=$dir/zk-tls-data
+clientPortAddress=127.0.0.1
+clientPort=$tp
+secureClientPortAddress=127.0.0.1
+secureClientPort=$sp
+serverCnxnFactory=org.apache.zookeeper.server.NettyServerCnxnFactory
+ssl.keyStore.location=$dir/zk-tls-keystore.pem
+ssl.keyStore.type=PEM
+ssl.trustStore.location=$t/ca.pem
+ssl.trustStore.type=PEM
+ssl.clientAuth=need
+admin.enableServer=false
+4lw.commands.whitelist=ruok
+forceSync=no
+CFG
+  local cp=/etc/zookeeper/conf
+  for jar in zookeeper netty-codec netty-handler netty-transport netty-buffer netty-common \
+    netty-resolver netty-transport-native-unix-common netty-transport-native-epoll slf4j-api \
+    log4j-1.2 slf4j-log4j12 jackson-databind jackson-core jackson-annotations; do
+    cp="$cp:$j/$jar.jar"
+  done
+  java -cp "$cp" org.apache.zookeeper.server.quorum.QuorumPeerMain "$dir/zoo-tls.cfg" \
+    > "$dir/zk-tls.log" 2>&1 &
+  echo $! > "$dir/zk-tls.pid"
+  wait_for zk-tls 300 bash -c "timeout 2 openssl s_client -connect 127.0.0.1:$sp -CAfile $t/ca.pem -cert $t/client.pem -key $t/client.key </dev/null 2>/dev/null | grep -q 'Verify return code: 0'"
+  echo "export LOCKKIT_ZK_TLS_URL='zk://127.0.0.1:$sp?tls_ca=$t/ca.pem&tls_cert=$t/client.pem&tls_key=$t/client.key'" >> "$dir/env"
 }
 
 start_postgres() {
@@ -175,7 +211,7 @@ case "$cmd" in
     ;;
   stop)
     [ -d "$dir" ] || exit 0
-    for s in redis redis-tls etcd etcd-tls zk; do stop_pid "$dir/$s.pid"; done
+    for s in redis redis-tls etcd etcd-tls zk zk-tls; do stop_pid "$dir/$s.pid"; done
     stop_postgres
     for f in "$dir/etcd.datadir" "$dir/etcd-tls.datadir"; do
       if [ -f "$f" ]; then rm -rf "$(cat "$f")"; fi

@@ -3,7 +3,9 @@
 use std::fmt;
 use std::time::Duration;
 
-use lockkit_core::backend::{BackendUrl, parse_host_port};
+use std::path::PathBuf;
+
+use lockkit_core::backend::{BackendUrl, TlsOptions, parse_host_port, read_pem};
 use lockkit_core::{Error, Result};
 
 /// The key prefix used when none is given: `lockkit`.
@@ -47,6 +49,7 @@ pub struct ZkConfig {
     prefix: String,
     digest: Option<(String, String)>,
     connect_timeout: Duration,
+    tls: Option<TlsOptions>,
 }
 
 impl fmt::Debug for ZkConfig {
@@ -61,6 +64,7 @@ impl fmt::Debug for ZkConfig {
             )
             .field("password", &self.digest.as_ref().map(|_| "<hidden>"))
             .field("connect_timeout", &self.connect_timeout)
+            .field("tls", &self.tls)
             .finish()
     }
 }
@@ -79,6 +83,7 @@ impl ZkConfig {
             prefix: DEFAULT_PREFIX.to_owned(),
             digest: None,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            tls: None,
         }
     }
 
@@ -94,6 +99,10 @@ impl ZkConfig {
     /// - `/chroot` is ZooKeeper's chroot suffix of the connect string: every path lives under it
     ///   (it must exist).
     /// - `prefix` (default `lockkit`) is the node under which lock nodes live.
+    /// - `tls_ca`, `tls_cert`, `tls_key` (PEM files): TLS to the servers' `secureClientPort`,
+    ///   verified against `tls_ca` (required: there is no ZooKeeper TLS scheme, and the
+    ///   client has no system roots), with a client certificate for `ssl.clientAuth=need`.
+    ///   `tls_server_name` is refused (the client verifies the host).
     /// - `connect_timeout` (a duration: `500ms`, `2s`, bare seconds; default `5s`, at most 1 h;
     ///   old spelling `connect_timeout_ms`, whole milliseconds) bounds connecting and opening
     ///   each session.
@@ -125,9 +134,7 @@ impl ZkConfig {
         }
         let common = u.take_common([&[], &[], &[]])?;
         if common.tls.is_set() {
-            return Err(Error::config(
-                "TLS is not supported by lockkit-zk yet: use a plain client port",
-            ));
+            cfg.tls = Some(common.tls);
         }
         if let Some(p) = common.prefix {
             cfg = cfg.prefix(p);
@@ -135,7 +142,10 @@ impl ZkConfig {
         if let Some(t) = common.connect_timeout {
             cfg = cfg.connect_timeout(t);
         }
-        u.finish("ZooKeeper", &["prefix", "connect_timeout"])?;
+        u.finish(
+            "ZooKeeper",
+            &["prefix", "connect_timeout", "tls_ca", "tls_cert", "tls_key"],
+        )?;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -162,6 +172,53 @@ impl ZkConfig {
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
         self.connect_timeout = timeout;
         self
+    }
+
+    /// Uses TLS, trusting the root certificate(s) in the PEM file `path` (`tls_ca`). Read when
+    /// each session is opened.
+    pub fn tls_ca(mut self, path: impl Into<PathBuf>) -> Self {
+        self.tls.get_or_insert_default().ca = Some(path.into());
+        self
+    }
+
+    /// Presents the client certificate in the PEM file `cert` with its key in `key`
+    /// (`tls_cert`, `tls_key`); needs [`tls_ca`](Self::tls_ca).
+    pub fn tls_client_cert(mut self, cert: impl Into<PathBuf>, key: impl Into<PathBuf>) -> Self {
+        let t = self.tls.get_or_insert_default();
+        t.cert = Some(cert.into());
+        t.key = Some(key.into());
+        self
+    }
+
+    /// The TLS settings, if TLS is on.
+    pub fn get_tls(&self) -> Option<&TlsOptions> {
+        self.tls.as_ref()
+    }
+
+    /// zookeeper-client's TLS options, the PEM files read, if TLS is on.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for a missing, unreadable or malformed file.
+    pub(crate) async fn tls_options(&self) -> Result<Option<zookeeper_client::TlsOptions>> {
+        let Some(t) = &self.tls else { return Ok(None) };
+        let text = |pem: Vec<u8>, what: &str| {
+            String::from_utf8(pem).map_err(|_| Error::config(format!("{what} is not PEM text")))
+        };
+        let ca = match &t.ca {
+            Some(ca) => text(read_pem(ca, "tls_ca").await?, "tls_ca")?,
+            None => return Err(Error::config("ZooKeeper TLS needs tls_ca")),
+        };
+        let mut opts = zookeeper_client::TlsOptions::new()
+            .with_pem_ca(&ca)
+            .map_err(|e| Error::config_with("tls_ca holds no usable certificate", e))?;
+        if let (Some(c), Some(k)) = (&t.cert, &t.key) {
+            let c = text(read_pem(c, "tls_cert").await?, "tls_cert")?;
+            let k = text(read_pem(k, "tls_key").await?, "tls_key")?;
+            opts = opts
+                .with_pem_identity(&c, &k)
+                .map_err(|e| Error::config_with("cannot use tls_cert/tls_key", e))?;
+        }
+        Ok(Some(opts))
     }
 
     /// The servers, `host:port` each.
@@ -228,6 +285,18 @@ impl ZkConfig {
             if c == "/zookeeper" || c.starts_with("/zookeeper/") {
                 return Err(Error::config(
                     "the ZooKeeper chroot must not be /zookeeper or below it (reserved by the server)",
+                ));
+            }
+        }
+        if let Some(t) = &self.tls {
+            t.validate()?;
+            if t.ca.is_none() {
+                return Err(Error::config("ZooKeeper TLS needs tls_ca"));
+            }
+            if t.server_name.is_some() {
+                return Err(Error::config(
+                    "tls_server_name is not supported by the ZooKeeper backend: the client \
+                     verifies the certificate against the host",
                 ));
             }
         }
@@ -346,7 +415,8 @@ mod tests {
             "zk://h:+1",
             "zk://h:1?connect_timeout=2s&connect_timeout_ms=5",
             "zk://u:12?pw@h:1",
-            "zk://h:1?tls_ca=ca.pem",
+            "zk://h:1?tls_cert=c.pem&tls_key=k.pem",
+            "zk://h:1?tls_ca=ca.pem&tls_server_name=x",
         ] {
             match ZkConfig::from_url(bad) {
                 Err(Error::InvalidConfig { .. }) => {}
@@ -362,7 +432,10 @@ mod tests {
         let cfg = ZkConfig::from_url("zk://h:1/apps%20x/b").unwrap();
         assert_eq!(cfg.connect_string(), "h:1/apps x/b");
         assert!(ZkConfig::from_url("zk://[::1]:2181").is_ok());
-        let c: ZkConfig = "zk://h:1?connect_timeout=750ms".parse().unwrap();
+        let c: ZkConfig = "zk://h:1?connect_timeout=750ms&tls_ca=ca.pem"
+            .parse()
+            .unwrap();
+        assert!(c.get_tls().is_some_and(|t| t.ca.is_some()));
         assert_eq!(c.get_connect_timeout(), Duration::from_millis(750));
     }
 

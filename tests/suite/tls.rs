@@ -57,6 +57,47 @@ async fn refused(what: &str, url: &str, kind: Kind, limit: Duration) {
     assert!(!shown.contains("Zq9Hunter"), "{what}: {shown}");
 }
 
+/// The most a bad-certificate connect may take: the cases use a 2 s connect timeout.
+const LIMIT: Duration = Duration::from_secs(3);
+
+/// What the bad-certificate cases of one backend are built from: the TLS server's URL without
+/// its query, and the good certificate files.
+struct Setup {
+    base: String,
+    ca: String,
+    cert: String,
+    /// `tls_cert=…&tls_key=…` of the good client certificate.
+    mtls: String,
+}
+
+impl Setup {
+    /// From the TLS server URL in `var`; first connects once with `q` and mutual TLS, so each
+    /// bad case fails for its one reason.
+    async fn new(var: &str, q: &str) -> Self {
+        let url = server_url(var);
+        let base = url.split_once('?').expect("query").0.to_owned();
+        let (ca, c, k) = (cert("ca.pem"), cert("client.pem"), cert("client.key"));
+        let mtls = format!("tls_cert={c}&tls_key={k}");
+        lockkit::connect(&format!("{base}?{q}&tls_ca={ca}&{mtls}"))
+            .await
+            .unwrap_or_else(|e| panic!("{var}: mutual TLS: {e:#}"));
+        Self {
+            base,
+            ca,
+            cert: c,
+            mtls,
+        }
+    }
+
+    /// The port of the TLS server.
+    fn port(&self) -> String {
+        let after_scheme = self.base.split_once("://").expect("scheme").1;
+        let authority = after_scheme.split('/').next().expect("authority");
+        let hostport = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+        hostport.rsplit_once(':').expect("port").1.to_owned()
+    }
+}
+
 #[cfg(feature = "redis")]
 mod redis {
     use super::*;
@@ -66,24 +107,17 @@ mod redis {
         lockkit::contract_suite!(UrlHarness::from_env("LOCKKIT_REDIS_TLS_URL"));
     }
 
-    /// `rediss://127.0.0.1:PORT` of the TLS server.
-    fn base() -> String {
-        let url = server_url("LOCKKIT_REDIS_TLS_URL");
-        url.split_once('?').expect("query").0.to_owned()
-    }
-
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn bad_certificates_are_typed_fast_errors() {
-        let tls = base();
-        let port = tls.rsplit_once(':').expect("port").1.to_owned();
         let q = "connect_timeout=2s&response_timeout=2s";
-        let (ca, c, k) = (cert("ca.pem"), cert("client.pem"), cert("client.key"));
-        let mtls = format!("tls_cert={c}&tls_key={k}");
-        let long = Duration::from_secs(3);
-        // The good URL works (so every case below fails for its one reason).
-        lockkit::connect(&format!("{tls}?{q}&tls_ca={ca}&{mtls}"))
-            .await
-            .expect("mutual TLS");
+        let setup = Setup::new("LOCKKIT_REDIS_TLS_URL", q).await;
+        let port = setup.port();
+        let Setup {
+            base: tls,
+            ca,
+            cert: c,
+            mtls,
+        } = setup;
         let cases = [
             (
                 "redis: wrong CA",
@@ -147,7 +181,7 @@ mod redis {
             ),
         ];
         for (what, url, kind) in cases {
-            refused(what, &url, kind, long).await;
+            refused(what, &url, kind, LIMIT).await;
         }
     }
 
@@ -215,16 +249,15 @@ mod etcd {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn bad_certificates_are_typed_fast_errors() {
-        let url = server_url("LOCKKIT_ETCD_TLS_URL");
-        let tls = url.split_once('?').expect("query").0.to_owned();
-        let port = tls.rsplit_once(':').expect("port").1.to_owned();
         let q = "connect_timeout=2s&request_timeout=2s";
-        let (ca, c, k) = (cert("ca.pem"), cert("client.pem"), cert("client.key"));
-        let mtls = format!("tls_cert={c}&tls_key={k}");
-        let long = Duration::from_secs(3);
-        lockkit::connect(&format!("{tls}?{q}&tls_ca={ca}&{mtls}"))
-            .await
-            .expect("mutual TLS");
+        let setup = Setup::new("LOCKKIT_ETCD_TLS_URL", q).await;
+        let port = setup.port();
+        let Setup {
+            base: tls,
+            ca,
+            mtls,
+            ..
+        } = setup;
         let plain_port = server_url("LOCKKIT_ETCD_URL");
         let plain_port = plain_port.rsplit_once(':').expect("port").1;
         let cases = [
@@ -282,7 +315,7 @@ mod etcd {
             ),
         ];
         for (what, url, kind) in cases {
-            refused(what, &url, kind, long).await;
+            refused(what, &url, kind, LIMIT).await;
         }
     }
 }
@@ -342,6 +375,80 @@ mod etcd_expired {
     }
 }
 
+#[cfg(feature = "zk")]
+mod zk {
+    use super::*;
+
+    mod contract {
+        use crate::common::UrlHarness;
+        lockkit::contract_suite!(UrlHarness::from_env("LOCKKIT_ZK_TLS_URL"));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn bad_certificates_are_typed_fast_errors() {
+        let q = "connect_timeout=2s";
+        let setup = Setup::new("LOCKKIT_ZK_TLS_URL", q).await;
+        let port = setup.port();
+        let Setup {
+            base: tls,
+            ca,
+            cert: c,
+            mtls,
+            ..
+        } = setup;
+        let plain = server_url("LOCKKIT_ZK_URL");
+        let cases = [
+            (
+                "zk: wrong CA",
+                format!("{tls}?{q}&tls_ca={}&{mtls}", cert("other-ca.pem")),
+                Kind::Unavailable,
+            ),
+            (
+                "zk: name mismatch",
+                format!("zk://localhost:{port}?{q}&tls_ca={ca}&{mtls}"),
+                Kind::Unavailable,
+            ),
+            (
+                "zk: no client certificate",
+                format!("{tls}?{q}&tls_ca={ca}"),
+                Kind::Unavailable,
+            ),
+            (
+                "zk: client certificate of another CA",
+                format!(
+                    "{tls}?{q}&tls_ca={ca}&tls_cert={}&tls_key={}",
+                    cert("other-client.pem"),
+                    cert("other-client.key")
+                ),
+                Kind::Unavailable,
+            ),
+            (
+                "zk: missing CA file",
+                format!("{tls}?{q}&tls_ca=/nonexistent/ca.pem&{mtls}"),
+                Kind::InvalidConfig,
+            ),
+            (
+                "zk: key file is not PEM",
+                format!("{tls}?{q}&tls_ca={ca}&tls_cert={c}&tls_key=/etc/hostname"),
+                Kind::InvalidConfig,
+            ),
+            (
+                "zk: plain client, TLS-only port",
+                format!("zk://127.0.0.1:{port}?{q}"),
+                Kind::Unavailable,
+            ),
+            (
+                "zk: TLS client, plain server",
+                format!("{plain}?{q}&tls_ca={ca}&{mtls}"),
+                Kind::Unavailable,
+            ),
+        ];
+        for (what, url, kind) in cases {
+            refused(what, &url, kind, LIMIT).await;
+        }
+    }
+}
+
 #[cfg(feature = "postgres")]
 mod postgres {
     use super::*;
@@ -353,22 +460,17 @@ mod postgres {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn bad_certificates_are_typed_fast_errors() {
-        let url = server_url("LOCKKIT_POSTGRES_TLS_URL");
-        let base = url.split_once('?').expect("query").0.to_owned();
-        let hostport = base
-            .trim_start_matches("postgres://postgres@")
-            .split('/')
-            .next()
-            .expect("host")
-            .to_owned();
-        let port = hostport.rsplit_once(':').expect("port").1.to_owned();
         let q = "connect_timeout=2s";
-        let (ca, c, k) = (cert("ca.pem"), cert("client.pem"), cert("client.key"));
-        let mtls = format!("tls_cert={c}&tls_key={k}");
-        let long = Duration::from_secs(3);
-        lockkit::connect(&format!("{base}?{q}&tls_ca={ca}&{mtls}"))
-            .await
-            .expect("mutual TLS, sslmode verify-full implied by tls_ca");
+        let setup = Setup::new("LOCKKIT_POSTGRES_TLS_URL", q).await;
+        let port = setup.port();
+        let hostport = format!("127.0.0.1:{port}");
+        let Setup {
+            base,
+            ca,
+            cert: c,
+            mtls,
+            ..
+        } = setup;
         let cases = [
             (
                 "postgres: wrong CA",
@@ -424,7 +526,7 @@ mod postgres {
             ),
         ];
         for (what, url, kind) in cases {
-            refused(what, &url, kind, long).await;
+            refused(what, &url, kind, LIMIT).await;
         }
     }
 }

@@ -58,6 +58,19 @@ impl TlsOptions {
         self.ca.is_some() || self.cert.is_some() || self.key.is_some() || self.server_name.is_some()
     }
 
+    /// Sets `ca` (the backends' `tls_ca` setters).
+    pub fn with_ca(mut self, ca: impl Into<PathBuf>) -> Self {
+        self.ca = Some(ca.into());
+        self
+    }
+
+    /// Sets `cert` and `key` (the backends' `tls_client_cert` setters).
+    pub fn with_client_cert(mut self, cert: impl Into<PathBuf>, key: impl Into<PathBuf>) -> Self {
+        self.cert = Some(cert.into());
+        self.key = Some(key.into());
+        self
+    }
+
     /// Checks that `cert` and `key` come together and the server name is a plausible DNS name or
     /// IP address.
     ///

@@ -251,7 +251,7 @@ impl RedisConfig {
     /// system's (URL parameter `tls_ca`). The file is read when connecting, within the connect
     /// timeout; it must be a regular file of at most [`MAX_CA_FILE_BYTES`] (1 MiB).
     pub fn tls_ca(mut self, path: impl Into<PathBuf>) -> Self {
-        self.tls.ca = Some(path.into());
+        self.tls = std::mem::take(&mut self.tls).with_ca(path);
         self.tls(true)
     }
 
@@ -264,8 +264,7 @@ impl RedisConfig {
     /// in `key` (mutual TLS; URL parameters `tls_cert`, `tls_key`). Both are read when
     /// connecting, like [`tls_ca`](Self::tls_ca).
     pub fn tls_client_cert(mut self, cert: impl Into<PathBuf>, key: impl Into<PathBuf>) -> Self {
-        self.tls.cert = Some(cert.into());
-        self.tls.key = Some(key.into());
+        self.tls = std::mem::take(&mut self.tls).with_client_cert(cert, key);
         self.tls(true)
     }
 

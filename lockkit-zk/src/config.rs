@@ -177,16 +177,19 @@ impl ZkConfig {
     /// Uses TLS, trusting the root certificate(s) in the PEM file `path` (`tls_ca`). Read when
     /// each session is opened.
     pub fn tls_ca(mut self, path: impl Into<PathBuf>) -> Self {
-        self.tls.get_or_insert_default().ca = Some(path.into());
+        self.tls = Some(self.tls.take().unwrap_or_default().with_ca(path));
         self
     }
 
     /// Presents the client certificate in the PEM file `cert` with its key in `key`
     /// (`tls_cert`, `tls_key`); needs [`tls_ca`](Self::tls_ca).
     pub fn tls_client_cert(mut self, cert: impl Into<PathBuf>, key: impl Into<PathBuf>) -> Self {
-        let t = self.tls.get_or_insert_default();
-        t.cert = Some(cert.into());
-        t.key = Some(key.into());
+        self.tls = Some(
+            self.tls
+                .take()
+                .unwrap_or_default()
+                .with_client_cert(cert, key),
+        );
         self
     }
 

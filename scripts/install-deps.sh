@@ -10,6 +10,7 @@ pkgs=(
   zookeeper netcat-openbsd            # lockkit-zk
   postgresql pgbouncer                # lockkit-postgres
   procps iproute2                     # ps/pkill for the test harness
+  openssl                             # scripts/certs.sh: test certificates for the TLS servers
 )
 
 missing=()

@@ -6,7 +6,12 @@
 #   scripts/servers.sh stop  [DIR]   # stops only the processes this script started (by PID)
 #   scripts/servers.sh logs  [DIR]   # tails every server's log
 #
-# The env file defines LOCKKIT_REDIS_URL, LOCKKIT_ETCD_URL, LOCKKIT_ZK_URL, LOCKKIT_POSTGRES_URL.
+# The env file defines LOCKKIT_REDIS_URL, LOCKKIT_ETCD_URL, LOCKKIT_ZK_URL, LOCKKIT_POSTGRES_URL,
+# and for the TLS tests LOCKKIT_TLS_DIR (certificates made by scripts/certs.sh at start),
+# LOCKKIT_REDIS_TLS_URL (a TLS-only redis-server that requires client certificates),
+# LOCKKIT_ETCD_TLS_URL (etcd with an https client port and --client-cert-auth),
+# LOCKKIT_ZK_TLS_URL (ZooKeeper's secureClientPort, ssl.clientAuth=need) and
+# LOCKKIT_POSTGRES_TLS_URL (a PostgreSQL that accepts only TLS with a client certificate).
 # Set LOCKKIT_SERVERS="redis etcd" to start a subset.
 set -euo pipefail
 
@@ -54,6 +59,17 @@ start_redis() {
   echo $! > "$dir/redis.pid"
   wait_for redis 100 redis-cli -p "$p" ping
   echo "export LOCKKIT_REDIS_URL=redis://127.0.0.1:$p" >> "$dir/env"
+  # TLS only (no plain port), client certificates required.
+  local t="$dir/tls" tp; tp=$(free_port)
+  mkdir -p "$dir/redis-tls"
+  redis-server --bind 127.0.0.1 --port 0 --tls-port "$tp" --tls-cert-file "$t/server.pem" \
+    --tls-key-file "$t/server.key" --tls-ca-cert-file "$t/ca.pem" --tls-auth-clients yes \
+    --dir "$dir/redis-tls" --save '' --appendonly no --daemonize no \
+    --logfile "$dir/redis-tls.log" >/dev/null 2>&1 &
+  echo $! > "$dir/redis-tls.pid"
+  wait_for redis-tls 100 redis-cli --tls --cacert "$t/ca.pem" --cert "$t/client.pem" \
+    --key "$t/client.key" -h 127.0.0.1 -p "$tp" ping
+  echo "export LOCKKIT_REDIS_TLS_URL='rediss://127.0.0.1:$tp?tls_ca=$t/ca.pem&tls_cert=$t/client.pem&tls_key=$t/client.key'" >> "$dir/env"
 }
 
 start_etcd() {
@@ -70,6 +86,21 @@ start_etcd() {
   echo $! > "$dir/etcd.pid"
   wait_for etcd 150 env ETCDCTL_API=3 etcdctl --endpoints="http://127.0.0.1:$c" endpoint health
   echo "export LOCKKIT_ETCD_URL=etcd://127.0.0.1:$c" >> "$dir/env"
+  # TLS client port, client certificates required (--client-cert-auth).
+  local t="$dir/tls" tc tpp; tc=$(free_port); tpp=$(free_port)
+  local tdata="$dir/etcd-tls-data"
+  [ -d /dev/shm ] && tdata=$(mktemp -d /dev/shm/lockkit-etcd-tls.XXXXXX) && echo "$tdata" > "$dir/etcd-tls.datadir"
+  etcd --name t1 --data-dir "$tdata" \
+    --listen-client-urls "https://127.0.0.1:$tc" --advertise-client-urls "https://127.0.0.1:$tc" \
+    --cert-file "$t/server.pem" --key-file "$t/server.key" --client-cert-auth --trusted-ca-file "$t/ca.pem" \
+    --listen-peer-urls "http://127.0.0.1:$tpp" --initial-advertise-peer-urls "http://127.0.0.1:$tpp" \
+    --initial-cluster "t1=http://127.0.0.1:$tpp" --initial-cluster-state new \
+    --heartbeat-interval 10 --election-timeout 100 \
+    --logger zap --log-outputs stderr --log-level warn > "$dir/etcd-tls.log" 2>&1 &
+  echo $! > "$dir/etcd-tls.pid"
+  wait_for etcd-tls 150 env ETCDCTL_API=3 etcdctl --endpoints="https://127.0.0.1:$tc" \
+    --cacert "$t/ca.pem" --cert "$t/client.pem" --key "$t/client.key" endpoint health
+  echo "export LOCKKIT_ETCD_TLS_URL='etcds://127.0.0.1:$tc?tls_ca=$t/ca.pem&tls_cert=$t/client.pem&tls_key=$t/client.key'" >> "$dir/env"
 }
 
 start_zk() {
@@ -91,6 +122,41 @@ CFG
   echo $! > "$dir/zk.pid"
   wait_for zk 300 bash -c "[ \"\$(echo ruok | timeout 2 nc -w 2 -q 1 127.0.0.1 $p)\" = imok ]"
   echo "export LOCKKIT_ZK_URL=zk://127.0.0.1:$p" >> "$dir/env"
+  # TLS: a secureClientPort served by Netty, client certificates required. Started with java
+  # directly: Debian's zkServer.sh classpath lacks the Netty codec jars.
+  local t="$dir/tls" tp sp j=/usr/share/java; tp=$(free_port); sp=$(free_port)
+  mkdir -p "$dir/zk-tls-data"
+  cat "$t/server.pem" "$t/server.key" > "$dir/zk-tls-keystore.pem"
+  cat > "$dir/zoo-tls.cfg" <<CFG
+tickTime=500
+minSessionTimeout=1000
+maxSessionTimeout=60000
+dataDir=$dir/zk-tls-data
+clientPortAddress=127.0.0.1
+clientPort=$tp
+secureClientPortAddress=127.0.0.1
+secureClientPort=$sp
+serverCnxnFactory=org.apache.zookeeper.server.NettyServerCnxnFactory
+ssl.keyStore.location=$dir/zk-tls-keystore.pem
+ssl.keyStore.type=PEM
+ssl.trustStore.location=$t/ca.pem
+ssl.trustStore.type=PEM
+ssl.clientAuth=need
+admin.enableServer=false
+4lw.commands.whitelist=ruok
+forceSync=no
+CFG
+  local cp=/etc/zookeeper/conf
+  for jar in zookeeper netty-codec netty-handler netty-transport netty-buffer netty-common \
+    netty-resolver netty-transport-native-unix-common netty-transport-native-epoll slf4j-api \
+    log4j-1.2 slf4j-log4j12 jackson-databind jackson-core jackson-annotations; do
+    cp="$cp:$j/$jar.jar"
+  done
+  java -cp "$cp" org.apache.zookeeper.server.quorum.QuorumPeerMain "$dir/zoo-tls.cfg" \
+    > "$dir/zk-tls.log" 2>&1 &
+  echo $! > "$dir/zk-tls.pid"
+  wait_for zk-tls 300 bash -c "timeout 2 openssl s_client -connect 127.0.0.1:$sp -CAfile $t/ca.pem -cert $t/client.pem -key $t/client.key </dev/null 2>/dev/null | grep -q 'Verify return code: 0'"
+  echo "export LOCKKIT_ZK_TLS_URL='zk://127.0.0.1:$sp?tls_ca=$t/ca.pem&tls_cert=$t/client.pem&tls_key=$t/client.key'" >> "$dir/env"
 }
 
 start_postgres() {
@@ -104,17 +170,37 @@ start_postgres() {
   echo "$p" > "$dir/postgres.port"
   wait_for postgres 100 pg_isready -h 127.0.0.1 -p "$p"
   echo "export LOCKKIT_POSTGRES_URL=postgres://postgres@127.0.0.1:$p/postgres" >> "$dir/env"
+  # A second cluster that takes TLS connections with a client certificate only
+  # (hostssl … clientcert=verify-full; plain TCP is rejected).
+  local t="$dir/tls" tr="$dir/pg-tls" tp; tp=$(free_port)
+  install -d -o postgres -g postgres "$tr"
+  runuser -u postgres -- "$bin/initdb" -D "$tr/data" -U postgres -A trust -E UTF8 --no-sync >/dev/null
+  install -o postgres -g postgres -m 600 "$t/server.pem" "$t/server.key" "$t/ca.pem" "$tr/data/"
+  cat > "$tr/data/pg_hba.conf" <<HBA
+local all all trust
+hostssl all all 127.0.0.1/32 trust clientcert=verify-full
+hostnossl all all 127.0.0.1/32 reject
+HBA
+  runuser -u postgres -- "$bin/pg_ctl" -D "$tr/data" -l "$tr/postgres.log" -w \
+    -o "-c listen_addresses=127.0.0.1 -p $tp -k $tr -c fsync=off -c max_connections=100 -c ssl=on -c ssl_cert_file=server.pem -c ssl_key_file=server.key -c ssl_ca_file=ca.pem" start >/dev/null
+  ln -sf "$tr/postgres.log" "$dir/postgres-tls.log"
+  wait_for postgres-tls 100 pg_isready -h 127.0.0.1 -p "$tp"
+  echo "export LOCKKIT_POSTGRES_TLS_URL='postgres://postgres@127.0.0.1:$tp/postgres?sslmode=verify-full&tls_ca=$t/ca.pem&tls_cert=$t/client.pem&tls_key=$t/client.key'" >> "$dir/env"
 }
 
 stop_postgres() {
-  [ -d "$dir/pg/data" ] || return 0
-  runuser -u postgres -- "$(pg_bin)/pg_ctl" -D "$dir/pg/data" -m immediate -w stop >/dev/null 2>&1 || true
+  for d in "$dir/pg/data" "$dir/pg-tls/data"; do
+    [ -d "$d" ] || continue
+    runuser -u postgres -- "$(pg_bin)/pg_ctl" -D "$d" -m immediate -w stop >/dev/null 2>&1 || true
+  done
 }
 
 case "$cmd" in
   start)
     "$0" stop "$dir" >/dev/null 2>&1 || true
     rm -rf "$dir"; mkdir -p "$dir"; chmod 755 "$dir"; : > "$dir/env"
+    "$root/scripts/certs.sh" "$dir/tls"
+    echo "export LOCKKIT_TLS_DIR=$dir/tls" >> "$dir/env"
     for s in $servers; do
       case "$s" in
         redis) start_redis;; etcd) start_etcd;; zk) start_zk;; postgres) start_postgres;;
@@ -125,9 +211,11 @@ case "$cmd" in
     ;;
   stop)
     [ -d "$dir" ] || exit 0
-    for s in redis etcd zk; do stop_pid "$dir/$s.pid"; done
+    for s in redis redis-tls etcd etcd-tls zk zk-tls; do stop_pid "$dir/$s.pid"; done
     stop_postgres
-    if [ -f "$dir/etcd.datadir" ]; then rm -rf "$(cat "$dir/etcd.datadir")"; fi
+    for f in "$dir/etcd.datadir" "$dir/etcd-tls.datadir"; do
+      if [ -f "$f" ]; then rm -rf "$(cat "$f")"; fi
+    done
     ;;
   logs)
     for f in "$dir"/*.log; do [ -e "$f" ] || continue; echo "==> $f <=="; tail -n 40 "$f"; done

@@ -8,10 +8,10 @@
 //! | URL | backend | Cargo feature |
 //! |---|---|---|
 //! | `memory://` | in-process ([`MemoryLock`]) | always on |
-//! | `redis://host:port`, `rediss://…` | Redis (efficiency lock) | `redis` |
-//! | `etcd://host:port[,host:port]` | etcd v3 (correctness lock) | `etcd` |
+//! | `redis://host:port`, `rediss://…` (TLS) | Redis (efficiency lock) | `redis` |
+//! | `etcd://host:port[,host:port]`, `etcds://…` (TLS) | etcd v3 (correctness lock) | `etcd` |
 //! | `zk://host:port[,host:port][/chroot]` | ZooKeeper (correctness lock) | `zk` |
-//! | `postgres://user@host:port/db` | PostgreSQL advisory locks | `postgres` |
+//! | `postgres://user@host:port/db` (TLS with `sslmode`, `tls_ca`, …) | PostgreSQL advisory locks | `postgres` |
 //!
 //! ```
 //! use std::time::Duration;
@@ -99,9 +99,12 @@ pub use lockkit_zk as zk;
 
 /// Connects to the lock service named by `url` and returns it as `Arc<dyn Lock>`.
 ///
-/// The scheme picks the backend (see the table in the crate docs); the rest of the URL is the
-/// backend's own (each backend's `connect` documents its options, such as the key prefix).
-/// `memory://` returns a fresh, empty in-process lock table each time.
+/// The scheme picks the backend (see the table in the crate docs). Every backend splits its URL
+/// by the same grammar ([`backend::BackendUrl`]: user info before the query, each parameter
+/// once, unknown parameters refused, durations such as `2s`) and shares the parameter names
+/// `prefix`, `connect_timeout`, `tls_ca`, `tls_cert`, `tls_key`; each backend's config type
+/// documents its own. `memory://` returns a fresh, empty in-process lock table each time and
+/// takes no host or parameter.
 ///
 /// # Errors
 /// - [`Error::InvalidConfig`] for a malformed URL, an unknown scheme, or a scheme whose Cargo
@@ -110,25 +113,25 @@ pub use lockkit_zk as zk;
 /// - [`Error::Unavailable`] if the server cannot be reached, [`Error::Auth`] if it refuses the
 ///   credentials.
 pub async fn connect(url: &str) -> Result<Arc<dyn Lock>> {
-    let Some((scheme, rest)) = url.split_once("://") else {
+    let Some((scheme, _)) = url.split_once("://") else {
         return Err(Error::config(
             "malformed lock service URL: expected scheme://…, e.g. redis://127.0.0.1:6379",
         ));
     };
-    // Schemes are case-insensitive (RFC 3986 §3.1); backends see the lowercase form.
+    // Schemes are case-insensitive (RFC 3986 §3.1); each backend's parser lowercases them too.
     let scheme = scheme.to_ascii_lowercase();
-    let normalized = format!("{scheme}://{rest}");
-    #[allow(unused_variables)] // unused when no network backend is compiled in
-    let url = normalized.as_str();
     match scheme.as_str() {
-        "memory" => Ok(Arc::new(MemoryLock::new())),
+        "memory" => {
+            memory_url(url)?;
+            Ok(Arc::new(MemoryLock::new()))
+        }
         "redis" | "rediss" => {
             #[cfg(feature = "redis")]
             return Ok(Arc::new(lockkit_redis::RedisLock::connect(url).await?));
             #[cfg(not(feature = "redis"))]
             return Err(feature_off(&scheme, "redis"));
         }
-        "etcd" => {
+        "etcd" | "etcds" => {
             #[cfg(feature = "etcd")]
             return Ok(Arc::new(lockkit_etcd::EtcdLock::connect(url).await?));
             #[cfg(not(feature = "etcd"))]
@@ -146,10 +149,40 @@ pub async fn connect(url: &str) -> Result<Arc<dyn Lock>> {
             #[cfg(not(feature = "postgres"))]
             return Err(feature_off(&scheme, "postgres"));
         }
-        other => Err(Error::config(format!(
-            "unknown lock service scheme {other:?}: expected memory, redis, rediss, etcd, zk or postgres"
-        ))),
+        other => {
+            let plausible = !other.is_empty()
+                && other.len() <= 16
+                && other
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"+-.".contains(&b));
+            let named = if plausible {
+                format!(" {other:?}")
+            } else {
+                String::new()
+            };
+            Err(Error::config(format!(
+                "unknown lock service scheme{named}: expected memory, redis, rediss, etcd, zk, \
+                 postgres or postgresql"
+            )))
+        }
     }
+}
+
+/// `memory://` takes nothing after the scheme but an optional `/`: no host, user, path or
+/// parameter (a typo such as `memory://?prefx=a` must not be ignored).
+fn memory_url(url: &str) -> Result<()> {
+    let u = backend::BackendUrl::parse(url, &["memory"])?;
+    if !u.hosts().is_empty()
+        || u.username().is_some()
+        || u.password().is_some()
+        || !matches!(u.path(), "" | "/")
+        || u.fragment().is_some()
+    {
+        return Err(Error::config(
+            "memory:// takes no host, user, path or fragment: write memory://",
+        ));
+    }
+    u.finish("memory", &["none"])
 }
 
 #[allow(dead_code)] // unused when every backend feature is on
@@ -173,5 +206,22 @@ mod tests {
         }
         assert!(connect("memory://").await.is_ok());
         assert!(connect("MEMORY://").await.is_ok());
+        assert!(connect("memory:///").await.is_ok());
+        for bad in [
+            "memory://x/?prefx=typo",
+            "memory://?prefix=a",
+            "memory://host",
+            "memory://u:p@",
+            "memory:///path",
+            "memory://#f",
+        ] {
+            match connect(bad).await {
+                Err(Error::InvalidConfig { .. }) => {}
+                other => panic!("{bad:?}: {other:?}"),
+            }
+        }
+        let huge = format!("{}://x", "s".repeat(40_000));
+        let e = connect(&huge).await.err().unwrap();
+        assert!(e.to_string().len() < 200);
     }
 }

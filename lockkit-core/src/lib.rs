@@ -33,6 +33,7 @@
 #![deny(rustdoc::broken_intra_doc_links)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod config;
 mod error;
 mod fence;
 mod keeper;
@@ -74,11 +75,28 @@ pub use options::{
 /// ([`LossReason::StaleWrite`]) when its own write is rejected as stale; tokens carry the
 /// backend's lock identity (`backend/namespace/name`).
 /// `lockkit-core/src/memory.rs` is a complete backend to copy from.
+///
+/// The connection-URL grammar all backends share lives here too: [`BackendUrl`](backend::BackendUrl)
+/// (its docs give the rules and the shared parameter names).
 pub mod backend {
+    #[cfg(feature = "serde")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "serde")))]
+    pub use crate::config::deserialize_url;
+    pub use crate::config::{
+        BackendUrl, CommonParams, HostPort, MAX_EXCERPT_CHARS, MAX_PEM_BYTES, MAX_URL_BYTES,
+        Secret, TlsOptions, excerpt, parse_duration, parse_host_port, read_pem,
+    };
+    #[cfg(feature = "rustls")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "rustls")))]
+    pub use crate::config::{TlsFailure, tls_failure};
     pub use crate::fence::LeaseFence;
     pub use crate::lease::{LeaseOps, SuspectReason, TrackerHandle, mark_lost};
     pub use crate::lock::{LockBackend, retry_transient, wait_deadline};
     pub use crate::options::{validate_name, validate_prefix, validate_ttl};
+    /// The serde version lockkit's configs implement `Deserialize` of (feature `serde`).
+    #[cfg(feature = "serde")]
+    #[doc(hidden)]
+    pub use serde;
 }
 pub use token::{FencingToken, MAX_LOCK_ID_BYTES};
 

@@ -29,7 +29,9 @@
 //!
 //! ## URL
 //! `etcd://[user[:password]@]host[:port][,host[:port]…][?prefix=…]` — see [`EtcdConfig`]. Each
-//! `host:port` is an `http://` endpoint (TLS is not supported by this backend). A wrong password
+//! `host:port` is an `http://` endpoint; `etcds://…?tls_ca=…&tls_cert=…&tls_key=…` makes them
+//! `https://` (mutual TLS with a client certificate; a refused server certificate is
+//! [`Error::Auth`](lockkit_core::Error::Auth)). A wrong password
 //! fails [`EtcdLock::connect`] with [`Error::Auth`](lockkit_core::Error::Auth); an unreachable
 //! cluster with [`Error::Unavailable`](lockkit_core::Error::Unavailable) after the connect
 //! timeout (3 s by default).

@@ -96,6 +96,18 @@ impl fmt::Debug for EtcdLock {
     }
 }
 
+/// [`Error::Auth`] if `e` is a refused TLS certificate ([`tls_failure`](lockkit_core::backend::tls_failure)).
+fn tls_refusal(e: &etcd_client::Error) -> Option<Error> {
+    // etcd_client::Error has no `source()`: start from the tonic error it wraps.
+    let inner: &(dyn std::error::Error + 'static) = match e {
+        etcd_client::Error::GRpcStatus(s) => s,
+        etcd_client::Error::TransportError(t) => t,
+        other => other,
+    };
+    lockkit_core::backend::tls_failure(inner)
+        .map(|f| f.into_error(error::BACKEND, e.to_string().into()))
+}
+
 fn lock_table(t: &LeaseTable) -> std::sync::MutexGuard<'_, HashMap<Duration, Arc<SharedLease>>> {
     t.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -127,7 +139,10 @@ impl EtcdLock {
     /// - [`Error::Auth`] if etcd refuses the user name or password, or has authentication
     ///   enabled and none was given (or the user may not read under the prefix).
     /// - [`Error::InvalidConfig`] also if credentials are given and etcd has authentication
-    ///   disabled.
+    ///   disabled, or a TLS file (`tls_ca`, `tls_cert`, `tls_key`) is missing or unreadable.
+    /// - [`Error::Auth`] also if TLS refused the server's certificate (unknown CA, expired, not
+    ///   for the host or `tls_server_name`). A server that refuses *our* certificate (or its
+    ///   absence) just closes the connection: [`Error::Unavailable`] after the connect timeout.
     ///
     /// # Cancel safety
     /// As [`connect`](Self::connect).
@@ -139,6 +154,9 @@ impl EtcdLock {
             .with_timeout(config.request_timeout_value())
             .with_require_leader(true)
             .with_keep_alive(Duration::from_secs(10), Duration::from_secs(5));
+        if let Some(tls) = config.tls_options().await? {
+            opts = opts.with_tls(tls);
+        }
         if let Some((user, password)) = config.credentials() {
             opts = opts
                 .with_user(user.clone(), password.clone())
@@ -148,9 +166,19 @@ impl EtcdLock {
         let client =
             match tokio::time::timeout(limit, Client::connect(&endpoints, Some(opts))).await {
                 Ok(Ok(c)) => c,
-                Ok(Err(e)) => return Err(from_client(e)),
+                Ok(Err(e)) => return Err(tls_refusal(&e).unwrap_or_else(|| from_client(e))),
                 Err(_) => return Err(error::timeout("the connect")),
             };
+        if config.get_tls().is_some() {
+            // One unretried request first: a refused certificate is final, not worth the
+            // probe's retries until the connect timeout.
+            let mut m = client.maintenance_client();
+            if let Ok(Err(e)) = tokio::time::timeout(limit, m.status()).await
+                && let Some(refused) = tls_refusal(&e)
+            {
+                return Err(refused);
+            }
+        }
         let left = limit
             .saturating_sub(started.elapsed())
             .max(Duration::from_millis(1));

@@ -4,8 +4,12 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
+use std::path::PathBuf;
+
+use lockkit_core::backend::{BackendUrl, TlsOptions, parse_host_port};
 use lockkit_core::{Error, Result};
-use sqlx::postgres::PgConnectOptions;
+use percent_encoding::{NON_ALPHANUMERIC, utf8_percent_encode};
+use sqlx::postgres::{PgConnectOptions, PgSslMode};
 
 /// The default key prefix (lock namespace).
 pub const DEFAULT_PREFIX: &str = "lockkit";
@@ -19,17 +23,15 @@ pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// The shortest connect timeout accepted: 10 ms.
 pub const MIN_CONNECT_TIMEOUT: Duration = Duration::from_millis(10);
 
-/// The URL parameters sqlx's [`PgConnectOptions`] understands (besides `options[NAME]`).
+/// The longest connect timeout accepted: 1 hour.
+pub const MAX_CONNECT_TIMEOUT: Duration = Duration::from_secs(3600);
+
+/// The port used when the URL names none: 5432.
+pub const DEFAULT_PORT: u16 = 5432;
+
+/// The URL parameters passed on to sqlx's [`PgConnectOptions`] (besides `options[NAME]`); the
+/// TLS ones are read by lockkit first (`sslmode`, `tls_*` and their sqlx spellings).
 const SQLX_PARAMS: &[&str] = &[
-    "sslmode",
-    "ssl-mode",
-    "sslrootcert",
-    "ssl-root-cert",
-    "ssl-ca",
-    "sslcert",
-    "ssl-cert",
-    "sslkey",
-    "ssl-key",
     "statement-cache-capacity",
     "host",
     "hostaddr",
@@ -70,6 +72,7 @@ pub struct PgConfig {
     pub(crate) connect_timeout: Duration,
     pub(crate) auto_migrate: bool,
     pub(crate) max_idle: usize,
+    tls: TlsOptions,
 }
 
 impl fmt::Debug for PgConfig {
@@ -82,6 +85,7 @@ impl fmt::Debug for PgConfig {
             .field("user", &c.get_username())
             .field("database", &c.get_database())
             .field("ssl_mode", &c.get_ssl_mode())
+            .field("tls_files", &self.tls)
             .field("password", &"<hidden>")
             .field("prefix", &self.prefix)
             .field("schema", &self.schema)
@@ -103,97 +107,198 @@ impl PgConfig {
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             auto_migrate: true,
             max_idle: 8,
+            tls: TlsOptions::default(),
         }
     }
 
-    /// Parses a `postgres://` (or `postgresql://`) URL.
+    /// Parses a `postgres://` (or `postgresql://`) URL, by the grammar all lockkit backends
+    /// share ([`BackendUrl`](lockkit_core::backend::BackendUrl)):
+    /// `postgres[ql]://[user[:password]@][host][:port][/database][?param=value&…]`.
     ///
-    /// The parameters sqlx's [`PgConnectOptions`] understands are accepted (`sslmode`, `host`,
-    /// `options`, …); any other unknown parameter (a misspelling such as `ssl_mode`) is an
-    /// error. lockkit's own query parameters are removed before the URL reaches sqlx:
+    /// | parameter | meaning | default | aliases |
+    /// |---|---|---|---|
+    /// | `prefix` | lock namespace: names are locked as `{prefix}/{name}` | `lockkit` | |
+    /// | `schema` | schema of lockkit's table `{schema}.fence` | `lockkit` | |
+    /// | `connect_timeout` | duration for opening one connection: `2s`, `500ms`, or bare seconds as in libpq (`2.5`); 10 ms – 1 h | `10s` | `connect_timeout_ms` |
+    /// | `auto_migrate` | create the table on connect if it is missing (`true`/`false`) | `true` | |
+    /// | `sslmode` | `disable`, `allow`, `prefer`, `require`, `verify-ca`, `verify-full` | `prefer`, or `verify-full` when `tls_ca` or `tls_cert` is given | `ssl-mode` |
+    /// | `tls_ca` | PEM root certificate(s) to verify the server against | system roots | `sslrootcert`, `ssl-root-cert`, `ssl-ca` |
+    /// | `tls_cert`, `tls_key` | PEM client certificate and key (`clientcert=verify-full` in `pg_hba.conf`) | none | `sslcert`/`ssl-cert`, `sslkey`/`ssl-key` |
     ///
-    /// | parameter | meaning | default |
-    /// |---|---|---|
-    /// | `prefix` | lock namespace: names are locked as `{prefix}/{name}` | `lockkit` |
-    /// | `schema` | schema of lockkit's table `{schema}.fence` | `lockkit` |
-    /// | `connect_timeout` | seconds allowed for opening one connection (libpq's name) | `10` |
-    /// | `auto_migrate` | create the table on connect if it is missing (`true`/`false`) | `true` |
+    /// sqlx's other parameters pass through (`host`, `hostaddr`, `port`, `dbname`, `user`,
+    /// `password`, `application_name`, `options`, `options[NAME]`,
+    /// `statement-cache-capacity`); anything else (a misspelling such as `ssl_mode`) is an
+    /// error, and so is any parameter given twice (under one name or two of its aliases).
+    /// What the URL leaves out comes from the `PG*` environment variables, as in sqlx.
+    /// `tls_server_name` is refused: sqlx verifies the certificate against the host.
     ///
     /// # Errors
     /// [`Error::InvalidConfig`] if the URL is malformed, its scheme is not `postgres`/`postgresql`,
     /// or a parameter is invalid. The URL itself is never part of the message (it may hold a
     /// password).
     pub fn from_url(url: &str) -> Result<Self> {
-        let parsed =
-            url::Url::parse(url).map_err(|e| Error::config_with("malformed postgres:// URL", e))?;
-        if !matches!(parsed.scheme(), "postgres" | "postgresql") {
-            return Err(Error::config(format!(
-                "expected a postgres:// or postgresql:// URL, got scheme {:?}",
-                parsed.scheme()
-            )));
+        let mut u = BackendUrl::parse(url, &["postgres", "postgresql"])?;
+        if u.fragment().is_some() {
+            return Err(Error::config("a postgres:// URL must not have a fragment"));
         }
-        let mut prefix = None;
-        let mut schema = None;
-        let mut connect_timeout = None;
-        let mut auto_migrate = None;
-        let mut rest: Vec<(String, String)> = Vec::new();
-        for (k, v) in parsed.query_pairs() {
-            match &*k {
-                "prefix" => prefix = Some(v.into_owned()),
-                "schema" => schema = Some(v.into_owned()),
-                "connect_timeout" => {
-                    let secs: f64 = v.parse().map_err(|e| {
-                        Error::config_with("connect_timeout is not a number of seconds", e)
-                    })?;
-                    if !(secs >= MIN_CONNECT_TIMEOUT.as_secs_f64() && secs <= 3600.0) {
-                        return Err(Error::config(
-                            "connect_timeout must be between 0.01 and 3600 seconds",
-                        ));
-                    }
-                    connect_timeout = Some(Duration::from_secs_f64(secs));
-                }
-                "auto_migrate" => {
-                    auto_migrate = Some(match &*v {
-                        "true" | "1" | "yes" | "on" => true,
-                        "false" | "0" | "no" | "off" => false,
-                        _ => return Err(Error::config("auto_migrate must be true or false")),
-                    })
-                }
-                k if SQLX_PARAMS.contains(&k) || k.starts_with("options[") => {
-                    rest.push((k.to_owned(), v.into_owned()))
-                }
-                k => {
-                    return Err(Error::config(format!(
-                        "unknown URL parameter {k:?} (lockkit's: prefix, schema, \
-                         connect_timeout, auto_migrate; sqlx's: {})",
-                        SQLX_PARAMS.join(", ")
-                    )));
-                }
-            }
+        // A percent-encoded socket directory (`postgres://%2Fvar%2Frun%2Fpostgresql/db`) is
+        // sqlx's to read; anything else must be one host[:port].
+        let socket = u
+            .hosts()
+            .get(..3)
+            .is_some_and(|h| h.eq_ignore_ascii_case("%2F"));
+        if !u.hosts().is_empty() && !socket {
+            parse_host_port(u.hosts(), Some(DEFAULT_PORT))?;
         }
-        let mut stripped = parsed.clone();
-        if rest.is_empty() {
-            stripped.set_query(None);
-        } else {
-            stripped.query_pairs_mut().clear().extend_pairs(rest);
+        let common = u.take_common([
+            &["sslrootcert", "ssl-root-cert", "ssl-ca"],
+            &["sslcert", "ssl-cert"],
+            &["sslkey", "ssl-key"],
+        ])?;
+        let ssl_mode = match u.take("sslmode", &["ssl-mode"])? {
+            None => None,
+            Some(m) => Some(parse_ssl_mode(&m)?),
+        };
+        let schema = u.take("schema", &[])?;
+        let auto_migrate = u.take_bool("auto_migrate")?;
+        let rest = u.take_rest(|k| SQLX_PARAMS.contains(&k) || k.starts_with("options["));
+        u.finish(
+            "postgres",
+            &[
+                "prefix",
+                "schema",
+                "connect_timeout",
+                "auto_migrate",
+                "sslmode",
+                "tls_ca",
+                "tls_cert",
+                "tls_key",
+                "and sqlx's host, hostaddr, port, dbname, user, password, application_name, \
+                 options, statement-cache-capacity",
+            ],
+        )?;
+        // The URL sqlx reads: user info re-encoded, lockkit's parameters removed.
+        let mut sqlx_url = format!("{}://", u.scheme());
+        if let Some(user) = u.username() {
+            sqlx_url.push_str(&utf8_percent_encode(user, NON_ALPHANUMERIC).to_string());
         }
-        let connect = PgConnectOptions::from_str(stripped.as_str())
+        if let Some(pw) = u.password() {
+            sqlx_url.push(':');
+            sqlx_url.push_str(&utf8_percent_encode(pw, NON_ALPHANUMERIC).to_string());
+        }
+        if u.username().is_some() || u.password().is_some() {
+            sqlx_url.push('@');
+        }
+        sqlx_url.push_str(u.hosts());
+        sqlx_url.push_str(u.path());
+        if !rest.is_empty() {
+            sqlx_url.push('?');
+            sqlx_url.push_str(
+                &url::form_urlencoded::Serializer::new(String::new())
+                    .extend_pairs(rest)
+                    .finish(),
+            );
+        }
+        let connect = PgConnectOptions::from_str(&sqlx_url)
             .map_err(|e| Error::config_with("invalid postgres:// URL", e))?;
         let mut config = Self::new(connect);
-        if let Some(p) = prefix {
+        if let Some(p) = common.prefix {
             config = config.prefix(p);
         }
         if let Some(s) = schema {
             config = config.schema(s);
         }
-        if let Some(t) = connect_timeout {
+        if let Some(t) = common.connect_timeout {
             config = config.connect_timeout(t);
         }
         if let Some(m) = auto_migrate {
             config = config.auto_migrate(m);
         }
+        let tls = common.tls;
+        if let Some(ca) = tls.ca.clone() {
+            config = config.tls_ca(ca);
+        }
+        if let (Some(c), Some(k)) = (tls.cert.clone(), tls.key.clone()) {
+            config = config.tls_client_cert(c, k);
+        }
+        config.tls.server_name = tls.server_name;
+        if let Some(m) = ssl_mode {
+            config = config.ssl_mode(m);
+        }
         config.validate()?;
         Ok(config)
+    }
+
+    /// Sets `sslmode` ([`PgSslMode`]): up to [`PgSslMode::VerifyFull`], which checks the
+    /// certificate chain and that it names the host.
+    pub fn ssl_mode(mut self, mode: PgSslMode) -> Self {
+        self.connect = self.connect.ssl_mode(mode);
+        self
+    }
+
+    /// Trusts the root certificate(s) in the PEM file `path` (`tls_ca`, libpq's `sslrootcert`)
+    /// and turns `sslmode` to `verify-full` (call [`ssl_mode`](Self::ssl_mode) afterwards for
+    /// another).
+    pub fn tls_ca(mut self, path: impl Into<PathBuf>) -> Self {
+        let path = path.into();
+        self.connect = self
+            .connect
+            .ssl_root_cert(path.clone())
+            .ssl_mode(PgSslMode::VerifyFull);
+        self.tls.ca = Some(path);
+        self
+    }
+
+    /// Presents the client certificate in the PEM file `cert` with its key in `key`
+    /// (`tls_cert`/`tls_key`, libpq's `sslcert`/`sslkey`) and turns `sslmode` to `verify-full`
+    /// unless [`ssl_mode`](Self::ssl_mode) is called afterwards.
+    pub fn tls_client_cert(mut self, cert: impl Into<PathBuf>, key: impl Into<PathBuf>) -> Self {
+        let (cert, key) = (cert.into(), key.into());
+        self.connect = self
+            .connect
+            .ssl_client_cert(cert.clone())
+            .ssl_client_key(key.clone())
+            .ssl_mode(PgSslMode::VerifyFull);
+        self.tls.cert = Some(cert);
+        self.tls.key = Some(key);
+        self
+    }
+
+    /// Checks that each TLS file is a regular file (sqlx reads them while connecting; a missing
+    /// file would otherwise look like an unreachable server, a FIFO would block).
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] naming the parameter.
+    pub(crate) fn check_tls_files(&self) -> Result<()> {
+        let t = &self.tls;
+        for (name, path) in [
+            ("tls_ca", &t.ca),
+            ("tls_cert", &t.cert),
+            ("tls_key", &t.key),
+        ] {
+            let Some(path) = path else { continue };
+            match std::fs::metadata(path) {
+                Ok(m) if m.is_file() => {}
+                Ok(_) => return Err(Error::config(format!("{name} is not a regular file"))),
+                Err(e) => return Err(Error::config_with(format!("cannot read {name}"), e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// The TLS files configured (`tls_ca`, `tls_cert`, `tls_key`).
+    pub fn get_tls(&self) -> &TlsOptions {
+        &self.tls
+    }
+
+    /// The `sslmode`.
+    pub fn get_ssl_mode(&self) -> PgSslMode {
+        self.connect.get_ssl_mode()
+    }
+
+    /// The connect timeout.
+    pub fn get_connect_timeout(&self) -> Duration {
+        self.connect_timeout
     }
 
     /// Sets the lock namespace (checked by [`validate`](Self::validate)).
@@ -271,8 +376,35 @@ impl PgConfig {
         if self.connect_timeout < MIN_CONNECT_TIMEOUT {
             return Err(Error::config("connect_timeout is shorter than 10 ms"));
         }
-        Ok(())
+        if self.connect_timeout > MAX_CONNECT_TIMEOUT {
+            return Err(Error::config("connect_timeout is longer than 1 hour"));
+        }
+        if self.tls.server_name.is_some() {
+            return Err(Error::config(
+                "tls_server_name is not supported by the postgres backend: sqlx verifies the \
+                 certificate against the host",
+            ));
+        }
+        self.tls.validate()
     }
+}
+
+lockkit_core::impl_url_config!(PgConfig);
+
+fn parse_ssl_mode(m: &str) -> Result<PgSslMode> {
+    Ok(match m {
+        "disable" => PgSslMode::Disable,
+        "allow" => PgSslMode::Allow,
+        "prefer" => PgSslMode::Prefer,
+        "require" => PgSslMode::Require,
+        "verify-ca" => PgSslMode::VerifyCa,
+        "verify-full" => PgSslMode::VerifyFull,
+        _ => {
+            return Err(Error::config(
+                "sslmode must be disable, allow, prefer, require, verify-ca or verify-full",
+            ));
+        }
+    })
 }
 
 /// A schema name lockkit can put into SQL text unquoted: a plain lower-case identifier.
@@ -337,12 +469,30 @@ mod tests {
             "postgres://h/db?sslmod=require",
             "postgres://h/db?auto_migrate=maybe",
             "postgres://h:notaport/db",
+            "postgres://h:+1/db",
+            "postgres://h/db?prefix=a&prefix=b",
+            "postgres://h/db?prefix=a%2Fb&prefix=ok",
+            "postgres://h/db?sslrootcert=a&tls_ca=b",
+            "postgres://h/db?sslmode=verify-everything",
+            "postgres://h/db?tls_cert=c.pem",
+            "postgres://h/db?tls_server_name=x",
+            "postgres://h/db?connect_timeout=2h",
+            "postgres://u:12?hunter2@h/db",
         ] {
             match PgConfig::from_url(bad) {
                 Err(Error::InvalidConfig { .. }) => {}
                 other => panic!("{bad}: {other:?}"),
             }
         }
+        let c: PgConfig = "postgres://u:p%3Fw%40@h/db?tls_ca=ca.pem&sslcert=c.pem&sslkey=k.pem&connect_timeout=500ms"
+            .parse()
+            .unwrap();
+        assert!(matches!(c.get_ssl_mode(), PgSslMode::VerifyFull));
+        assert_eq!(c.get_tls().key, Some(PathBuf::from("k.pem")));
+        assert_eq!(c.get_connect_timeout(), Duration::from_millis(500));
+        let c = PgConfig::from_url("postgres://h/db?sslmode=require&tls_ca=ca.pem").unwrap();
+        assert!(PgConfig::from_url("postgres://u@%2Fvar%2Frun%2Fpostgresql/db").is_ok());
+        assert!(matches!(c.get_ssl_mode(), PgSslMode::Require));
         let err = PgConfig::from_url("postgres://u:hunter2@h:xx/db").unwrap_err();
         assert!(!format!("{err:?}").contains("hunter2"));
     }

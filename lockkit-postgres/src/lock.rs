@@ -675,6 +675,20 @@ fn connect_error(e: sqlx::Error) -> Error {
             return pooler_detected();
         }
     }
+    if let Some(f) = lockkit_core::backend::tls_failure(&e) {
+        return f.into_error(BACKEND, e.into());
+    }
+    if let sqlx::Error::Tls(tls) = &e {
+        if tls.to_string().contains("does not support TLS") {
+            return Error::config_with(
+                "the server does not accept TLS connections, and sslmode (require, verify-ca, \
+                 verify-full, or implied by tls_ca/tls_cert) demands TLS",
+                e,
+            );
+        }
+        // A TLS file sqlx could not read or parse (tls_ca, tls_cert, tls_key).
+        return Error::config_with("cannot use the TLS files (tls_ca, tls_cert, tls_key)", e);
+    }
     from_sqlx(e)
 }
 
@@ -758,16 +772,31 @@ impl PgLock {
     /// ```
     ///
     /// # Errors
-    /// - [`Error::InvalidConfig`]: malformed URL or parameter; a connection pooler was detected.
+    /// - [`Error::InvalidConfig`]: malformed URL or parameter; a connection pooler was detected;
+    ///   a TLS file (`tls_ca`, `tls_cert`, `tls_key`) missing or not PEM; the server has no TLS
+    ///   while `sslmode` demands it.
     /// - [`Error::Unavailable`]: the server cannot be reached within the connect timeout.
-    /// - [`Error::Auth`]: the server refused the credentials.
+    /// - [`Error::Auth`]: the server refused the credentials (a `hostnossl … reject` line
+    ///   refusing a plain connection included); or TLS refused a certificate (the server's:
+    ///   unknown CA, expired, not for the host; or the server refused ours, or its absence).
     /// - [`Error::NotSupported`]: the server is older than PostgreSQL 14.
     /// - [`Error::Backend`]: anything else the server reported (e.g. no right to create the table).
     ///
     /// # Cancel safety
     /// Cancel safe: dropping the future closes the connection it was opening.
     pub async fn connect(url: &str) -> Result<Self> {
-        Self::with_config(PgConfig::from_url(url)?).await
+        Self::connect_with(PgConfig::from_url(url)?).await
+    }
+
+    /// The old name of [`connect_with`](Self::connect_with).
+    ///
+    /// # Errors
+    /// As [`connect`](Self::connect).
+    ///
+    /// # Cancel safety
+    /// As [`connect`](Self::connect).
+    pub async fn with_config(config: PgConfig) -> Result<Self> {
+        Self::connect_with(config).await
     }
 
     /// Connects with `config`; see [`connect`](Self::connect).
@@ -777,8 +806,9 @@ impl PgLock {
     ///
     /// # Cancel safety
     /// Cancel safe: dropping the future closes the connection it was opening.
-    pub async fn with_config(config: PgConfig) -> Result<Self> {
+    pub async fn connect_with(config: PgConfig) -> Result<Self> {
         config.validate()?;
+        config.check_tls_files()?;
         let inner = Arc::new(Inner {
             sql: Sql::new(&config.schema),
             config,

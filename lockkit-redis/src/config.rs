@@ -1,11 +1,14 @@
 //! Connection settings: from a `redis://` / `rediss://` URL or built by hand.
 
 use std::fmt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
+use lockkit_core::backend::{BackendUrl, TlsOptions, read_pem};
 use lockkit_core::{Error, Result};
-use redis::{ConnectionAddr, ConnectionInfo, IntoConnectionInfo, RedisConnectionInfo};
+use redis::{
+    ConnectionAddr, ConnectionInfo, IntoConnectionInfo, ProtocolVersion, RedisConnectionInfo,
+};
 
 use crate::error::from_redis;
 
@@ -14,22 +17,35 @@ pub const DEFAULT_PREFIX: &str = "lockkit";
 
 pub use lockkit_core::MAX_PREFIX_BYTES;
 
+/// The port used when the URL names none: 6379.
+pub const DEFAULT_PORT: u16 = 6379;
+
 /// How long [`RedisLock::connect`](crate::RedisLock::connect) waits for the server by default: 5 s.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// How long a command waits for its reply by default: 2 s.
 pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// The largest `tls_ca_file` read, in bytes: 1 MiB.
-pub const MAX_CA_FILE_BYTES: u64 = 1 << 20;
+/// The largest PEM file (`tls_ca`, `tls_cert`, `tls_key`) read, in bytes: 1 MiB.
+pub const MAX_CA_FILE_BYTES: u64 = lockkit_core::backend::MAX_PEM_BYTES;
 
-/// The query parameters the redis crate itself understands and that pass through to it.
-const REDIS_CRATE_PARAMS: &[&str] = &["protocol"];
+/// lockkit-redis's URL parameters, for error messages.
+const KNOWN: &[&str] = &[
+    "prefix",
+    "connect_timeout",
+    "response_timeout",
+    "tls_ca",
+    "tls_cert",
+    "tls_key",
+    "protocol",
+];
 
 /// Where and how to reach Redis, and under which key prefix to keep the locks.
 ///
-/// Build it from a URL with [`from_url`](Self::from_url) or by hand with [`new`](Self::new) and
-/// the chained setters, then pass it to [`RedisLock::with_config`](crate::RedisLock::with_config).
+/// Build it from a URL with [`from_url`](Self::from_url) (or [`str::parse`]) or by hand with
+/// [`new`](Self::new) and the chained setters, then pass it to
+/// [`RedisLock::connect_with`](crate::RedisLock::connect_with). With the `serde` feature it
+/// deserializes from its URL string.
 ///
 /// ```
 /// use std::time::Duration;
@@ -39,8 +55,9 @@ const REDIS_CRATE_PARAMS: &[&str] = &["protocol"];
 ///     .password("s3cret")
 ///     .prefix("billing")
 ///     .connect_timeout(Duration::from_secs(2));
-/// let from_url = RedisConfig::from_url("redis://:s3cret@127.0.0.1:6379/0?prefix=billing&connect_timeout_ms=2000")?;
+/// let from_url: RedisConfig = "redis://:s3cret@127.0.0.1:6379/0?prefix=billing&connect_timeout=2s".parse()?;
 /// assert_eq!(by_hand.get_prefix(), from_url.get_prefix());
+/// assert_eq!(by_hand.get_connect_timeout(), from_url.get_connect_timeout());
 /// // Debug never shows the password.
 /// assert!(!format!("{by_hand:?}{from_url:?}").contains("s3cret"));
 /// # Ok::<(), lockkit_core::Error>(())
@@ -53,8 +70,8 @@ pub struct RedisConfig {
     pub(crate) connect_timeout: Duration,
     pub(crate) response_timeout: Duration,
     pub(crate) tls_root_cert: Option<Vec<u8>>,
-    /// Read when connecting (see [`RedisConfig::tls_ca_file`]).
-    pub(crate) tls_ca_file: Option<PathBuf>,
+    /// `tls_ca`, `tls_cert`, `tls_key`: read when connecting.
+    pub(crate) tls: TlsOptions,
 }
 
 impl fmt::Debug for RedisConfig {
@@ -76,7 +93,7 @@ impl fmt::Debug for RedisConfig {
                 "tls_root_cert",
                 &self.tls_root_cert.as_ref().map(|_| "<set>"),
             )
-            .field("tls_ca_file", &self.tls_ca_file)
+            .field("tls_files", &self.tls)
             .field("prefix", &self.prefix)
             .field("connect_timeout", &self.connect_timeout)
             .field("response_timeout", &self.response_timeout)
@@ -94,105 +111,108 @@ impl RedisConfig {
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             response_timeout: DEFAULT_RESPONSE_TIMEOUT,
             tls_root_cert: None,
-            tls_ca_file: None,
+            tls: TlsOptions::default(),
         }
     }
 
-    /// Parses a Redis URL:
-    /// `redis[s]://[[user]:password@]host[:port][/db][?prefix=P&connect_timeout_ms=N&response_timeout_ms=N&tls_ca_file=PATH][#insecure]`.
+    /// Parses a Redis URL, by the grammar all lockkit backends share
+    /// ([`BackendUrl`](lockkit_core::backend::BackendUrl)):
+    /// `redis[s]://[[user]:password@]host[:port][/db][?param=value&…][#insecure]`.
     ///
-    /// `prefix`, `connect_timeout_ms`, `response_timeout_ms` and `tls_ca_file` (a PEM file with the
-    /// root certificate to trust instead of the system's; `rediss` only; read when connecting, see
-    /// [`tls_ca_file`](Self::tls_ca_file)) are lockkit's own query parameters and are removed
-    /// before the rest goes to the redis crate, which understands `protocol` (`resp2`/`resp3`)
-    /// and, for `rediss`, the `#insecure` fragment that skips certificate verification
-    /// altogether. Any other query parameter is an error (a typo such as `prefx=` must not
-    /// silently fall back to the default prefix; the database goes in the path, `/3`, not in
-    /// `?db=3`). The user name and password are percent-decoded.
+    /// | parameter | meaning | default | old spelling (alias) |
+    /// |---|---|---|---|
+    /// | `prefix` | key prefix | `lockkit` | |
+    /// | `connect_timeout` | duration (`500ms`, `2s`, bare seconds) | `5s` | `connect_timeout_ms` |
+    /// | `response_timeout` | duration a command waits for its reply | `2s` | `response_timeout_ms` |
+    /// | `tls_ca` | PEM root certificate(s) to trust instead of the system's (`rediss` only) | system roots | `tls_ca_file` |
+    /// | `tls_cert`, `tls_key` | PEM client certificate and key for mutual TLS (`rediss` only) | none | |
+    /// | `protocol` | `resp2` / `resp3` (or `2` / `3`) | `resp2` | |
+    ///
+    /// The `#insecure` fragment (`rediss` only) skips certificate verification altogether. The
+    /// database goes in the path (`/3`), not in `?db=3`. Any other parameter is an error (a typo
+    /// such as `prefx=` must not silently fall back to the default prefix).
     ///
     /// # Errors
     /// [`Error::InvalidConfig`] for a URL that does not parse, a scheme other than `redis` or
-    /// `rediss`, a missing host, a bad or negative database number, an unknown or repeated query
-    /// parameter, a bad `prefix` (see [`prefix`](Self::prefix)) or timeout, `tls_ca_file` on a
-    /// `redis://` URL, or `rediss` when the crate was built without its `tls` feature. The URL is
+    /// `rediss`, a missing host or more than one, a bad or negative database number, an unknown
+    /// or repeated query parameter, a bad `prefix` (see [`prefix`](Self::prefix)) or timeout,
+    /// TLS parameters on a `redis://` URL, `tls_server_name` (the redis crate verifies against
+    /// the host), or `rediss` when the crate was built without its `tls` feature. The URL is
     /// never echoed in the error (it may carry a password).
     pub fn from_url(url: &str) -> Result<Self> {
-        let mut parsed =
-            url::Url::parse(url).map_err(|e| Error::config_with("malformed redis URL", e))?;
-        match parsed.scheme() {
-            "redis" => {}
-            "rediss" => {
-                if !cfg!(feature = "tls") {
-                    return Err(Error::config(
-                        "rediss:// needs lockkit-redis's Cargo feature \"tls\" (on by default)",
-                    ));
-                }
-            }
-            other => {
-                return Err(Error::config(format!(
-                    "unsupported scheme {other:?} for the redis backend: expected redis or rediss"
-                )));
-            }
+        let mut u = BackendUrl::parse(url, &["redis", "rediss"])?;
+        let tls = u.scheme() == "rediss";
+        if tls && !cfg!(feature = "tls") {
+            return Err(Error::config(
+                "rediss:// needs lockkit-redis's Cargo feature \"tls\" (on by default)",
+            ));
         }
-        if parsed.host_str().is_none_or(str::is_empty) {
-            return Err(Error::config("redis URL has no host"));
-        }
-        let mut prefix = DEFAULT_PREFIX.to_owned();
-        let mut connect_timeout = DEFAULT_CONNECT_TIMEOUT;
-        let mut response_timeout = DEFAULT_RESPONSE_TIMEOUT;
-        let mut tls_ca_file = None;
-        let mut rest = Vec::new();
-        let mut seen: Vec<String> = Vec::new();
-        for (k, v) in parsed.query_pairs() {
-            if seen.iter().any(|s| *s == k) {
-                return Err(Error::config(format!(
-                    "query parameter {:?} is given twice",
-                    shorten(&k)
-                )));
+        let insecure = match u.fragment() {
+            None => false,
+            Some("insecure") if tls => true,
+            Some(_) => {
+                return Err(Error::config(
+                    "the only URL fragment a redis URL takes is #insecure, on rediss://",
+                ));
             }
-            seen.push(k.clone().into_owned());
-            match k.as_ref() {
-                "prefix" => prefix = v.into_owned(),
-                "connect_timeout_ms" => connect_timeout = parse_ms(&k, &v)?,
-                "response_timeout_ms" => response_timeout = parse_ms(&k, &v)?,
-                "tls_ca_file" => {
-                    if parsed.scheme() != "rediss" {
-                        return Err(Error::config(
-                            "tls_ca_file is given but TLS is off (use rediss://)",
-                        ));
-                    }
-                    tls_ca_file = Some(PathBuf::from(v.as_ref()));
-                }
-                k if REDIS_CRATE_PARAMS.contains(&k) => rest.push((k.to_owned(), v.into_owned())),
-                "db" => {
-                    return Err(Error::config(
-                        "unknown query parameter \"db\": the database goes in the path (redis://host:6379/3)",
-                    ));
-                }
-                other => {
-                    return Err(Error::config(format!(
-                        "unknown query parameter {:?} (known: prefix, connect_timeout_ms, \
-                         response_timeout_ms, tls_ca_file, protocol)",
-                        shorten(other)
-                    )));
-                }
-            }
-        }
-        if rest.is_empty() {
-            parsed.set_query(None);
-        } else {
-            parsed.query_pairs_mut().clear().extend_pairs(rest);
-        }
-        let info = parsed.into_connection_info().map_err(from_redis)?;
-        let cfg = Self {
-            addr: info.addr().clone(),
-            redis: info.redis_settings().clone(),
-            prefix,
-            connect_timeout,
-            response_timeout,
-            tls_root_cert: None,
-            tls_ca_file,
         };
+        let mut hosts = u.host_list(Some(DEFAULT_PORT))?;
+        if hosts.len() != 1 {
+            return Err(Error::config("a redis URL names exactly one host"));
+        }
+        let host = hosts.remove(0);
+        let db = match u.path().trim_end_matches('/') {
+            "" => 0,
+            p => match p[1..].parse::<i64>() {
+                Ok(n) if n >= 0 && p[1..].bytes().all(|b| b.is_ascii_digit()) => n,
+                _ => {
+                    return Err(Error::config(
+                        "the path of a redis URL is the database number (/0, /1, …)",
+                    ));
+                }
+            },
+        };
+        let common = u.take_common([&["tls_ca_file"], &[], &[]])?;
+        let response_timeout = u.take_duration("response_timeout", Some("response_timeout_ms"))?;
+        let protocol = match u.take("protocol", &[])?.as_deref() {
+            None | Some("2" | "resp2") => ProtocolVersion::RESP2,
+            Some("3" | "resp3") => ProtocolVersion::RESP3,
+            Some(_) => return Err(Error::config("protocol must be resp2 or resp3")),
+        };
+        if u.take("db", &[])?.is_some() {
+            return Err(Error::config(
+                "unknown redis URL parameter \"db\": the database goes in the path (redis://host:6379/3)",
+            ));
+        }
+        u.finish("redis", KNOWN)?;
+        let mut redis = RedisConnectionInfo::default()
+            .set_db(db)
+            .set_protocol(protocol);
+        if let Some(user) = u.username() {
+            redis = redis.set_username(user);
+        }
+        if let Some(pw) = u.password().filter(|p| !p.is_empty()) {
+            redis = redis.set_password(pw);
+        }
+        let mut cfg = Self::new(host.host, host.port);
+        if tls {
+            let ConnectionAddr::Tcp(host, port) = cfg.addr else {
+                unreachable!("new() builds a TCP address")
+            };
+            cfg.addr = ConnectionAddr::TcpTls {
+                host,
+                port,
+                insecure,
+                tls_params: None,
+            };
+        }
+        cfg.redis = redis;
+        if let Some(p) = common.prefix {
+            cfg.prefix = p;
+        }
+        cfg.connect_timeout = common.connect_timeout.unwrap_or(DEFAULT_CONNECT_TIMEOUT);
+        cfg.response_timeout = response_timeout.unwrap_or(DEFAULT_RESPONSE_TIMEOUT);
+        cfg.tls = common.tls;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -228,29 +248,60 @@ impl RedisConfig {
     }
 
     /// Uses TLS and trusts the root certificate(s) in the PEM file at `path` instead of the
-    /// system's. The file is read when connecting, within the connect timeout; it must be a
-    /// regular file of at most [`MAX_CA_FILE_BYTES`] (1 MiB).
-    pub fn tls_ca_file(mut self, path: impl Into<PathBuf>) -> Self {
-        self.tls_ca_file = Some(path.into());
+    /// system's (URL parameter `tls_ca`). The file is read when connecting, within the connect
+    /// timeout; it must be a regular file of at most [`MAX_CA_FILE_BYTES`] (1 MiB).
+    pub fn tls_ca(mut self, path: impl Into<PathBuf>) -> Self {
+        self.tls = std::mem::take(&mut self.tls).with_ca(path);
         self.tls(true)
     }
 
-    /// Reads [`tls_ca_file`](Self::tls_ca_file) if one is set and no PEM was given directly.
+    /// The old name of [`tls_ca`](Self::tls_ca).
+    pub fn tls_ca_file(self, path: impl Into<PathBuf>) -> Self {
+        self.tls_ca(path)
+    }
+
+    /// Uses TLS and presents the client certificate in the PEM file `cert` with its private key
+    /// in `key` (mutual TLS; URL parameters `tls_cert`, `tls_key`). Both are read when
+    /// connecting, like [`tls_ca`](Self::tls_ca).
+    pub fn tls_client_cert(mut self, cert: impl Into<PathBuf>, key: impl Into<PathBuf>) -> Self {
+        self.tls = std::mem::take(&mut self.tls).with_client_cert(cert, key);
+        self.tls(true)
+    }
+
+    /// The TLS files configured (`tls_ca`, `tls_cert`, `tls_key`).
+    pub fn get_tls(&self) -> &TlsOptions {
+        &self.tls
+    }
+
+    /// Whether TLS is on (`rediss`).
+    pub fn is_tls(&self) -> bool {
+        matches!(self.addr, ConnectionAddr::TcpTls { .. })
+    }
+
+    /// Reads the root certificate (given as PEM, or `tls_ca`) and the client certificate and key,
+    /// if set.
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] if the file is missing, not a regular file (a FIFO or a device
-    /// would block), larger than [`MAX_CA_FILE_BYTES`] or unreadable.
+    /// [`Error::InvalidConfig`] if a file is missing, not a regular file (a FIFO or a device
+    /// would block), larger than [`MAX_CA_FILE_BYTES`] or unreadable. The message names the
+    /// parameter, never the file's contents.
     ///
     /// # Cancel safety
     /// Cancel safe.
-    pub(crate) async fn root_cert(&self) -> Result<Option<Vec<u8>>> {
-        if let Some(pem) = &self.tls_root_cert {
-            return Ok(Some(pem.clone()));
-        }
-        match &self.tls_ca_file {
-            None => Ok(None),
-            Some(path) => read_ca_file(path).await.map(Some),
-        }
+    pub(crate) async fn tls_files(&self) -> Result<TlsFiles> {
+        let root = match (&self.tls_root_cert, &self.tls.ca) {
+            (Some(pem), _) => Some(pem.clone()),
+            (None, Some(path)) => Some(read_pem(path, "tls_ca").await?),
+            (None, None) => None,
+        };
+        let client = match (&self.tls.cert, &self.tls.key) {
+            (Some(c), Some(k)) => Some((
+                read_pem(c, "tls_cert").await?,
+                read_pem(k, "tls_key").await?,
+            )),
+            _ => None,
+        };
+        Ok(TlsFiles { root, client })
     }
 
     /// Sets the user name for `AUTH` (Redis 6 ACL users).
@@ -288,6 +339,21 @@ impl RedisConfig {
         &self.prefix
     }
 
+    /// The connect timeout.
+    pub fn get_connect_timeout(&self) -> Duration {
+        self.connect_timeout
+    }
+
+    /// The response timeout.
+    pub fn get_response_timeout(&self) -> Duration {
+        self.response_timeout
+    }
+
+    /// The user name, if set.
+    pub fn get_username(&self) -> Option<&str> {
+        self.redis.username()
+    }
+
     /// How long connecting may take before it fails with [`Error::Unavailable`]
     /// (default [`DEFAULT_CONNECT_TIMEOUT`], 5 s).
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
@@ -312,7 +378,7 @@ impl RedisConfig {
             .set_redis_settings(self.redis.clone()))
     }
 
-    /// Checks the prefix and the timeouts.
+    /// Checks the prefix, the timeouts and the TLS settings.
     ///
     /// # Errors
     /// [`Error::InvalidConfig`] naming what is wrong.
@@ -321,13 +387,18 @@ impl RedisConfig {
         if self.redis.db() < 0 {
             return Err(Error::config("the database number is negative"));
         }
-        if (self.tls_root_cert.is_some() || self.tls_ca_file.is_some())
-            && !matches!(self.addr, ConnectionAddr::TcpTls { .. })
-        {
+        if (self.tls_root_cert.is_some() || self.tls.is_set()) && !self.is_tls() {
             return Err(Error::config(
-                "a TLS root certificate is set but TLS is off (use rediss://)",
+                "TLS parameters (tls_ca, tls_cert, tls_key) are set but TLS is off (use rediss://)",
             ));
         }
+        if self.tls.server_name.is_some() {
+            return Err(Error::config(
+                "tls_server_name is not supported by the redis backend: the certificate is \
+                 verified against the URL's host",
+            ));
+        }
+        self.tls.validate()?;
         for (what, d) in [
             ("connect timeout", self.connect_timeout),
             ("response timeout", self.response_timeout),
@@ -340,43 +411,23 @@ impl RedisConfig {
     }
 }
 
-/// A query parameter name for an error message: at most 32 characters.
-fn shorten(k: &str) -> String {
-    k.chars().take(32).collect()
+lockkit_core::impl_url_config!(RedisConfig);
+
+/// The error of a failed first connection: a refused certificate is [`Error::Auth`]
+/// ([`tls_failure`](lockkit_core::backend::tls_failure)), the rest as [`from_redis`].
+pub(crate) fn connect_error(e: redis::RedisError) -> Error {
+    #[cfg(feature = "tls")]
+    if let Some(f) = lockkit_core::backend::tls_failure(&e) {
+        return f.into_error(crate::error::BACKEND, e.into());
+    }
+    from_redis(e)
 }
 
-async fn read_ca_file(path: &Path) -> Result<Vec<u8>> {
-    use tokio::io::AsyncReadExt;
-    let meta = tokio::fs::metadata(path)
-        .await
-        .map_err(|e| Error::config_with("cannot read tls_ca_file", e))?;
-    if !meta.is_file() {
-        return Err(Error::config("tls_ca_file is not a regular file"));
-    }
-    if meta.len() > MAX_CA_FILE_BYTES {
-        return Err(Error::config("tls_ca_file is larger than 1 MiB"));
-    }
-    let file = tokio::fs::File::open(path)
-        .await
-        .map_err(|e| Error::config_with("cannot read tls_ca_file", e))?;
-    let mut pem = Vec::new();
-    file.take(MAX_CA_FILE_BYTES + 1)
-        .read_to_end(&mut pem)
-        .await
-        .map_err(|e| Error::config_with("cannot read tls_ca_file", e))?;
-    if pem.len() as u64 > MAX_CA_FILE_BYTES {
-        return Err(Error::config("tls_ca_file is larger than 1 MiB"));
-    }
-    Ok(pem)
-}
-
-fn parse_ms(key: &str, v: &str) -> Result<Duration> {
-    match v.parse::<u64>() {
-        Ok(ms) if ms > 0 => Ok(Duration::from_millis(ms)),
-        _ => Err(Error::config(format!(
-            "{key} must be a positive number of milliseconds"
-        ))),
-    }
+/// PEM contents read at connect time.
+pub(crate) struct TlsFiles {
+    pub(crate) root: Option<Vec<u8>>,
+    /// Client certificate chain and key.
+    pub(crate) client: Option<(Vec<u8>, Vec<u8>)>,
 }
 
 /// Checks a key prefix: the rules of [`lockkit_core::backend::validate_prefix`] (1 to
@@ -400,7 +451,7 @@ mod tests {
     #[test]
     fn url_parsing_strips_our_params_and_hides_the_password() {
         let c = RedisConfig::from_url(
-            "redis://user:p%40ss@localhost:7000/3?prefix=app&connect_timeout_ms=250",
+            "redis://user:p%40ss@localhost:7000/3?prefix=app&connect_timeout_ms=250&protocol=resp3",
         )
         .unwrap();
         assert_eq!(c.prefix, "app");
@@ -432,6 +483,17 @@ mod tests {
             "redis://localhost?db=3",
             "redis://localhost?prefix=a&prefix=b",
             "redis://localhost/-1",
+            "redis://localhost/+1",
+            "redis://localhost:+1",
+            "redis://a,b",
+            "redis://localhost#insecure",
+            "rediss://localhost#other",
+            "redis://localhost?protocol=4",
+            "rediss://localhost?tls_cert=c.pem",
+            "rediss://localhost?tls_server_name=x",
+            "rediss://localhost?tls_ca=a&tls_ca_file=b",
+            "redis://localhost?connect_timeout=1s&connect_timeout_ms=5",
+            "redis://app:123?hunter2@localhost",
         ] {
             match RedisConfig::from_url(bad) {
                 Err(Error::InvalidConfig { reason, .. }) => {
@@ -449,8 +511,31 @@ mod tests {
         ));
         let long = format!("redis://localhost?prefix={}", "p".repeat(65));
         assert!(RedisConfig::from_url(&long).is_err());
+        let c = RedisConfig::from_url(
+            "rediss://localhost?tls_ca_file=ca.pem&tls_cert=c.pem&tls_key=k.pem&connect_timeout=750ms&response_timeout=1.5",
+        )
+        .unwrap();
+        assert_eq!(
+            c.get_tls().ca.as_deref(),
+            Some(std::path::Path::new("ca.pem"))
+        );
+        assert_eq!(c.get_connect_timeout(), Duration::from_millis(750));
+        assert_eq!(c.get_response_timeout(), Duration::from_millis(1500));
         let secret = "redis://:hunter2@localhost/x";
         let e = RedisConfig::from_url(secret).unwrap_err();
         assert!(!format!("{e:?} {e}").contains("hunter2"));
+    }
+
+    #[cfg(feature = "serde")]
+    #[test]
+    fn deserializes_from_its_url_without_echoing_secrets() {
+        use lockkit_core::backend::serde::Deserialize;
+        use lockkit_core::backend::serde::de::value::{Error as DeError, StrDeserializer};
+        let de = StrDeserializer::<DeError>::new("redis://:hunter2@h:1/2?prefix=app");
+        let c = RedisConfig::deserialize(de).unwrap();
+        assert_eq!((c.get_prefix(), c.redis.db()), ("app", 2));
+        let de = StrDeserializer::<DeError>::new("redis://:hunter2@h:1/2?prefx=app");
+        let e = RedisConfig::deserialize(de).unwrap_err();
+        assert!(!e.to_string().contains("hunter2"), "{e}");
     }
 }

@@ -19,7 +19,7 @@ use lockkit_core::{
     Result, Wait,
 };
 
-use crate::config::RedisConfig;
+use crate::config::{RedisConfig, TlsFiles, connect_error};
 use crate::conn::Conn;
 use crate::error::{BACKEND, bad_reply, from_redis, timed_out};
 use crate::lease::{RENEW, RedisLease, SERVE_LUA, cancel_attempt, cancel_once, ttl_millis};
@@ -185,7 +185,7 @@ impl fmt::Debug for RedisLock {
 impl RedisLock {
     /// Connects to the server named by a `redis://` or `rediss://` URL (see
     /// [`RedisConfig::from_url`] for the format and lockkit's query parameters `prefix`,
-    /// `connect_timeout_ms`, `response_timeout_ms`).
+    /// `connect_timeout`, `response_timeout`, `tls_ca`, `tls_cert`, `tls_key`).
     ///
     /// ```no_run
     /// # async fn f() -> lockkit_core::Result<()> {
@@ -195,18 +195,31 @@ impl RedisLock {
     ///
     /// # Errors
     /// - [`Error::InvalidConfig`]: malformed URL or options (the URL is not echoed), a
-    ///   `tls_ca_file` that is not a readable regular file of at most 1 MiB, or a database
+    ///   `tls_ca`, `tls_cert` or `tls_key` that is not a readable regular file of at most 1 MiB, or a database
     ///   number the server does not have.
     /// - [`Error::Unavailable`]: the server did not answer within the connect timeout
     ///   (default 5 s), refused the connection, or is loading. A `rediss://` URL for a
     ///   plain-text port ends here too, after the connect timeout (the server never answers
     ///   the TLS handshake).
-    /// - [`Error::Auth`]: wrong user name or password, or a password is required.
+    /// - [`Error::Auth`]: wrong user name or password, or a password is required; or TLS
+    ///   refused a certificate (the server's: unknown CA, expired, not for the host; or the
+    ///   server refused ours, or its absence).
     ///
     /// # Cancel safety
     /// Cancel safe: dropping the future closes whatever connection it opened.
     pub async fn connect(url: &str) -> Result<Self> {
-        Self::with_config(RedisConfig::from_url(url)?).await
+        Self::connect_with(RedisConfig::from_url(url)?).await
+    }
+
+    /// The old name of [`connect_with`](Self::connect_with).
+    ///
+    /// # Errors
+    /// As [`connect`](Self::connect).
+    ///
+    /// # Cancel safety
+    /// Cancel safe, as [`connect`](Self::connect).
+    pub async fn with_config(config: RedisConfig) -> Result<Self> {
+        Self::connect_with(config).await
     }
 
     /// Connects with a [`RedisConfig`] built by hand.
@@ -221,7 +234,7 @@ impl RedisLock {
     ///
     /// # Cancel safety
     /// Cancel safe, as [`connect`](Self::connect).
-    pub async fn with_config(config: RedisConfig) -> Result<Self> {
+    pub async fn connect_with(config: RedisConfig) -> Result<Self> {
         config.validate()?;
         #[cfg(feature = "tls")]
         {
@@ -230,28 +243,36 @@ impl RedisLock {
             let _ = rustls::crypto::ring::default_provider().install_default();
         }
         let ct = config.connect_timeout;
-        let root_cert = match tokio::time::timeout(ct, config.root_cert()).await {
+        let files = match tokio::time::timeout(ct, config.tls_files()).await {
             Ok(r) => r?,
-            Err(_) => return Err(timed_out("reading tls_ca_file", ct)),
+            Err(_) => return Err(timed_out("reading the TLS files", ct)),
         };
-        let client = match &root_cert {
-            None => redis::Client::open(config.connection_info()?),
+        let client = match files {
+            TlsFiles {
+                root: None,
+                client: None,
+            } => redis::Client::open(config.connection_info()?),
             #[cfg(feature = "tls")]
-            Some(pem) => redis::Client::build_with_tls(
+            TlsFiles { root, client } => redis::Client::build_with_tls(
                 config.connection_info()?,
                 redis::TlsCertificates {
-                    client_tls: None,
-                    root_cert: Some(pem.clone()),
+                    client_tls: client.map(|(client_cert, client_key)| redis::ClientTlsConfig {
+                        client_cert,
+                        client_key,
+                    }),
+                    root_cert: root,
                 },
             ),
             #[cfg(not(feature = "tls"))]
-            Some(_) => {
+            _ => {
                 return Err(Error::config(
                     "TLS needs lockkit-redis's Cargo feature \"tls\" (on by default)",
                 ));
             }
         }
-        .map_err(from_redis)?;
+        .map_err(|e| {
+            Error::config_with("cannot use the TLS files (tls_ca, tls_cert, tls_key)", e)
+        })?;
         let rt = config.response_timeout;
         let probe = AsyncConnectionConfig::new()
             .set_connection_timeout(Some(ct))
@@ -266,7 +287,7 @@ impl RedisLock {
         });
         match probed.await {
             Ok(Ok(())) => {}
-            Ok(Err(e)) => return Err(from_redis(e)),
+            Ok(Err(e)) => return Err(connect_error(e)),
             Err(_) => return Err(timed_out("connecting to redis", ct)),
         }
         let manager = ConnectionManagerConfig::new()

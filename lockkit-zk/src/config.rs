@@ -3,8 +3,10 @@
 use std::fmt;
 use std::time::Duration;
 
+use std::path::PathBuf;
+
+use lockkit_core::backend::{BackendUrl, TlsOptions, parse_host_port, read_pem};
 use lockkit_core::{Error, Result};
-use percent_encoding::percent_decode_str;
 
 /// The key prefix used when none is given: `lockkit`.
 pub const DEFAULT_PREFIX: &str = "lockkit";
@@ -38,6 +40,8 @@ pub const CONTROL_SESSION_TTL: Duration = lockkit_core::DEFAULT_TTL;
 /// // The password never shows.
 /// assert!(!format!("{cfg:?}").contains("s3cret"));
 /// ```
+///
+/// With the `serde` feature it deserializes from its URL string.
 #[derive(Clone, PartialEq, Eq)]
 pub struct ZkConfig {
     hosts: Vec<String>,
@@ -45,6 +49,7 @@ pub struct ZkConfig {
     prefix: String,
     digest: Option<(String, String)>,
     connect_timeout: Duration,
+    tls: Option<TlsOptions>,
 }
 
 impl fmt::Debug for ZkConfig {
@@ -59,6 +64,7 @@ impl fmt::Debug for ZkConfig {
             )
             .field("password", &self.digest.as_ref().map(|_| "<hidden>"))
             .field("connect_timeout", &self.connect_timeout)
+            .field("tls", &self.tls)
             .finish()
     }
 }
@@ -77,10 +83,13 @@ impl ZkConfig {
             prefix: DEFAULT_PREFIX.to_owned(),
             digest: None,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            tls: None,
         }
     }
 
-    /// Parses `zk://[user:password@]host:port[,host:port…][/chroot][?prefix=…&connect_timeout_ms=…]`.
+    /// Parses `zk://[user:password@]host:port[,host:port…][/chroot][?prefix=…&connect_timeout=…]`,
+    /// by the grammar all lockkit backends share
+    /// ([`BackendUrl`](lockkit_core::backend::BackendUrl)).
     ///
     /// - `user:password` (percent-encoded) turns on ZooKeeper `digest` authentication; lock nodes
     ///   (and fenced data nodes) are then created with the `CREATOR_ALL_ACL`, so only that
@@ -90,74 +99,53 @@ impl ZkConfig {
     /// - `/chroot` is ZooKeeper's chroot suffix of the connect string: every path lives under it
     ///   (it must exist).
     /// - `prefix` (default `lockkit`) is the node under which lock nodes live.
-    /// - `connect_timeout_ms` (default 5000) bounds connecting and opening each session.
+    /// - `tls_ca`, `tls_cert`, `tls_key` (PEM files): TLS to the servers' `secureClientPort`,
+    ///   verified against `tls_ca` (required: there is no ZooKeeper TLS scheme, and the
+    ///   client has no system roots), with a client certificate for `ssl.clientAuth=need`.
+    ///   `tls_server_name` is refused (the client verifies the host).
+    /// - `connect_timeout` (a duration: `500ms`, `2s`, bare seconds; default `5s`, at most 1 h;
+    ///   old spelling `connect_timeout_ms`, whole milliseconds) bounds connecting and opening
+    ///   each session.
     ///
     /// # Errors
     /// [`Error::InvalidConfig`] for anything malformed; the URL itself is never echoed (it may
     /// hold a password).
     pub fn from_url(url: &str) -> Result<Self> {
-        let rest = url
-            .strip_prefix("zk://")
-            .ok_or_else(|| Error::config("a ZooKeeper URL must start with zk://"))?;
-        let (main, query) = match rest.split_once('?') {
-            Some((m, q)) => (m, Some(q)),
-            None => (rest, None),
-        };
-        if main.contains('#') {
+        let mut u = BackendUrl::parse(url, &["zk"])?;
+        if u.fragment().is_some() {
             return Err(Error::config(
                 "a ZooKeeper URL must not contain a '#' fragment",
             ));
         }
-        let (authority, chroot) = match main.find('/') {
-            Some(i) => (&main[..i], Some(&main[i..])),
-            None => (main, None),
-        };
-        let (userinfo, hosts) = match authority.rsplit_once('@') {
-            Some((u, h)) => (Some(u), h),
-            None => (None, authority),
-        };
-        let mut cfg = ZkConfig::new(hosts.split(','));
-        let decode = |s: &str, what: &str| {
-            percent_decode_str(s)
-                .decode_utf8()
-                .map(|c| c.into_owned())
-                .map_err(|_| Error::config(format!("ZooKeeper URL {what} is not UTF-8")))
-        };
-        if let Some(userinfo) = userinfo {
-            let (user, pass) = userinfo
-                .split_once(':')
-                .ok_or_else(|| Error::config("ZooKeeper URL credentials must be user:password"))?;
-            cfg = cfg.digest(decode(user, "user")?, decode(pass, "password")?);
-        }
-        if let Some(chroot) = chroot.filter(|c| *c != "/") {
-            // Percent-decoded, like the prefix.
-            cfg = cfg.chroot(decode(chroot, "chroot")?);
-        }
-        let mut seen: Vec<String> = Vec::new();
-        for (key, value) in url::form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
-            if seen.iter().any(|k| *k == key) {
-                return Err(Error::config(format!(
-                    "ZooKeeper URL parameter {:?} is given more than once",
-                    key.chars().take(32).collect::<String>()
-                )));
-            }
-            seen.push(key.clone().into_owned());
-            match &*key {
-                "prefix" => cfg = cfg.prefix(value.into_owned()),
-                "connect_timeout_ms" => {
-                    let ms: u64 = value.parse().map_err(|e| {
-                        Error::config_with("connect_timeout_ms must be a whole number", e)
-                    })?;
-                    cfg = cfg.connect_timeout(Duration::from_millis(ms));
-                }
-                other => {
-                    return Err(Error::config(format!(
-                        "unknown ZooKeeper URL parameter {:?} (known: prefix, connect_timeout_ms)",
-                        other.chars().take(32).collect::<String>()
-                    )));
-                }
+        let hosts = u.host_list(None)?;
+        let mut cfg = ZkConfig::new(hosts.iter().map(|h| h.to_string()));
+        match (u.username(), u.password()) {
+            (Some(user), Some(pass)) => cfg = cfg.digest(user, pass),
+            (None, None) => {}
+            _ => {
+                return Err(Error::config(
+                    "ZooKeeper URL credentials must be user:password",
+                ));
             }
         }
+        let chroot = u.decoded_path()?;
+        if !chroot.is_empty() && chroot != "/" {
+            cfg = cfg.chroot(chroot);
+        }
+        let common = u.take_common([&[], &[], &[]])?;
+        if common.tls.is_set() {
+            cfg.tls = Some(common.tls);
+        }
+        if let Some(p) = common.prefix {
+            cfg = cfg.prefix(p);
+        }
+        if let Some(t) = common.connect_timeout {
+            cfg = cfg.connect_timeout(t);
+        }
+        u.finish(
+            "ZooKeeper",
+            &["prefix", "connect_timeout", "tls_ca", "tls_cert", "tls_key"],
+        )?;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -184,6 +172,56 @@ impl ZkConfig {
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
         self.connect_timeout = timeout;
         self
+    }
+
+    /// Uses TLS, trusting the root certificate(s) in the PEM file `path` (`tls_ca`). Read when
+    /// each session is opened.
+    pub fn tls_ca(mut self, path: impl Into<PathBuf>) -> Self {
+        self.tls = Some(self.tls.take().unwrap_or_default().with_ca(path));
+        self
+    }
+
+    /// Presents the client certificate in the PEM file `cert` with its key in `key`
+    /// (`tls_cert`, `tls_key`); needs [`tls_ca`](Self::tls_ca).
+    pub fn tls_client_cert(mut self, cert: impl Into<PathBuf>, key: impl Into<PathBuf>) -> Self {
+        self.tls = Some(
+            self.tls
+                .take()
+                .unwrap_or_default()
+                .with_client_cert(cert, key),
+        );
+        self
+    }
+
+    /// The TLS settings, if TLS is on.
+    pub fn get_tls(&self) -> Option<&TlsOptions> {
+        self.tls.as_ref()
+    }
+
+    /// zookeeper-client's TLS options, the PEM files read, if TLS is on.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for a missing, unreadable or malformed file.
+    pub(crate) async fn tls_options(&self) -> Result<Option<zookeeper_client::TlsOptions>> {
+        let Some(t) = &self.tls else { return Ok(None) };
+        let text = |pem: Vec<u8>, what: &str| {
+            String::from_utf8(pem).map_err(|_| Error::config(format!("{what} is not PEM text")))
+        };
+        let ca = match &t.ca {
+            Some(ca) => text(read_pem(ca, "tls_ca").await?, "tls_ca")?,
+            None => return Err(Error::config("ZooKeeper TLS needs tls_ca")),
+        };
+        let mut opts = zookeeper_client::TlsOptions::new()
+            .with_pem_ca(&ca)
+            .map_err(|e| Error::config_with("tls_ca holds no usable certificate", e))?;
+        if let (Some(c), Some(k)) = (&t.cert, &t.key) {
+            let c = text(read_pem(c, "tls_cert").await?, "tls_cert")?;
+            let k = text(read_pem(k, "tls_key").await?, "tls_key")?;
+            opts = opts
+                .with_pem_identity(&c, &k)
+                .map_err(|e| Error::config_with("cannot use tls_cert/tls_key", e))?;
+        }
+        Ok(Some(opts))
     }
 
     /// The servers, `host:port` each.
@@ -232,27 +270,7 @@ impl ZkConfig {
             ));
         }
         for h in &self.hosts {
-            let (host, port) = h
-                .rsplit_once(':')
-                .ok_or_else(|| Error::config("each ZooKeeper server must be given as host:port"))?;
-            // An IPv6 address must be bracketed: `[::1]:2181`; `h:1:2` is not a host and port.
-            let bracketed = host.starts_with('[') && host.ends_with(']') && host.len() > 2;
-            if host.is_empty()
-                || host.contains(['/', '@', ' '])
-                || (host.contains(':') && !bracketed)
-            {
-                return Err(Error::config(
-                    "a ZooKeeper server has an empty or invalid host",
-                ));
-            }
-            match port.parse::<u16>() {
-                Ok(p) if p > 0 => {}
-                _ => {
-                    return Err(Error::config(
-                        "a ZooKeeper server has an invalid port (1-65535)",
-                    ));
-                }
-            }
+            parse_host_port(h, None)?;
         }
         if let Some(c) = &self.chroot {
             let bad = !c.starts_with('/')
@@ -270,6 +288,18 @@ impl ZkConfig {
             if c == "/zookeeper" || c.starts_with("/zookeeper/") {
                 return Err(Error::config(
                     "the ZooKeeper chroot must not be /zookeeper or below it (reserved by the server)",
+                ));
+            }
+        }
+        if let Some(t) = &self.tls {
+            t.validate()?;
+            if t.ca.is_none() {
+                return Err(Error::config("ZooKeeper TLS needs tls_ca"));
+            }
+            if t.server_name.is_some() {
+                return Err(Error::config(
+                    "tls_server_name is not supported by the ZooKeeper backend: the client \
+                     verifies the certificate against the host",
                 ));
             }
         }
@@ -292,6 +322,8 @@ impl ZkConfig {
         Ok(())
     }
 }
+
+lockkit_core::impl_url_config!(ZkConfig);
 
 /// Characters ZooKeeper refuses in node names (`PathUtils.validatePath`): U+0000–U+001F,
 /// U+007F–U+009F, U+D800–U+F8FF, U+FFF0–U+FFFF, and, because the server works in UTF-16, every
@@ -383,6 +415,11 @@ mod tests {
             "zk://h:1?prefix=a&prefix=b",
             "zk://h:1?connect_timeout_ms=18446744073709551615",
             "zk://h:1?connect_timeout_ms=3600001",
+            "zk://h:+1",
+            "zk://h:1?connect_timeout=2s&connect_timeout_ms=5",
+            "zk://u:12?pw@h:1",
+            "zk://h:1?tls_cert=c.pem&tls_key=k.pem",
+            "zk://h:1?tls_ca=ca.pem&tls_server_name=x",
         ] {
             match ZkConfig::from_url(bad) {
                 Err(Error::InvalidConfig { .. }) => {}
@@ -398,6 +435,11 @@ mod tests {
         let cfg = ZkConfig::from_url("zk://h:1/apps%20x/b").unwrap();
         assert_eq!(cfg.connect_string(), "h:1/apps x/b");
         assert!(ZkConfig::from_url("zk://[::1]:2181").is_ok());
+        let c: ZkConfig = "zk://h:1?connect_timeout=750ms&tls_ca=ca.pem"
+            .parse()
+            .unwrap();
+        assert!(c.get_tls().is_some_and(|t| t.ca.is_some()));
+        assert_eq!(c.get_connect_timeout(), Duration::from_millis(750));
     }
 
     #[test]

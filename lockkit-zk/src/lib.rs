@@ -10,7 +10,7 @@
 //! use lockkit_zk::{ZkFence, ZkLock};
 //!
 //! # #[tokio::main] async fn main() -> lockkit_core::Result<()> {
-//! // zk://[user:password@]host:port[,host:port…][/chroot][?prefix=…&connect_timeout_ms=…]
+//! // zk://[user:password@]host:port[,host:port…][/chroot][?prefix=…&connect_timeout=…&tls_ca=…]
 //! let locks = ZkLock::connect("zk://127.0.0.1:2181,127.0.0.1:2182/apps/billing?prefix=locks").await?;
 //! let opts = AcquireOptions::new()
 //!     .ttl(Duration::from_secs(10)) // = the ZooKeeper session timeout of this lease

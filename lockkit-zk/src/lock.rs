@@ -92,12 +92,23 @@ impl ZkLock {
     /// Connects with a `zk://` URL (see [`ZkConfig::from_url`] for its form and parameters).
     ///
     /// # Errors
-    /// As [`ZkLock::with_config`], and [`Error::InvalidConfig`] for a malformed URL.
+    /// As [`ZkLock::connect_with`], and [`Error::InvalidConfig`] for a malformed URL.
     ///
     /// # Cancel safety
     /// Cancel safe: a session being opened is closed when the future is dropped.
     pub async fn connect(url: &str) -> Result<Self> {
-        Self::with_config(ZkConfig::from_url(url)?).await
+        Self::connect_with(ZkConfig::from_url(url)?).await
+    }
+
+    /// The old name of [`connect_with`](Self::connect_with).
+    ///
+    /// # Errors
+    /// As [`connect_with`](Self::connect_with).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: a session being opened is closed when the future is dropped.
+    pub async fn with_config(cfg: ZkConfig) -> Result<Self> {
+        Self::connect_with(cfg).await
     }
 
     /// Connects with `cfg`: opens one session (asking for a 30 s timeout) and checks that the
@@ -112,7 +123,7 @@ impl ZkLock {
     ///
     /// # Cancel safety
     /// Cancel safe: a session being opened is closed when the future is dropped.
-    pub async fn with_config(cfg: ZkConfig) -> Result<Self> {
+    pub async fn connect_with(cfg: ZkConfig) -> Result<Self> {
         cfg.validate()?;
         let control = Session::open(&cfg, CONTROL_SESSION_TTL, false).await?;
         let deadline = Some(Instant::now() + cfg.get_connect_timeout());

@@ -99,33 +99,55 @@ impl Session {
         if let Some(auth) = cfg.digest_auth() {
             connector = connector.with_auth("digest", &auth);
         }
+        let tls = cfg.tls_options().await?;
+        let secure = tls.is_some();
+        if let Some(tls) = tls {
+            // zookeeper-client builds its rustls config from the process-wide provider.
+            // Install ring unless the application installed one already (then a no-op).
+            let _ = rustls::crypto::ring::default_provider().install_default();
+            connector = connector.with_tls(tls);
+        }
         let cs = cfg.connect_string();
         // A new session is created by a transaction the leader orders (`createSession`), after
         // this instant: its send time is the first proof of the session's life.
         let opened = Instant::now();
-        let client =
-            match tokio::time::timeout(cfg.get_connect_timeout(), connector.connect(&cs)).await {
-                Err(_) => return Err(unavailable("connecting to ZooKeeper timed out")),
-                Ok(Err(e @ zk::Error::BadArguments(_))) => {
-                    return Err(Error::config_with("invalid ZooKeeper connect string", e));
-                }
-                Ok(Err(e @ (zk::Error::NoHosts | zk::Error::ConnectionLoss))) => {
-                    // A server at its `maxClientCnxns` limit for this host accepts the TCP
-                    // connection and closes it at once; the client sees exactly this.
-                    return Err(Error::Unavailable {
-                        backend: crate::error::BACKEND,
-                        source: format!(
-                            "could not open a ZooKeeper session ({e}): no server reachable, or \
+        let client = match tokio::time::timeout(cfg.get_connect_timeout(), async {
+            if secure {
+                connector.secure_connect(&cs).await
+            } else {
+                connector.connect(&cs).await
+            }
+        })
+        .await
+        {
+            Err(_) => return Err(unavailable("connecting to ZooKeeper timed out")),
+            Ok(Err(e @ zk::Error::BadArguments(_))) => {
+                return Err(Error::config_with("invalid ZooKeeper connect string", e));
+            }
+            Ok(Err(e @ (zk::Error::NoHosts | zk::Error::ConnectionLoss))) => {
+                // A server at its `maxClientCnxns` limit for this host accepts the TCP
+                // connection and closes it at once; the client sees exactly this.
+                return Err(Error::Unavailable {
+                    backend: crate::error::BACKEND,
+                    source: format!(
+                        "could not open a ZooKeeper session ({e}): no server reachable, or \
                              each closed the connection (a server also does this to clients \
                              beyond its maxClientCnxns connections per IP address, 60 by \
-                             default)"
-                        )
-                        .into(),
-                    });
-                }
-                Ok(Err(e)) => return Err(from_zk(e)),
-                Ok(Ok(c)) => c,
-            };
+                             default){}",
+                        if secure {
+                            "; with TLS, also a certificate refused by either side (the \
+                             client does not tell which): check tls_ca, tls_cert, tls_key and \
+                             that the port is the secureClientPort"
+                        } else {
+                            ""
+                        }
+                    )
+                    .into(),
+                });
+            }
+            Ok(Err(e)) => return Err(from_zk(e)),
+            Ok(Ok(c)) => c,
+        };
         let negotiated = client.session_timeout();
         if strict && negotiated != ttl {
             return Err(Error::config(format!(

@@ -8,6 +8,8 @@
 mod common;
 mod memory;
 mod observability;
+mod tls;
+mod urls;
 
 #[cfg(feature = "etcd")]
 mod etcd;

@@ -24,6 +24,15 @@ mod contract {
     lockkit::contract_suite!(UrlHarness::from_env("LOCKKIT_POSTGRES_URL"));
 }
 
+/// The port in a `postgres://` URL.
+pub fn port_of(url: &str) -> u16 {
+    url.rsplit(':')
+        .next()
+        .and_then(|s| s.split('/').next())
+        .and_then(|p| p.parse().ok())
+        .expect("port in the URL")
+}
+
 /// The shared server's URL (no lockkit parameters).
 pub fn base_url() -> String {
     server_url("LOCKKIT_POSTGRES_URL")

@@ -7,17 +7,9 @@ use lockkit::postgres::PgLock;
 use lockkit::{AcquireOptions, Error, Lock, LockExt, Wait};
 use tokio::time::Instant;
 
-use super::base_url;
+use super::{base_url, port_of};
 use crate::common::proxy::Proxy;
 use crate::common::{fresh_prefix, with_prefix};
-
-fn port_of(url: &str) -> u16 {
-    url.rsplit(':')
-        .next()
-        .and_then(|s| s.split('/').next())
-        .and_then(|p| p.parse().ok())
-        .expect("port in the URL")
-}
 
 /// A client behind a proxy and one straight to the server, on the same fresh prefix, the first
 /// warmed up (its connection open and configured for `ttl`) so that the next grant is one

@@ -394,6 +394,10 @@ async fn killed_session_is_noticed_within_the_check_interval() {
         tokio::time::timeout(SESSION_CHECK + Duration::from_secs(3), lease.lost())
             .await
             .expect("the killed session was not noticed within the check interval");
+        eprintln!(
+            "postgres: pg_terminate_backend -> Lost in {:?}",
+            killed.elapsed()
+        );
         assert!(killed.elapsed() < SESSION_CHECK + Duration::from_secs(3));
     }
     for lease in [auto, manual] {

@@ -589,6 +589,32 @@ pub async fn bad_input(h: &dyn Harness) {
     l2.release().await.expect("release");
 }
 
+/// Every grant reaches the caller with at least its minimum validity left (by default half the
+/// TTL, with the short TTL too), and a minimum validity that no grant could meet is refused
+/// before any I/O.
+pub async fn grants_have_the_minimum_validity(h: &dyn Harness) {
+    let a = h.client().await;
+    let name = unique("min-validity");
+    for ttl in [h.short_ttl(), Duration::from_secs(10)] {
+        let opts = AcquireOptions::new().ttl(ttl).wait(Wait::No);
+        let lease = a.acquire(&name, opts.clone()).await.expect("acquire");
+        let remaining = lease.remaining();
+        assert!(
+            remaining >= opts.effective_min_validity(),
+            "granted with {remaining:?} of {ttl:?} left"
+        );
+        lease.release().await.expect("release");
+    }
+    let never = AcquireOptions::new()
+        .ttl(Duration::from_secs(10))
+        .min_validity(Duration::from_secs(10))
+        .wait(Wait::No);
+    match a.acquire(&name, never).await {
+        Err(Error::InvalidConfig { .. }) => {}
+        other => panic!("min validity = TTL: expected InvalidConfig, got {other:?}"),
+    }
+}
+
 /// Claims in [`Guarantees`] are consistent with the lock kind.
 pub async fn guarantees_are_consistent(h: &dyn Harness) {
     let g = guarantees(h).await;
@@ -653,8 +679,8 @@ macro_rules! contract_suite {
             lapsed_lease_cannot_touch_new_holder, wait_timeout, dropped_waiter_leaves_nothing,
             drop_releases, with_lock_releases, tokens_name_their_lock, foreign_token_rejected,
             own_stale_write_loses_the_lease, check_answers_without_extending,
-            bad_input, guarantees_are_consistent, fifo_waiters,
-            holder_is_reported);
+            bad_input, grants_have_the_minimum_validity, guarantees_are_consistent,
+            fifo_waiters, holder_is_reported);
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn fenced_counter() {
             let h = $harness;

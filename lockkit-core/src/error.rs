@@ -36,6 +36,23 @@ pub enum Error {
         waited: Duration,
     },
 
+    /// A try-once acquire ([`Wait::No`](crate::Wait::No)) was granted the lock, but the grant
+    /// arrived with less validity left than
+    /// [`AcquireOptions::min_validity`](crate::AcquireOptions#structfield.min_validity) (a slow
+    /// network or server). The grant was given back (compare-and-delete). Transient: worth a retry.
+    #[error(
+        "lock {name:?} was granted with only {remaining:?} left, below the minimum validity \
+         {min_validity:?}; the grant was given back"
+    )]
+    GrantTooShort {
+        /// The lock name.
+        name: String,
+        /// The validity the grant had left when it arrived.
+        remaining: Duration,
+        /// The minimum it had to have.
+        min_validity: Duration,
+    },
+
     /// Renew or release by a lease that no longer owns the lock on the server: it lapsed, and the
     /// lock is free or was granted to someone else. Nothing was changed on the server.
     #[error("lease on lock {name:?} is no longer held")]
@@ -155,7 +172,10 @@ impl Error {
     /// [`Held`](Error::Held) and [`Timeout`](Error::Timeout) are not "retryable" in this sense: they
     /// describe contention, which the acquire's [`Wait`](crate::Wait) policy handles.
     pub fn is_retryable(&self) -> bool {
-        matches!(self, Error::Unavailable { .. })
+        matches!(
+            self,
+            Error::Unavailable { .. } | Error::GrantTooShort { .. }
+        )
     }
 
     /// Builds [`Error::InvalidConfig`] without a source.

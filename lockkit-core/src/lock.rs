@@ -204,7 +204,9 @@ impl<B: LockBackend + ?Sized> Lock for B {
             span: span.clone(),
             finished: false,
         };
-        let res = self.grant(name, opts).instrument(span).await;
+        let res = grant_with_min_validity(self, name, opts)
+            .instrument(span)
+            .await;
         watch.finish(&res);
         res
     }
@@ -215,6 +217,84 @@ impl<B: LockBackend + ?Sized> Lock for B {
 
     async fn holder(&self, name: &str) -> Result<Option<HolderInfo>> {
         LockBackend::holder(self, name).await
+    }
+}
+
+/// How long after its deadline a timed acquire cuts off a grant still in flight: time for the
+/// backend to end the wait itself (and clean up at once) first, and for a zero wait on a free
+/// lock to get the server's first answer.
+const CUT_GRACE: Duration = Duration::from_millis(100);
+
+/// One acquire around the backend's `grant`, for every backend alike:
+///
+/// - a timed acquire ([`Wait::Timeout`]) returns [`Error::Timeout`] by [`CUT_GRACE`] after its
+///   deadline even while a grant's round trip is still on the way (the grant future is dropped:
+///   backends' grants are cancel safe, their cleanup then finishes in the background); a
+///   backend that ends the wait itself on the deadline returns first, with its cleanup done, and
+///   a zero wait on a free lock is still granted (as on the memory backend);
+/// - a grant that arrives with less than [`AcquireOptions::effective_min_validity`] left is
+///   given back (compare-and-delete, [`Lease::release`]) and the acquire asks again with what is
+///   left of its wait; a try-once acquire fails with [`Error::GrantTooShort`].
+async fn grant_with_min_validity<B: LockBackend + ?Sized>(
+    backend: &B,
+    name: &str,
+    opts: AcquireOptions,
+) -> Result<Lease> {
+    crate::backend::validate_name(name)?;
+    opts.validate()?;
+    let start = Instant::now();
+    let deadline = wait_deadline(opts.wait, start);
+    let min_validity = opts.effective_min_validity();
+    loop {
+        let mut attempt = opts.clone();
+        if let (Wait::Timeout(_), Some(d)) = (opts.wait, deadline) {
+            attempt.wait = Wait::Timeout(d.saturating_duration_since(Instant::now()));
+        }
+        let grant = backend.grant(name, attempt);
+        let lease = match (opts.wait, deadline) {
+            (Wait::Timeout(_), Some(d)) => {
+                match tokio::time::timeout_at(d + CUT_GRACE, grant).await {
+                    Ok(res) => res?,
+                    Err(_) => {
+                        return Err(Error::Timeout {
+                            name: name.to_owned(),
+                            waited: start.elapsed(),
+                        });
+                    }
+                }
+            }
+            _ => grant.await?,
+        };
+        let remaining = lease.remaining();
+        if remaining >= min_validity {
+            return Ok(lease);
+        }
+        tracing::warn!(
+            target: TARGET,
+            lock = %name,
+            ?remaining,
+            ?min_validity,
+            "grant arrived with less than the minimum validity left; giving it back"
+        );
+        // Compare-and-delete: frees the lock unless it already lapsed. A failed give-back
+        // leaves the release-on-drop retry and then the TTL.
+        let _ = lease.release().await;
+        match (opts.wait, deadline) {
+            (Wait::No, _) => {
+                return Err(Error::GrantTooShort {
+                    name: name.to_owned(),
+                    remaining,
+                    min_validity,
+                });
+            }
+            (_, Some(d)) if Instant::now() >= d => {
+                return Err(Error::Timeout {
+                    name: name.to_owned(),
+                    waited: start.elapsed(),
+                });
+            }
+            _ => {}
+        }
     }
 }
 
@@ -446,6 +526,107 @@ mod tests {
             backend: "test",
             source: "down".into(),
         }
+    }
+
+    /// Memory's grant, handed back only after `delay`: a slow network's reply.
+    #[derive(Debug)]
+    struct SlowGrant {
+        inner: crate::MemoryLock,
+        delay: Duration,
+    }
+
+    #[async_trait]
+    impl LockBackend for SlowGrant {
+        async fn grant(&self, name: &str, opts: AcquireOptions) -> Result<Lease> {
+            let lease = self.inner.grant(name, opts).await?;
+            tokio::time::sleep(self.delay).await;
+            Ok(lease)
+        }
+
+        fn guarantees(&self) -> Guarantees {
+            LockBackend::guarantees(&self.inner)
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_grant_below_the_minimum_validity_is_given_back() {
+        let ttl = Duration::from_secs(1);
+        let slow = SlowGrant {
+            inner: crate::MemoryLock::new(),
+            delay: Duration::from_millis(700),
+        };
+        let once = AcquireOptions::new()
+            .ttl(ttl)
+            .wait(Wait::No)
+            .keepalive(false);
+        match slow.acquire("m", once.clone()).await {
+            Err(Error::GrantTooShort {
+                remaining,
+                min_validity,
+                ..
+            }) => {
+                assert!(remaining < ttl / 2, "{remaining:?}");
+                assert_eq!(min_validity, ttl / 2);
+            }
+            other => panic!("expected GrantTooShort, got {other:?}"),
+        }
+        // Nothing was left behind: the lock is free at once.
+        let lease = slow.inner.acquire("m", once.clone()).await.unwrap();
+        lease.release().await.unwrap();
+        // A lower minimum accepts the same grant.
+        let lease = slow
+            .acquire("m", once.clone().min_validity(Duration::from_millis(200)))
+            .await
+            .unwrap();
+        assert!(lease.remaining() >= Duration::from_millis(200));
+        lease.release().await.unwrap();
+        // A waiting acquire keeps asking and gives up on its deadline with Timeout.
+        let t = Instant::now();
+        let res = slow
+            .acquire("m", once.wait(Wait::Timeout(Duration::from_secs(2))))
+            .await;
+        assert!(matches!(res, Err(Error::Timeout { .. })), "{res:?}");
+        assert!(
+            t.elapsed() <= Duration::from_secs(2) + CUT_GRACE,
+            "{:?}",
+            t.elapsed()
+        );
+        // The last grant, cut off by the deadline, is released on drop in the background.
+        let mut free = false;
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+            let try_once = AcquireOptions::new().wait(Wait::No);
+            if slow.inner.acquire("m", try_once).await.is_ok() {
+                free = true;
+                break;
+            }
+        }
+        assert!(free, "the cut-off grant was left on the server");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_timed_acquire_times_out_on_time_during_a_slow_round_trip() {
+        let slow = SlowGrant {
+            inner: crate::MemoryLock::new(),
+            delay: Duration::from_secs(5),
+        };
+        let t = Instant::now();
+        let res = slow
+            .acquire(
+                "t",
+                AcquireOptions::new().wait(Wait::Timeout(Duration::from_millis(300))),
+            )
+            .await;
+        assert!(matches!(res, Err(Error::Timeout { .. })), "{res:?}");
+        assert_eq!(t.elapsed(), Duration::from_millis(300) + CUT_GRACE);
+    }
+
+    #[test]
+    fn a_minimum_validity_not_below_the_ttl_is_refused() {
+        let opts = AcquireOptions::new()
+            .ttl(Duration::from_secs(1))
+            .min_validity(Duration::from_secs(1));
+        assert!(matches!(opts.validate(), Err(Error::InvalidConfig { .. })));
     }
 
     #[tokio::test(start_paused = true)]

@@ -101,6 +101,14 @@ pub struct AcquireOptions {
     /// `false`: lock names are unbounded, and each name makes a new time series. Turn it on only
     /// for a small, fixed set of names.
     pub lock_name_label: bool,
+    /// The least time a grant must have left before [`Lease::valid_until`](crate::Lease::valid_until)
+    /// when it reaches the caller. A grant that arrives with less (a slow network, a long
+    /// queue on the server) is given back at once (compare-and-delete) and the acquire goes on
+    /// waiting; a try-once acquire fails with [`Error::GrantTooShort`](crate::Error::GrantTooShort).
+    /// `None` (the default) means half the TTL: a grant with less is already
+    /// [`Suspect`](crate::LeaseState::Suspect). `Some(Duration::ZERO)` accepts any grant. Must be
+    /// shorter than the TTL.
+    pub min_validity: Option<Duration>,
     /// The backend name the metrics and spans carry; set by [`Lock::acquire`](crate::Lock::acquire).
     pub(crate) observed_backend: Option<&'static str>,
 }
@@ -114,6 +122,7 @@ impl Default for AcquireOptions {
             keepalive: true,
             release_on_drop: true,
             lock_name_label: false,
+            min_validity: None,
             observed_backend: None,
         }
     }
@@ -161,14 +170,35 @@ impl AcquireOptions {
         self
     }
 
+    /// Sets the least validity a grant must have left when it is returned (see
+    /// [`min_validity`](Self#structfield.min_validity)); `Duration::ZERO` accepts any grant.
+    pub fn min_validity(mut self, min: Duration) -> Self {
+        self.min_validity = Some(min);
+        self
+    }
+
+    /// The minimum validity in force: the one set, or half the TTL.
+    pub fn effective_min_validity(&self) -> Duration {
+        self.min_validity.unwrap_or(self.ttl / 2)
+    }
+
     /// Checks the TTL and the wait timeout.
     ///
     /// # Errors
     /// [`Error::InvalidConfig`] if the TTL is outside [`MIN_TTL`]..=[`MAX_TTL`], the wait
     /// timeout is longer than [`MAX_TTL`] (almost surely a unit mistake; use [`Wait::Forever`]),
-    /// or the retry delays are inverted or longer than [`MAX_RETRY_DELAY`].
+    /// the retry delays are inverted or longer than [`MAX_RETRY_DELAY`], or the minimum validity
+    /// is not shorter than the TTL (no grant could ever meet it).
     pub fn validate(&self) -> Result<()> {
         validate_ttl(self.ttl)?;
+        if let Some(min) = self.min_validity {
+            if min >= self.ttl {
+                return Err(Error::config(format!(
+                    "minimum validity {min:?} is not shorter than the TTL {:?}",
+                    self.ttl
+                )));
+            }
+        }
         if let Wait::Timeout(d) = self.wait {
             if d > MAX_TTL {
                 return Err(Error::config(format!(

@@ -20,7 +20,8 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use etcd_client::{
-    Client, Compare, CompareOp, DeleteOptions, GetOptions, SortOrder, SortTarget, Txn, TxnOp,
+    Client, Compare, CompareOp, DeleteOptions, EventType, GetOptions, SortOrder, SortTarget, Txn,
+    TxnOp, WatchFilterType, WatchOptions,
 };
 use lockkit_core::backend::{LeaseOps, SuspectReason, TrackerHandle};
 use lockkit_core::{Error, Instant, LeaseState, LossReason, Result, async_trait};
@@ -137,10 +138,19 @@ pub(crate) async fn keep_alive_once(
             Ok((sent, KeepAlive::Alive { term }))
         }
         Ok(Ok((sent, Some(_)))) => Ok((sent, KeepAlive::Gone)),
-        Ok(Ok((_, None))) => Err(error::protocol("etcd closed the keepalive stream")),
+        Ok(Ok((_, None))) => Err(error::protocol(STREAM_CLOSED)),
         Ok(Err(e)) if error::is_lease_not_found(&e) => Ok((Instant::now(), KeepAlive::Gone)),
         Ok(Err(e)) => Err(from_client(e)),
     }
+}
+
+/// The error of a keepalive whose stream the server ended without an answer.
+const STREAM_CLOSED: &str = "etcd closed the keepalive stream";
+
+/// Whether `e` says the server ended a keepalive stream without answering: a failed renewal
+/// (the lease turns Suspect at once), not a slow one.
+pub(crate) fn is_stream_closed(e: &Error) -> bool {
+    matches!(e, Error::Backend { source, .. } if source.to_string() == STREAM_CLOSED)
 }
 
 /// Whether an acknowledged keepalive from a member in raft term `ack_term` may move the lease's
@@ -194,7 +204,8 @@ const MAX_HEDGED: usize = 8;
 
 /// Keepalives of lease `id` until one is answered or `until` passes: a new attempt starts every
 /// `hedge_every` while earlier ones are still in flight (at most [`MAX_HEDGED`] at once), and sooner after
-/// an attempt failed. Returns the answer and the send time of the attempt that got it.
+/// an attempt failed (each failure is shown to `on_failure` at once). Returns the answer and
+/// the send time of the attempt that got it.
 ///
 /// The client picks the endpoint of each new request at random (tonic's balancer sees every
 /// connection as equally loaded), so one attempt stuck on a frozen member must not hold up the
@@ -204,6 +215,7 @@ pub(crate) async fn keep_alive_hedged(
     id: i64,
     until: Instant,
     hedge_every: Duration,
+    on_failure: impl Fn(&Error),
 ) -> (Instant, Result<KeepAlive>) {
     let mut attempts = tokio::task::JoinSet::new();
     let mut last_err = None;
@@ -231,6 +243,7 @@ pub(crate) async fn keep_alive_hedged(
             joined = attempts.join_next(), if !attempts.is_empty() => match joined {
                 Some(Ok(Ok((sent, answer)))) => return (sent, Ok(answer)),
                 Some(Ok(Err(e))) => {
+                    on_failure(&e);
                     last_err = Some(e);
                     next_start = next_start.min(Instant::now() + (hedge_every / 4).max(Duration::from_millis(20)));
                 }
@@ -582,7 +595,15 @@ pub(crate) async fn keepalive_task(shared: Arc<SharedLease>, mut ctx: TaskCtx) {
             .master
             .valid_until()
             .min(now.checked_add(ctx.request_timeout).unwrap_or(now));
-        let (sent, answer) = keep_alive_hedged(&ctx.client, shared.id, until, attempt_limit).await;
+        // A stream the server ended without an answer is a failed renewal: Suspect at once,
+        // while the hedged attempts go on until the deadline.
+        let on_failure = |e: &Error| {
+            if is_stream_closed(e) {
+                shared.mark_suspect(SuspectReason::RenewalFailed);
+            }
+        };
+        let (sent, answer) =
+            keep_alive_hedged(&ctx.client, shared.id, until, attempt_limit, on_failure).await;
         let answer = match answer {
             Ok(KeepAlive::Alive { term }) => {
                 let left = shared
@@ -786,6 +807,104 @@ impl EtcdLease {
     }
 }
 
+/// Watches a granted lock's own key and marks its tracker lost as soon as etcd deletes the key
+/// while the holder did not release it: an admin's `etcdctl lease revoke` (etcd deletes every
+/// key of the lease, in one revision) or `etcdctl del`. Without it the holder would learn of
+/// it only at its next keepalive (up to TTL/3 later) or at its deadline.
+///
+/// The watch starts at the revision after the key's creation, so a delete that happened before
+/// the watch was set up is still reported; one watch on one key (filtered to deletes) costs the
+/// server an event only when this key is deleted. The task ends with the lease (its tracker
+/// lost for any reason) and reconnects after a broken stream from the same revision; if that
+/// revision was compacted, one read tells whether the key is still ours.
+pub(crate) fn watch_own_key(lease: &Arc<EtcdLease>, tracker: TrackerHandle) {
+    let Ok(rt) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    let weak = Arc::downgrade(lease);
+    let client = lease.client.clone();
+    let (key, rev) = (lease.key.clone(), lease.create_revision);
+    let ended = tracker.view().lost();
+    rt.spawn(async move {
+        let watch = async {
+            let mut from = rev + 1;
+            let mut pause = Duration::from_millis(50);
+            loop {
+                match watch_for_delete(&client, &key, from).await {
+                    WatchEnd::Deleted => return true,
+                    WatchEnd::Compacted => {
+                        if let Ok(resp) = client.kv_client().get(key.clone(), None).await {
+                            let ours = resp
+                                .kvs()
+                                .first()
+                                .is_some_and(|kv| kv.create_revision() == rev);
+                            if !ours {
+                                return true;
+                            }
+                            from = resp.header().map_or(from, |h| h.revision() + 1);
+                        }
+                    }
+                    WatchEnd::Broken => {}
+                }
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(1));
+            }
+        };
+        tokio::select! {
+            _ = ended => {}
+            deleted = watch => {
+                // Our own release (or the drop's cleanup) deletes the key too: only a delete
+                // nobody on this side asked for is a loss.
+                let ours = weak
+                    .upgrade()
+                    .is_some_and(|l| !l.release_attempted.load(Ordering::SeqCst));
+                if deleted && ours {
+                    tracing::debug!(key = %String::from_utf8_lossy(&key), "etcd deleted the lock's key (lease revoked or key deleted)");
+                    tracker.mark_lost(LossReason::NotHeldOnServer);
+                }
+            }
+        }
+    });
+}
+
+enum WatchEnd {
+    Deleted,
+    Compacted,
+    Broken,
+}
+
+/// One watch stream on `key` from revision `from`, deletes only, until the key is deleted or
+/// the stream ends.
+async fn watch_for_delete(client: &Client, key: &[u8], from: i64) -> WatchEnd {
+    let opts = WatchOptions::new()
+        .with_start_revision(from)
+        .with_filters([WatchFilterType::NoPut]);
+    let Ok(mut stream) = client.watch_client().watch(key.to_vec(), Some(opts)).await else {
+        return WatchEnd::Broken;
+    };
+    loop {
+        match stream.message().await {
+            Ok(Some(resp)) => {
+                if resp
+                    .events()
+                    .iter()
+                    .any(|e| e.event_type() == EventType::Delete)
+                {
+                    return WatchEnd::Deleted;
+                }
+                if resp.canceled() {
+                    return if resp.compact_revision() > 0 {
+                        WatchEnd::Compacted
+                    } else {
+                        WatchEnd::Broken
+                    };
+                }
+            }
+            Ok(None) | Err(_) => return WatchEnd::Broken,
+        }
+    }
+}
+
 #[async_trait]
 impl LeaseOps for EtcdLease {
     /// One linearizable read: does our key still exist with our create revision? (Once a key
@@ -825,7 +944,7 @@ impl LeaseOps for EtcdLease {
             .unwrap_or_else(Instant::now);
         let hedge_every = keepalive_attempt_limit(ttl, self.request_timeout);
         let (sent, answer) =
-            keep_alive_hedged(&self.client, self.lease_id, until, hedge_every).await;
+            keep_alive_hedged(&self.client, self.lease_id, until, hedge_every, |_| {}).await;
         let term = match answer? {
             KeepAlive::Gone => {
                 if let Binding::Shared { reservation, .. } = &self.binding {

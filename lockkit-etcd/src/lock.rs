@@ -673,6 +673,7 @@ impl EtcdLock {
             create_uncertain,
             release_attempted: AtomicBool::new(false),
         });
+        crate::lease::watch_own_key(&ops, tracker.clone());
         let token = FencingToken::new(self.lock_id(name), u64::try_from(my_rev).unwrap_or(0));
         Ok(Some(Lease::new(name, token, tracker, ops, opts)))
     }

@@ -3,10 +3,11 @@
 use std::any::Any;
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use lockkit_core::backend::LeaseOps;
-use lockkit_core::{Error, Instant, Result, async_trait};
+use lockkit_core::backend::{LeaseOps, TrackerHandle};
+use lockkit_core::{Error, Instant, LossReason, Result, async_trait};
 use zookeeper_client as zk;
 
 use crate::error::{connection_lost, from_zk, unavailable};
@@ -24,6 +25,8 @@ pub struct ZkLease {
     pub(crate) path: String,
     pub(crate) czxid: i64,
     pub(crate) reg: u64,
+    /// A release was sent: the node's deletion from then on is ours, not a loss.
+    pub(crate) release_attempted: AtomicBool,
 }
 
 impl fmt::Debug for ZkLease {
@@ -64,6 +67,57 @@ impl ZkLease {
             name: self.name.clone(),
         }
     }
+}
+
+/// Sets a watch on a granted lease's own node and marks its tracker lost as soon as ZooKeeper
+/// deletes the node while the holder did not release it (an admin's `delete`, or its session
+/// closed by another client): without it the holder would hear of it only from its next
+/// `renew`/`check`, or not before its session dies.
+///
+/// One watch on one node, which the server fires once, on the node's change. A watch lost with
+/// a connection is set again (zookeeper-client re-registers watches on reconnect; a session
+/// event wakes us and we set a fresh one); the session's expiry is the session monitor's to
+/// report. The task ends with the lease (its tracker lost for any reason).
+pub(crate) fn watch_own_node(lease: &Arc<ZkLease>, tracker: TrackerHandle) {
+    let Ok(rt) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    let weak = Arc::downgrade(lease);
+    let (session, path, czxid) = (lease.session.clone(), lease.path.clone(), lease.czxid);
+    let ended = tracker.view().lost();
+    rt.spawn(async move {
+        let gone = async {
+            loop {
+                let watcher = match session.client.check_and_watch_stat(&path).await {
+                    Ok((Some(stat), w)) if stat.czxid == czxid => w,
+                    Ok(_) => return true,
+                    Err(_) if session.is_dead() => return false,
+                    Err(_) => {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    }
+                };
+                let event = watcher.changed().await;
+                match event.event_type {
+                    zk::EventType::NodeDeleted => return true,
+                    _ if session.is_dead() || event.session_state.is_terminated() => return false,
+                    _ => {}
+                }
+            }
+        };
+        tokio::select! {
+            _ = ended => {}
+            deleted = gone => {
+                let ours = weak
+                    .upgrade()
+                    .is_some_and(|l| !l.release_attempted.load(Ordering::SeqCst));
+                if deleted && ours {
+                    tracing::debug!(node = %path, "the lock node was deleted behind the holder's back");
+                    tracker.mark_lost(LossReason::NotHeldOnServer);
+                }
+            }
+        }
+    });
 }
 
 #[async_trait]
@@ -119,6 +173,7 @@ impl LeaseOps for ZkLease {
     /// session ends, the lease stays registered with its session until then, and this returns
     /// [`Error::Unavailable`].
     async fn release(&self) -> Result<()> {
+        self.release_attempted.store(true, Ordering::SeqCst);
         if self.session.is_dead() {
             self.session.deregister(self.reg);
             return Err(self.not_held());

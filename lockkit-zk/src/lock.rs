@@ -3,6 +3,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -389,7 +390,9 @@ impl ZkLock {
                     path: node,
                     czxid,
                     reg,
+                    release_attempted: AtomicBool::new(false),
                 });
+                crate::lease::watch_own_node(&ops, tracker.clone());
                 let token =
                     FencingToken::new(self.lock_id(name), u64::try_from(czxid).unwrap_or(0));
                 return Ok(Lease::new(name, token, tracker, ops, opts));

@@ -638,6 +638,93 @@ async fn revoked_session_lease_loses_every_lock_on_it() {
     again.release().await.unwrap();
 }
 
+/// An admin's `lease revoke` turns the holder's lease Lost (reason `not_held_on_server`, from
+/// the watch on its own key) within tens of milliseconds, not at the next keepalive (TTL/3
+/// later), and no later than (within scheduling noise of) a waiting second client's grant.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_revoke_is_lost_before_the_next_grant() {
+    let url = with_prefix(&shared_url(), &fresh_prefix());
+    let (a, b) = (
+        EtcdLock::connect(&url).await.unwrap(),
+        EtcdLock::connect(&url).await.unwrap(),
+    );
+    let admin = Client::connect([shared_url().trim_start_matches("etcd://")], None)
+        .await
+        .unwrap();
+    let ttl = Duration::from_secs(30);
+    let held = a.try_acquire("revoked", ttl).await.unwrap();
+    let waiter = tokio::spawn(async move {
+        let lease = b
+            .acquire_timeout("revoked", ttl, Duration::from_secs(10))
+            .await
+            .expect("the second client's grant");
+        (Instant::now(), lease)
+    });
+    let lost = held.lost();
+    let lost_at = tokio::spawn(async move {
+        lost.await;
+        Instant::now()
+    });
+    let revoked = Instant::now();
+    admin
+        .lease_client()
+        .revoke(etcd_of(&held).lease_id())
+        .await
+        .unwrap();
+    let answered = revoked.elapsed();
+    let lost_at = tokio::time::timeout(Duration::from_secs(2), lost_at)
+        .await
+        .expect("revoke not noticed within 2 s")
+        .unwrap();
+    let noticed = lost_at - revoked;
+    let (granted_at, next) = waiter.await.unwrap();
+    eprintln!(
+        "etcd: admin revoke -> Lost in {noticed:?} (revoke answered in {answered:?}, second grant after {:?})",
+        granted_at - revoked
+    );
+    assert_eq!(
+        held.loss_reason(),
+        Some(lockkit::LossReason::NotHeldOnServer)
+    );
+    // Both hear of the same revision through watches on two streams, so which comes first is
+    // not ordered; the holder must not lag the next grant by more than scheduling noise.
+    assert!(
+        lost_at <= granted_at + Duration::from_millis(100),
+        "the holder heard of its loss {:?} after the second grant returned",
+        lost_at - granted_at
+    );
+    assert!(noticed < Duration::from_millis(500), "took {noticed:?}");
+    next.release().await.unwrap();
+}
+
+/// An admin's `del` of the holder's key turns its lease Lost at once; the client's other lock
+/// on the same session lease stays held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_delete_of_the_key_is_lost_at_once() {
+    let url = with_prefix(&shared_url(), &fresh_prefix());
+    let a = EtcdLock::connect(&url).await.unwrap();
+    let admin = Client::connect([shared_url().trim_start_matches("etcd://")], None)
+        .await
+        .unwrap();
+    let ttl = Duration::from_secs(30);
+    let gone = a.try_acquire("deleted", ttl).await.unwrap();
+    let kept = a.try_acquire("kept", ttl).await.unwrap();
+    let t = Instant::now();
+    admin
+        .kv_client()
+        .delete(etcd_of(&gone).key().to_vec(), None)
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(2), gone.lost())
+        .await
+        .expect("delete not noticed within 2 s");
+    eprintln!("etcd: admin delete -> Lost in {:?}", t.elapsed());
+    assert!(t.elapsed() < Duration::from_millis(500));
+    assert_eq!(kept.state(), LeaseState::Held);
+    // Our own release is not a loss by the server.
+    kept.release().await.unwrap();
+}
+
 /// A `keepalive(false)` acquire that waits longer than its TTL keeps its own lease alive while
 /// queued, gets the lock with a fresh deadline, and from then on is renewed by hand only.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,6 +6,7 @@ mod failures;
 mod fence;
 mod review;
 mod server;
+mod slow_grants;
 
 use std::time::Duration;
 
@@ -21,6 +22,15 @@ use server::{PgServer, admin, pgbouncer};
 mod contract {
     use crate::common::UrlHarness;
     lockkit::contract_suite!(UrlHarness::from_env("LOCKKIT_POSTGRES_URL"));
+}
+
+/// The port in a `postgres://` URL.
+pub fn port_of(url: &str) -> u16 {
+    url.rsplit(':')
+        .next()
+        .and_then(|s| s.split('/').next())
+        .and_then(|p| p.parse().ok())
+        .expect("port in the URL")
 }
 
 /// The shared server's URL (no lockkit parameters).

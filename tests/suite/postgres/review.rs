@@ -9,18 +9,10 @@ use lockkit::postgres::{PgFence, PgLease, PgLock, SESSION_CHECK};
 use lockkit::{AcquireOptions, Error, FencingToken, Lock, LockExt, Wait};
 use tokio::time::Instant;
 
-use super::base_url;
 use super::server::{PgServer, admin};
+use super::{base_url, port_of};
 use crate::common::proxy::Proxy;
 use crate::common::{fresh_prefix, with_prefix};
-
-fn port_of(url: &str) -> u16 {
-    url.rsplit(':')
-        .next()
-        .and_then(|s| s.split('/').next())
-        .and_then(|p| p.parse().ok())
-        .expect("port in the URL")
-}
 
 fn pid_of(lease: &lockkit::Lease) -> i32 {
     lease
@@ -402,6 +394,10 @@ async fn killed_session_is_noticed_within_the_check_interval() {
         tokio::time::timeout(SESSION_CHECK + Duration::from_secs(3), lease.lost())
             .await
             .expect("the killed session was not noticed within the check interval");
+        eprintln!(
+            "postgres: pg_terminate_backend -> Lost in {:?}",
+            killed.elapsed()
+        );
         assert!(killed.elapsed() < SESSION_CHECK + Duration::from_secs(3));
     }
     for lease in [auto, manual] {

@@ -809,3 +809,50 @@ async fn frozen_connection_bounds_try_once_acquire_and_reads() {
     );
     proxy.thaw();
 }
+
+/// An admin's delete of the holder's lock node turns its lease Lost at once (the watch on its
+/// own node; reason `not_held_on_server`), long before its session would notice, and a waiting
+/// client gets the lock; the holder's own release later is not mistaken for a loss.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_delete_of_the_node_is_lost_at_once() {
+    let prefix = fresh_prefix();
+    let (a, b) = (direct(&prefix).await, direct(&prefix).await);
+    let admin = lockkit::zk::zookeeper_client::Client::connect(&upstream())
+        .await
+        .expect("admin client");
+    let name = unique("node-deleted");
+    let ttl = Duration::from_secs(10);
+    let held = a.try_acquire(&name, ttl).await.unwrap();
+    let kept = a.try_acquire(&unique("kept"), ttl).await.unwrap();
+    let lost = held.lost();
+    let lost_at = tokio::spawn(async move {
+        lost.await;
+        Instant::now()
+    });
+    let t = Instant::now();
+    admin
+        .delete(zk_lease(&held).node_path(), None)
+        .await
+        .expect("admin delete");
+    let lost_at = tokio::time::timeout(TOLERANCE, lost_at)
+        .await
+        .expect("node deletion not noticed")
+        .unwrap();
+    eprintln!("zk: admin delete -> Lost in {:?}", lost_at - t);
+    assert!(
+        lost_at - t < Duration::from_millis(500),
+        "{:?}",
+        lost_at - t
+    );
+    assert_eq!(
+        held.loss_reason(),
+        Some(lockkit::LossReason::NotHeldOnServer)
+    );
+    let next = b
+        .try_acquire(&name, ttl)
+        .await
+        .expect("free after the delete");
+    assert_eq!(kept.state(), LeaseState::Held);
+    kept.release().await.unwrap();
+    next.release().await.unwrap();
+}

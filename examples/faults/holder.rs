@@ -285,8 +285,8 @@ async fn stress(
 /// the fence from its lease (`from_lease`).
 enum Native {
     None,
-    /// A plain etcd client for the (unfenced) read.
-    Etcd(lockkit::etcd::etcd_client::Client),
+    /// A plain etcd client for the (unfenced) read (boxed: it is large).
+    Etcd(Box<lockkit::etcd::etcd_client::Client>),
     Zk,
     Redis,
     /// Database URL, fence, and a connection of its own (re-opened after a server restart).
@@ -321,7 +321,7 @@ impl Native {
                     hosts.split(',').map(|h| format!("http://{h}")).collect();
                 lockkit::etcd::etcd_client::Client::connect(endpoints, None)
                     .await
-                    .map(Native::Etcd)
+                    .map(|c| Native::Etcd(Box::new(c)))
                     .map_err(|e| format!("etcd client: {e}"))
             }
             "zk" => Ok(Native::Zk),

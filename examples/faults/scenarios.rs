@@ -1169,8 +1169,9 @@ pub async fn run(args: RunArgs) -> i32 {
          the harness's own fence service (highest token number per key, one lock per key; stale \
          reads and writes refused), and in the stress cell also a counter at the backend's own fence \
          (EtcdFence, ZkFence, RedisFence, PgFence, each made from the lease). A Lost lease shows \
-         its loss reason: (deadline) passed without an acknowledged renewal, (not held on \
-         server), (session expired), (stale write).\n",
+         why (`Lease::loss_reason`): (deadline) its deadline passed without an acknowledged \
+         renewal, (not held on server) a renewal found the server no longer holds it, (session \
+         expired) its backend session ended, (stale write) a fenced write was rejected.\n",
         took,
         loadavg(),
         humantime::format_duration(args.ttl)

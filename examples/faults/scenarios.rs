@@ -1034,9 +1034,9 @@ JSON events stamped with CLOCK_REALTIME; times are from the fault to the event.
    three SIGSTOPs of 1.5–3 TTL, each of a holder that holds the lock at that moment, and one server \
    SIGKILL + restart. Final value = accepted writes; stale writes accepted (an accepted \
    token not above the one accepted before it) = 0; every round done. Each round then also \
-   increments a second counter at the backend's own fence, made from the round's lease with \
-   `from_lease` (EtcdFence: plain get + fenced put; ZkFence: read + fenced write; RedisFence: get + \
-   fenced set; PgFence: `SELECT … FOR UPDATE` + fenced `UPDATE` in one transaction): it must equal \
+   increments a second counter at the backend's own fence under the round's lease (EtcdFence, \
+   ZkFence, RedisFence made with `from_lease`: plain get + fenced put, read + fenced write, get + \
+   fenced set; PgFence: `SELECT … FOR UPDATE` + `update_as` in one transaction): it must equal \
    its accepted increments (an increment whose call failed while the server was down may or may \
    not count), and no increment may be refused as another lock's. Redis runs without persistence, \
    so its restart forgets the counter: only increments answered after the restart count. \
@@ -1168,7 +1168,7 @@ pub async fn run(args: RunArgs) -> i32 {
          at the start, {} at the end). TTL {}; holders are separate processes; the fenced resource is \
          the harness's own fence service (highest token number per key, one lock per key; stale \
          reads and writes refused), and in the stress cell also a counter at the backend's own fence \
-         (EtcdFence, ZkFence, RedisFence, PgFence, each made from the lease). A Lost lease shows \
+         (EtcdFence, ZkFence, RedisFence, PgFence, each used under the round's lease). A Lost lease shows \
          why (`Lease::loss_reason`): (deadline) its deadline passed without an acknowledged \
          renewal, (not held on server) a renewal found the server no longer holds it, (session \
          expired) its backend session ended, (stale write) a fenced write was rejected.\n",

@@ -1,8 +1,11 @@
 //! The fenced resource: a tiny loopback TCP service in the harness process that keeps, per key,
 //! a value and the highest fencing token it has seen, and rejects any read or write carrying a
 //! lower one. One service for every backend, so "stale writes accepted" is checked at a
-//! resource the faults never touch. (Redis has no fence of its own yet; the stress scenario also
-//! keeps a counter at the backend's own fence, EtcdFence, ZkFence or PgFence, where there is one.)
+//! resource the faults never touch. (The stress scenario also keeps a counter at the backend's
+//! own fence: EtcdFence, ZkFence, RedisFence or PgFence.)
+//!
+//! It stores a token's number ([`FencingToken::get`](lockkit::FencingToken::get)) and compares
+//! numbers within one lock only: each key is written by the holders of one lock (one cell's).
 //!
 //! Protocol, one line each way:
 //! - `R key token` → `OK value` (and `token` becomes the highest seen) or `STALE highest`

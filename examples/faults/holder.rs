@@ -2,8 +2,11 @@
 //!
 //! Reports JSON lines on stdout, each `{"t": <CLOCK_REALTIME ns>, "ev": <event>, …}`:
 //! `connected`, `acquired {token}`, `acquire_error {error}`, `wrote {token, ok}`,
-//! `at_risk {state}`, `lost`, `act {state, write}`, `state {state}`, `released {result}`,
-//! `round {i, token, read, write, release}`, `done {rounds}`.
+//! `at_risk {state}`, `lost {reason}`, `act {state, reason, write}`, `state {state, reason}`,
+//! `released {result}`, `round {i, token, read, write, native, native_t, release}`,
+//! `done {rounds}`.
+//! `reason` is the lease's [`LossReason`](lockkit::LossReason) label (`deadline_expired`, …),
+//! empty while the lease is not Lost.
 //!
 //! Modes:
 //! - `hold`: acquire once (waiting up to `--wait`; `0s` = try once), write once through the
@@ -14,10 +17,9 @@
 //!
 //! Every wait is bounded: the process exits after `--limit` whatever happens.
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use lockkit::{AcquireOptions, Lease, Wait};
+use lockkit::{AcquireOptions, Lease, LeaseTracker, Wait};
 use serde_json::{Value, json};
 
 use crate::fence::{Answer, FenceClient};
@@ -49,7 +51,7 @@ pub struct HolderArgs {
     #[arg(long, default_value_t = 250)]
     rounds: u32,
     /// Stress: also read-increment-write a counter at the backend's own fence (EtcdFence,
-    /// ZkFence, PgFence; Redis has none) under the same lease.
+    /// ZkFence, RedisFence, PgFence, each made from the round's lease) under the same lease.
     #[arg(long)]
     native: bool,
     /// Stress: time spent between the fenced read and the fenced write.
@@ -84,39 +86,19 @@ pub async fn run(args: HolderArgs) -> i32 {
 }
 
 async fn body(args: &HolderArgs) -> i32 {
-    let connected = async {
-        // ZooKeeper's fence comes from the concrete lock; every other backend via connect().
-        if args.url.starts_with("zk://") {
-            let zl = lockkit::zk::ZkLock::connect(&args.url).await?;
-            let fence = zl.fence();
-            Ok::<_, lockkit::Error>((Arc::new(zl) as Arc<dyn lockkit::Lock>, Some(fence)))
-        } else {
-            Ok((lockkit::connect(&args.url).await?, None))
-        }
-    };
-    let (locks, zk_fence) = match connected.await {
+    let locks = match lockkit::connect(&args.url).await {
         Ok(l) => l,
         Err(e) => {
             emit("connect_error", json!({ "error": error_kind(&e) }));
             return 2;
         }
     };
-    let native = match (args.native, zk_fence) {
-        (false, _) => Native::None,
-        (true, Some(f)) => Native::Zk(f),
-        (true, None) if args.url.starts_with("etcd://") => Native::Etcd,
-        (true, None) if args.url.starts_with("postgres://") => {
-            // sqlx takes the URL without lockkit's own parameters.
-            let db = args.url.split('?').next().unwrap_or_default().to_owned();
-            match lockkit::postgres::PgFence::new(PG_TABLE, "fence_token") {
-                Ok(f) => Native::Pg(db, f, tokio::sync::Mutex::new(None)),
-                Err(e) => {
-                    emit("connect_error", json!({ "error": error_kind(&e) }));
-                    return 2;
-                }
-            }
+    let native = match Native::connect(args).await {
+        Ok(n) => n,
+        Err(e) => {
+            emit("connect_error", json!({ "error": e }));
+            return 2;
         }
-        (true, None) => Native::None,
     };
     let mut fence = match FenceClient::connect(&args.fence).await {
         Ok(f) => f,
@@ -142,6 +124,15 @@ fn state_name(lease: &Lease) -> String {
     format!("{:?}", lease.state())
 }
 
+/// The lease's loss reason label, `""` while it is not Lost (or, `None`, released).
+fn reason(lease: Option<&Lease>) -> &'static str {
+    lease
+        .and_then(Lease::loss_reason)
+        .map_or("", lockkit::LossReason::as_str)
+}
+
+/// Writes `token`'s number to the harness's fence service. Its keys are each written under one
+/// lock only, so the number is all it compares.
 async fn fenced_write(fence: &mut FenceClient, key: &str, token: u64) -> &'static str {
     match fence.write(key, token, token).await {
         Ok(Answer::Ok(_)) => "accepted",
@@ -179,10 +170,13 @@ async fn hold(
     };
     let token = lease.token().get();
     emit("acquired", json!({ "token": token }));
-    let lost = lease.lost();
+    let tracker: LeaseTracker = lease.tracker().clone();
     tokio::spawn(async move {
-        lost.await;
-        emit("lost", json!({}));
+        tracker.lost().await;
+        let reason = tracker
+            .loss_reason()
+            .map_or("", lockkit::LossReason::as_str);
+        emit("lost", json!({ "reason": reason }));
     });
     let risk = lease.at_risk();
     tokio::spawn(async move {
@@ -199,12 +193,17 @@ async fn hold(
             "act" => {
                 // The state first: a holder that checks before acting sees Lost here.
                 let state = lease.as_ref().map_or("Released".into(), state_name);
+                let reason = reason(lease.as_ref());
                 let w = fenced_write(fence, &args.key, token).await;
-                emit("act", json!({ "state": state, "write": w }));
+                emit(
+                    "act",
+                    json!({ "state": state, "reason": reason, "write": w }),
+                );
             }
             "state" => {
                 let state = lease.as_ref().map_or("Released".into(), state_name);
-                emit("state", json!({ "state": state }));
+                let reason = reason(lease.as_ref());
+                emit("state", json!({ "state": state, "reason": reason }));
             }
             "release" => {
                 let result = match lease.take() {
@@ -265,13 +264,16 @@ async fn stress(
             }
         };
         let native = native.increment(&lease, &args.key).await;
+        // When the backend's fence answered: the harness tells writes a server restart without
+        // persistence (Redis) forgot from those it kept.
+        let native_t = now_ns();
         let release = match lease.release().await {
             Ok(()) => "Ok".to_owned(),
             Err(e) => error_kind(&e),
         };
         emit(
             "round",
-            json!({ "i": done, "token": token, "read": read.is_some(), "write": write, "native": native, "release": release }),
+            json!({ "i": done, "token": token, "read": read.is_some(), "write": write, "native": native, "native_t": native_t, "release": release }),
         );
         done += 1;
     }
@@ -279,11 +281,14 @@ async fn stress(
     0
 }
 
-/// The backend's own fence, for the stress counter kept in the backend itself.
+/// The backend's own fence, for the stress counter kept in the backend itself; each round makes
+/// the fence from its lease (`from_lease`).
 enum Native {
     None,
-    Etcd,
-    Zk(lockkit::zk::ZkFence),
+    /// A plain etcd client for the (unfenced) read (boxed: it is large).
+    Etcd(Box<lockkit::etcd::etcd_client::Client>),
+    Zk,
+    Redis,
     /// Database URL, fence, and a connection of its own (re-opened after a server restart).
     Pg(
         String,
@@ -293,47 +298,83 @@ enum Native {
 }
 
 /// The PostgreSQL table of stress counters (`name text primary key, value bigint, fence_token
-/// bigint`), created by the harness with one row per counter.
+/// bigint, fence_lock text`), created by the harness with one row per counter.
 pub const PG_TABLE: &str = "faults_counter";
 
-/// The key (etcd), node (ZooKeeper) or row name (PostgreSQL) of the stress counter at the
-/// backend's fence.
+/// The key (etcd, Redis), node (ZooKeeper) or row name (PostgreSQL) of the stress counter at
+/// the backend's fence.
 pub fn native_key(key: &str) -> String {
     format!("/faults-counter-{key}")
 }
 
 impl Native {
-    /// Reads the counter and writes it + 1, both through the backend's fence under `lease`:
-    /// `accepted`, `rejected` (StaleToken), `none` (no native fence) or `error:Kind`.
+    /// What the holder needs for `--native` on the backend of `args.url`.
+    async fn connect(args: &HolderArgs) -> Result<Native, String> {
+        if !args.native {
+            return Ok(Native::None);
+        }
+        let (scheme, rest) = args.url.split_once("://").unwrap_or_default();
+        match scheme {
+            "etcd" => {
+                let hosts = rest.split(['?', '/']).next().unwrap_or_default();
+                let endpoints: Vec<String> =
+                    hosts.split(',').map(|h| format!("http://{h}")).collect();
+                lockkit::etcd::etcd_client::Client::connect(endpoints, None)
+                    .await
+                    .map(|c| Native::Etcd(Box::new(c)))
+                    .map_err(|e| format!("etcd client: {e}"))
+            }
+            "zk" => Ok(Native::Zk),
+            "redis" => Ok(Native::Redis),
+            "postgres" => {
+                // sqlx takes the URL without lockkit's own parameters.
+                let db = args.url.split('?').next().unwrap_or_default().to_owned();
+                let fence = lockkit::postgres::PgFence::new(PG_TABLE, "fence_token", "fence_lock")
+                    .map_err(|e| error_kind(&e))?;
+                Ok(Native::Pg(db, fence, tokio::sync::Mutex::new(None)))
+            }
+            _ => Ok(Native::None),
+        }
+    }
+
+    /// Reads the counter and writes it + 1 through the backend's fence under `lease`:
+    /// `accepted`, `rejected` (StaleToken), `foreign` (ForeignToken), `none` (no `--native`) or
+    /// `error:Kind`.
     async fn increment(&self, lease: &Lease, key: &str) -> String {
         let path = native_key(key);
         let parse = |b: &[u8]| std::str::from_utf8(b).ok()?.parse::<u64>().ok();
+        let next = |v: Option<u64>| (v.unwrap_or(0) + 1).to_string();
         let result = match self {
             Native::None => return "none".into(),
             Native::Pg(url, fence, conn) => {
                 return pg_increment(url, fence, conn, lease, &path).await;
             }
-            Native::Etcd => {
+            Native::Etcd(client) => {
+                // A plain read is enough: the put applies only while this grant's key is the
+                // holder, so nobody else can have written since the read.
+                let Ok(got) = client.kv_client().get(path.clone(), None).await else {
+                    return "error:get".into();
+                };
+                let v = got.kvs().first().and_then(|kv| parse(kv.value()));
+                match lockkit::etcd::EtcdFence::from_lease(lease) {
+                    Ok(f) => f.put(path, next(v)).await,
+                    Err(e) => Err(e),
+                }
+            }
+            Native::Zk => {
                 async {
-                    use lockkit::etcd::etcd_client::{TxnOp, TxnOpResponse};
-                    let f = lockkit::etcd::EtcdFence::new(lease)?;
-                    // The read is fenced too: one transaction, applied only while the lease holds.
-                    let r = f.txn(vec![TxnOp::get(path.clone(), None)]).await?;
-                    let v = match r.op_responses().first() {
-                        Some(TxnOpResponse::Get(g)) => {
-                            g.kvs().first().and_then(|kv| parse(kv.value()))
-                        }
-                        _ => None,
-                    };
-                    f.put(path, (v.unwrap_or(0) + 1).to_string()).await
+                    let f = lockkit::zk::ZkFence::from_lease(lease)?;
+                    let v = f.read(&path).await?.and_then(|b| parse(&b));
+                    f.write(&path, next(v).as_bytes()).await
                 }
                 .await
             }
-            Native::Zk(f) => {
+            Native::Redis => {
                 async {
-                    let v = f.read(&path).await?.and_then(|b| parse(&b));
-                    f.write(lease, &path, (v.unwrap_or(0) + 1).to_string().as_bytes())
-                        .await
+                    // RedisFence checks tokens when writing, not reading (see docs/faults.md).
+                    let f = lockkit::redis::RedisFence::from_lease(lease)?;
+                    let v = f.get(&path).await?.and_then(|b| parse(&b));
+                    f.set(&path, next(v)).await
                 }
                 .await
             }
@@ -341,12 +382,13 @@ impl Native {
         match result {
             Ok(()) => "accepted".into(),
             Err(lockkit::Error::StaleToken { .. }) => "rejected".into(),
+            Err(lockkit::Error::ForeignToken { .. }) => "foreign".into(),
             Err(e) => format!("error:{}", error_kind(&e)),
         }
     }
 }
 
-/// One transaction: `SELECT value … FOR UPDATE`, then `PgFence::update` to value + 1; the
+/// One transaction: `SELECT value … FOR UPDATE`, then `PgFence::update_as` to value + 1; the
 /// answer as [`Native::increment`]'s. A broken connection is opened afresh next time.
 async fn pg_increment(
     url: &str,
@@ -379,23 +421,24 @@ async fn pg_increment(
         let mut args = PgArguments::default();
         args.add(v + 1).map_err(|_| "error:bind".to_owned())?;
         args.add(name).map_err(|_| "error:bind".to_owned())?;
-        match fence
-            .update(&mut tx, lease.token(), "value = $1", "name = $2", args)
+        let answer = match fence
+            .update_as(&mut tx, lease, "value = $1", "name = $2", args)
             .await
         {
-            Ok(_) => {}
-            Err(lockkit::Error::StaleToken { .. }) => {
-                // Now, not lazily on the next use: until then the row stays locked, while this
-                // holder waits for the lock that the row's next reader holds.
-                tx.rollback()
-                    .await
-                    .map_err(|_| "error:rollback".to_owned())?;
-                return Ok("rejected".to_owned());
+            Ok(_) => {
+                tx.commit().await.map_err(|_| "error:commit".to_owned())?;
+                return Ok("accepted".to_owned());
             }
+            Err(lockkit::Error::StaleToken { .. }) => "rejected",
+            Err(lockkit::Error::ForeignToken { .. }) => "foreign",
             Err(e) => return Err(format!("error:{}", error_kind(&e))),
-        }
-        tx.commit().await.map_err(|_| "error:commit".to_owned())?;
-        Ok("accepted".to_owned())
+        };
+        // Now, not lazily on the next use: until then the row stays locked, while this
+        // holder waits for the lock that the row's next reader holds.
+        tx.rollback()
+            .await
+            .map_err(|_| "error:rollback".to_owned())?;
+        Ok(answer.to_owned())
     };
     match fenced.await {
         Ok(answer) => answer,

@@ -81,11 +81,12 @@ struct Ctx {
     rounds: u32,
 }
 
-/// Collects the checks of one scenario: figures and failed checks.
+/// Collects the checks of one scenario: figures, failed checks and declared limits met.
 #[derive(Default)]
 struct Checks {
     details: Vec<String>,
     failed: Vec<String>,
+    declared: Vec<String>,
 }
 
 impl Checks {
@@ -97,12 +98,19 @@ impl Checks {
             self.failed.push(what.into());
         }
     }
+    /// A limit the backend documents was met (the cell is then Declared, unless a check fails).
+    fn declare(&mut self, what: impl Into<String>) {
+        self.declared.push(what.into());
+    }
     fn cell(mut self, summary: String) -> Cell {
-        let status = if self.failed.is_empty() {
-            Status::Pass
-        } else {
-            Status::Fail
+        let status = match (self.failed.is_empty(), self.declared.is_empty()) {
+            (false, _) => Status::Fail,
+            (true, false) => Status::Declared,
+            (true, true) => Status::Pass,
         };
+        for d in &self.declared {
+            self.details.push(format!("declared limit met: {d}"));
+        }
         for f in &self.failed {
             self.details.push(format!("FAILED: {f}"));
         }
@@ -255,13 +263,52 @@ async fn released(h: &mut Holder) -> String {
         .map_or("no answer".into(), |e| e.str("result").to_owned())
 }
 
-/// Sends `act` and returns (state seen first, fence answer).
-async fn act(h: &mut Holder, who: &str) -> Result<(String, String), String> {
+/// Sends `act` and returns (state seen first, its loss reason label, fence answer).
+async fn act(h: &mut Holder, who: &str) -> Result<(String, String, String), String> {
     h.send("act").await;
     h.wait(&["act"], Duration::from_secs(15))
         .await
-        .map(|e| (e.str("state").to_owned(), e.str("write").to_owned()))
+        .map(|e| {
+            let (state, reason) = (e.str("state"), e.str("reason"));
+            (
+                state.to_owned(),
+                reason.to_owned(),
+                e.str("write").to_owned(),
+            )
+        })
         .ok_or_else(|| format!("{who}: did not act"))
+}
+
+/// A loss reason label, short, for the table: `deadline_expired` → `deadline`.
+fn short_reason(label: &str) -> &str {
+    match label {
+        "deadline_expired" => "deadline",
+        "not_held_on_server" => "not held on server",
+        "session_expired" => "session expired",
+        "stale_write" => "stale write",
+        "" => "no reason",
+        other => other,
+    }
+}
+
+/// `state`, with the loss reason when it is `Lost`: `Lost (deadline)`.
+fn with_reason(state: &str, reason: &str) -> String {
+    if state == "Lost" {
+        format!("Lost ({})", short_reason(reason))
+    } else {
+        state.to_owned()
+    }
+}
+
+/// The loss signal's time after the fault and its reason: `1.97 s (deadline)`, or `never`.
+fn lost_at(lost: Option<&crate::harness::Event>, t_fault: u64) -> String {
+    lost.map_or("never".into(), |l| {
+        format!(
+            "{} ({})",
+            fmt_s(secs(t_fault, l.t())),
+            short_reason(l.str("reason"))
+        )
+    })
 }
 
 fn fmt_s(d: f64) -> String {
@@ -327,11 +374,12 @@ async fn holder_paused(ctx: &mut Ctx) -> Result<Cell, String> {
     a.send("act").await; // waits in A's stdin: A's first action after SIGCONT
     let stopped = secs(t_stop, now_ns());
     a.signal("CONT");
-    let (state, write) = act(&mut a, "A").await?;
+    let (state, reason, write) = act(&mut a, "A").await?;
     a.drain();
+    let shown = with_reason(&state, &reason);
     c.note(format!(
         "A stopped {}; B granted {} after the SIGSTOP (bound {:?}); tokens {ta} -> {}; \
-         A on resume: state {state}, fenced write {write}",
+         A on resume: state {shown}, fenced write {write}",
         fmt_s(stopped),
         fmt_s(regrant),
         ctx.regrant_bound(),
@@ -349,7 +397,7 @@ async fn holder_paused(ctx: &mut Ctx) -> Result<Cell, String> {
     b.finish(Duration::from_secs(10)).await;
     ctx.settle(&prefix, &mut c).await;
     Ok(c.cell(format!(
-        "re-grant {}; resumed A: {state}, write {write}",
+        "re-grant {}; resumed A: {shown}, write {write}",
         fmt_s(regrant)
     )))
 }
@@ -371,16 +419,17 @@ async fn holder_partitioned(ctx: &mut Ctx) -> Result<Cell, String> {
     let regrant = secs(t_cut, eb.t());
     let wb = wrote(&mut b, "B").await?;
     c.check(wb == "accepted", format!("B's write: {wb}"));
-    let (state, write) = act(&mut a, "A").await?;
+    let (state, reason, write) = act(&mut a, "A").await?;
     proxy.thaw();
     let lost_after = lost.as_ref().map(|l| secs(t_cut, l.t()));
     c.note(format!(
         "A's loss signal {} after the cut (TTL {:?}); B granted {} after the cut; tokens {ta} -> {}; \
-         A then: state {state}, fenced write {write}",
-        lost_after.map_or("never".into(), fmt_s),
+         A then: state {}, fenced write {write}",
+        lost_at(lost.as_ref(), t_cut),
         ctx.ttl,
         fmt_s(regrant),
-        token(&eb)
+        token(&eb),
+        with_reason(&state, &reason)
     ));
     match (&lost, lost_after) {
         (Some(l), Some(after)) => {
@@ -415,7 +464,7 @@ async fn holder_partitioned(ctx: &mut Ctx) -> Result<Cell, String> {
     ctx.settle(&prefix, &mut c).await;
     Ok(c.cell(format!(
         "Lost {} after cut, before B's grant ({}); write {write}",
-        lost_after.map_or("never".into(), fmt_s),
+        lost_at(lost.as_ref(), t_cut),
         fmt_s(regrant)
     )))
 }
@@ -460,7 +509,7 @@ async fn survived_or_lost(
             format!("try-acquire while A still Held: {probe}"),
         );
         p.finish(Duration::from_secs(10)).await;
-        let (_, write) = act(a, "A").await?;
+        let (_, _, write) = act(a, "A").await?;
         c.check(
             write == "accepted",
             format!("A's write with its surviving lease: {write}"),
@@ -477,7 +526,6 @@ async fn survived_or_lost(
         ));
         Ok(("lease survived".into(), true))
     } else {
-        let after = lost.as_ref().map(|l| secs(t_fault, l.t()));
         c.check(
             state == "Lost" && lost.is_some(),
             format!(
@@ -485,7 +533,7 @@ async fn survived_or_lost(
                 lost.is_some()
             ),
         );
-        let after = after.map_or("?".into(), fmt_s);
+        let after = lost_at(lost.as_ref(), t_fault);
         c.note(format!("A's lease reported Lost {after} after {cause}"));
         Ok((format!("Lost {after} after {cause}"), false))
     }
@@ -508,11 +556,12 @@ async fn regrant_after(
     c.check(wb == "accepted", format!("B's write: {wb}"));
     c.check(tb > ta, format!("token after {tb} not above {ta}"));
     if !survived {
-        let (st, write) = act(a, "A").await?;
+        let (st, reason, write) = act(a, "A").await?;
         c.check(st == "Lost", format!("A's lease after B's grant: {st}"));
         c.check(write == "rejected", format!("A's stale write: {write}"));
         c.note(format!(
-            "A after B's grant: state {st}, fenced write {write}"
+            "A after B's grant: state {}, fenced write {write}",
+            with_reason(&st, &reason)
         ));
     }
     let r = released(&mut b).await;
@@ -584,14 +633,15 @@ async fn server_paused(ctx: &mut Ctx) -> Result<Cell, String> {
     let eb = acquired(&mut b, "B", ctx.regrant_bound() + Duration::from_secs(20)).await?;
     let regrant = secs(t_cont, eb.t());
     let wb = wrote(&mut b, "B").await?;
-    let (state, write) = act(&mut a, "A").await?;
+    let (state, reason, write) = act(&mut a, "A").await?;
     c.note(format!(
         "server stopped {}; A's loss signal {} after the SIGSTOP; B (started after SIGCONT) granted {} \
-         after it; tokens {ta} -> {}; B's write {wb}; A then: state {state}, write {write}",
+         after it; tokens {ta} -> {}; B's write {wb}; A then: state {}, write {write}",
         fmt_s(stopped),
-        lost_after.map_or("never".into(), fmt_s),
+        lost_at(lost.as_ref(), t_stop),
         fmt_s(regrant),
-        token(&eb)
+        token(&eb),
+        with_reason(&state, &reason)
     ));
     c.check(
         token(&eb) > ta,
@@ -607,7 +657,7 @@ async fn server_paused(ctx: &mut Ctx) -> Result<Cell, String> {
     ctx.settle(&prefix, &mut c).await;
     Ok(c.cell(format!(
         "Lost {} after freeze; after resume B granted in {}, A's write {write}",
-        lost_after.map_or("never".into(), fmt_s),
+        lost_at(lost.as_ref(), t_stop),
         fmt_s(regrant)
     )))
 }
@@ -709,11 +759,9 @@ async fn stress(ctx: &mut Ctx) -> Result<Cell, String> {
     let prefix = ctx.prefix("s7");
     let mut spec = ctx.spec(&prefix);
     spec.stress_rounds = Some(ctx.rounds);
-    spec.native = ctx.kind != Kind::Redis;
-    if spec.native {
-        ctx.server
-            .prepare_native(&crate::holder::native_key(&spec.key))?;
-    }
+    spec.native = true;
+    ctx.server
+        .prepare_native(&crate::holder::native_key(&spec.key))?;
     spec.limit = Duration::from_secs(300);
     let started = Instant::now();
     let mut holders = Vec::new();
@@ -731,6 +779,8 @@ async fn stress(ctx: &mut Ctx) -> Result<Cell, String> {
     let deadline = started + spec.limit;
     let mut stops = Vec::new();
     let mut faults = Vec::new();
+    // The server's SIGKILL and its being back (CLOCK_REALTIME ns).
+    let mut restart = (0u64, 0u64);
     for (pct, what) in plan {
         let mut all_exited = false;
         while progress(&ctx.fence) * 100 < total * pct && Instant::now() < deadline {
@@ -786,7 +836,9 @@ async fn stress(ctx: &mut Ctx) -> Result<Cell, String> {
             }));
         } else {
             let t = Instant::now();
+            restart.0 = now_ns();
             ctx.server.kill_and_restart().await?;
+            restart.1 = now_ns();
             faults.push(format!(
                 "server SIGKILL + restart at {pct} % (back in {})",
                 fmt_s(t.elapsed().as_secs_f64())
@@ -799,6 +851,12 @@ async fn stress(ctx: &mut Ctx) -> Result<Cell, String> {
     let mut rounds = 0u64;
     let mut accepted_by_holders = 0u64;
     let (mut native_accepted, mut native_rejected, mut native_errors) = (0u64, 0u64, 0u64);
+    let mut native_foreign = 0u64;
+    // Redis runs without persistence: its restart forgets the counter (and its guard record).
+    // Increments answered before the SIGKILL are forgotten, those answered while it was down
+    // or restarting may have landed on either server.
+    let forgets = ctx.kind == Kind::Redis;
+    let (mut native_forgotten, mut native_unsure) = (0u64, 0u64);
     let mut rejected_by_holders = 0u64;
     for (i, h) in holders.iter_mut().enumerate() {
         let left = deadline.saturating_duration_since(Instant::now());
@@ -817,9 +875,13 @@ async fn stress(ctx: &mut Ctx) -> Result<Cell, String> {
                 "accepted" => accepted_by_holders += 1,
                 _ => rejected_by_holders += 1,
             }
+            let native_t = e.u64("native_t");
             match e.str("native") {
+                "accepted" if forgets && native_t < restart.0 => native_forgotten += 1,
+                "accepted" if forgets && native_t <= restart.1 => native_unsure += 1,
                 "accepted" => native_accepted += 1,
                 "rejected" => native_rejected += 1,
+                "foreign" => native_foreign += 1,
                 "none" => {}
                 _ => native_errors += 1,
             }
@@ -863,36 +925,79 @@ async fn stress(ctx: &mut Ctx) -> Result<Cell, String> {
         faults.len() == plan.len(),
         "not every planned fault was applied",
     );
-    if spec.native {
-        let key = crate::holder::native_key(&spec.key);
-        match ctx.server.native_counter(&key).await {
-            Ok(v) => {
-                c.note(format!(
-                    "backend's own fence ({}): counter {v}, increments accepted {native_accepted}, \
-                     rejected as stale {native_rejected}, failed (server down) {native_errors}",
-                    match ctx.kind {
-                        Kind::Etcd => "EtcdFence: fenced get + put",
-                        Kind::Zk => "ZkFence: read + fenced write",
-                        _ => "PgFence: SELECT … FOR UPDATE + fenced UPDATE, one transaction",
-                    }
-                ));
-                // A failed call (server restarting) may or may not have been applied.
-                c.check(
-                    v >= native_accepted && v <= native_accepted + native_errors,
-                    format!(
-                        "backend counter {v} outside accepted {native_accepted} + unknown {native_errors} (lost update)"
-                    ),
-                );
+    // Increments that may or may not have been applied (or kept).
+    let native_unknown = native_errors + native_unsure;
+    let key = crate::holder::native_key(&spec.key);
+    let counter = match ctx.server.native_counter(&key).await {
+        Ok(v) => Some(v),
+        Err(e) => {
+            c.check(false, format!("backend counter: {e}"));
+            None
+        }
+    };
+    if let Some(v) = counter {
+        c.note(format!(
+            "backend's own fence ({}): counter {v}, increments accepted {native_accepted}, \
+             rejected as stale {native_rejected}, rejected as foreign {native_foreign}, \
+             failed (server down) {native_errors}{}",
+            match ctx.kind {
+                Kind::Etcd => "EtcdFence: plain get + fenced put",
+                Kind::Zk => "ZkFence: read + fenced write",
+                Kind::Redis => "RedisFence: get + fenced set",
+                Kind::Postgres => "PgFence: SELECT … FOR UPDATE + fenced UPDATE, one transaction",
+            },
+            if forgets {
+                format!(
+                    "; the server restart (no persistence) forgot the {native_forgotten} \
+                     increments accepted before it; {native_unsure} accepted while it restarted \
+                     count as unknown (only increments after it are in 'accepted')"
+                )
+            } else {
+                String::new()
             }
-            Err(e) => c.check(false, format!("backend counter: {e}")),
+        ));
+        c.check(
+            native_foreign == 0,
+            format!("{native_foreign} increments rejected as another lock's"),
+        );
+        // A failed call (server restarting) may or may not have been applied. Every applied
+        // write stores one more than a value some earlier write stored: never above.
+        c.check(
+            v <= native_accepted + native_unknown,
+            format!(
+                "backend counter {v} above accepted {native_accepted} + unknown {native_unknown}"
+            ),
+        );
+        if v < native_accepted && ctx.kind == Kind::Redis {
+            // RedisFence compares tokens when writing, not when reading: a holder whose lease
+            // lapsed between its get and its set may write before the next holder's first
+            // write, and that holder's increment then overwrites it (documented on RedisFence).
+            c.declare(format!(
+                "RedisFence counter {v} below accepted {native_accepted}: a lapsed holder's \
+                 write landed between the next holder's get and set"
+            ));
+        } else {
+            c.check(
+                v >= native_accepted,
+                format!("backend counter {v} below accepted {native_accepted} (lost update)"),
+            );
         }
     }
     ctx.settle(&prefix, &mut c).await;
     let _ = rejected_by_holders;
-    let own = if spec.native {
-        format!("; own fence: {native_accepted} increments, {native_rejected} stale rejected")
-    } else {
-        String::new()
+    let own = match counter {
+        Some(v) => format!(
+            "; own fence: counter {v} {}{}, {native_rejected} stale rejected",
+            match v.cmp(&native_accepted) {
+                std::cmp::Ordering::Equal => format!("= {native_accepted} increments"),
+                std::cmp::Ordering::Greater => {
+                    format!("within {native_accepted} increments + {native_unknown} unknown")
+                }
+                std::cmp::Ordering::Less => format!("< {native_accepted} increments"),
+            },
+            if forgets { " since the restart" } else { "" }
+        ),
+        None => String::new(),
     };
     Ok(c.cell(format!(
         "{rounds} rounds in {}: value {} {} accepted {accepted}; stale rejected {}, accepted {not_increasing}{own}",
@@ -928,8 +1033,19 @@ JSON events stamped with CLOCK_REALTIME; times are from the fault to the event.
 7. 8 holders × 250 rounds of acquire → fenced read → 5 ms → fenced write of value + 1 → release; \
    three SIGSTOPs of 1.5–3 TTL, each of a holder that holds the lock at that moment, and one server \
    SIGKILL + restart. Final value = accepted writes; stale writes accepted (an accepted \
-   token not above the one accepted before it) = 0; every round done; where the backend has a fence, a second counter at that fence must equal its \
-   accepted increments.
+   token not above the one accepted before it) = 0; every round done. Each round then also \
+   increments a second counter at the backend's own fence under the round's lease (EtcdFence, \
+   ZkFence, RedisFence made with `from_lease`: plain get + fenced put, read + fenced write, get + \
+   fenced set; PgFence: `SELECT … FOR UPDATE` + `update_as` in one transaction): it must equal \
+   its accepted increments (an increment whose call failed while the server was down may or may \
+   not count), and no increment may be refused as another lock's. Redis runs without persistence, \
+   so its restart forgets the counter: only increments answered after the restart count. \
+   RedisFence compares tokens when writing, not reading: should a lapsed holder's set land between \
+   the next holder's get and set, the counter falls short, which is a declared limit.
+
+The harness's own fence service stores a token's number only (`FencingToken::get`) and compares \
+numbers within one lock only: each of its keys is written under one lock, so that is all it \
+needs; a resource shared by several locks needs the lock too (as the backends' fences keep).
 
 After every cell: nothing of the cell's locks left on the server (Redis lock keys, etcd keys \
 under the prefix, ZooKeeper ephemerals, PostgreSQL advisory locks), and a fresh try-acquire \
@@ -1050,9 +1166,12 @@ pub async fn run(args: RunArgs) -> i32 {
         md,
         "Produced by `scripts/faults.sh` on {date} in {:.0} s ({cpus} cores; load average {load_before} \
          at the start, {} at the end). TTL {}; holders are separate processes; the fenced resource is \
-         the harness's own fence service (highest token per key, stale reads and writes refused), \
-         and in the stress cell also a counter at the backend's own fence (EtcdFence, ZkFence, \
-         PgFence; Redis has none).\n",
+         the harness's own fence service (highest token number per key, one lock per key; stale \
+         reads and writes refused), and in the stress cell also a counter at the backend's own fence \
+         (EtcdFence, ZkFence, RedisFence, PgFence, each used under the round's lease). A Lost lease shows \
+         why (`Lease::loss_reason`): (deadline) its deadline passed without an acknowledged \
+         renewal, (not held on server) a renewal found the server no longer holds it, (session \
+         expired) its backend session ended, (stale write) a fenced write was rejected.\n",
         took,
         loadavg(),
         humantime::format_duration(args.ttl)

@@ -518,7 +518,8 @@ impl Server {
     }
 
     /// What the server still holds for locks under `prefix` (all locks, for the ZooKeeper and
-    /// PostgreSQL counts, which are per server; every scenario has the server to itself).
+    /// PostgreSQL counts, which are per server; every scenario has the server to itself). Fence
+    /// guard records are not locks and not counted.
     pub async fn leftovers(&self, prefix: &str) -> Result<usize, String> {
         let port = self
             .members
@@ -545,7 +546,12 @@ impl Server {
                         .args(["get", "--prefix", "--keys-only"])
                         .arg(format!("{prefix}/")),
                 )?;
-                Ok(out.lines().filter(|l| !l.trim().is_empty()).count())
+                // EtcdFence's guard records ({prefix}/./fence/…) are data, kept on purpose.
+                let guards = format!("{prefix}/./fence/");
+                Ok(out
+                    .lines()
+                    .filter(|l| !l.trim().is_empty() && !l.starts_with(&guards))
+                    .count())
             }
             Kind::Zk => four_letter(port, b"mntr")
                 .await
@@ -566,13 +572,15 @@ impl Server {
 
 impl Server {
     /// Creates what the stress counter at the backend's own fence needs before the first
-    /// holder writes it: PostgreSQL's table and row (etcd and ZooKeeper create it on write).
+    /// holder writes it: PostgreSQL's table and row (etcd, ZooKeeper and Redis create it on
+    /// write).
     pub fn prepare_native(&self, key: &str) -> Result<(), String> {
         if self.kind == Kind::Postgres {
             let t = crate::holder::PG_TABLE;
             self.psql(&format!(
                 "CREATE TABLE IF NOT EXISTS {t} (name text PRIMARY KEY, value bigint NOT NULL, \
-                 fence_token bigint); INSERT INTO {t} VALUES ('{key}', 0, NULL)"
+                 fence_token bigint, fence_lock text); \
+                 INSERT INTO {t} VALUES ('{key}', 0, NULL, NULL)"
             ))?;
         }
         Ok(())
@@ -598,17 +606,24 @@ impl Server {
                     .args(["get", "--print-value-only", key]),
             )?,
             Kind::Zk => {
-                let locks = lockkit::zk::ZkLock::connect(&self.url())
+                use lockkit::zk::zookeeper_client as zk;
+                let client = zk::Client::connect(&format!("127.0.0.1:{}", self.port()))
                     .await
-                    .map_err(|e| e.to_string())?;
-                let data = locks.fence().read(key).await.map_err(|e| e.to_string())?;
-                String::from_utf8_lossy(&data.unwrap_or_default()).into_owned()
+                    .map_err(|e| format!("zk connect: {e}"))?;
+                match client.get_data(key).await {
+                    Ok((data, _)) => String::from_utf8_lossy(&data).into_owned(),
+                    Err(zk::Error::NoNode) => String::new(),
+                    Err(e) => return Err(format!("zk get {key}: {e}")),
+                }
             }
             Kind::Postgres => self.psql(&format!(
                 "SELECT value FROM {} WHERE name = '{key}'",
                 crate::holder::PG_TABLE
             ))?,
-            Kind::Redis => return Err("no native fence".into()),
+            Kind::Redis => run(
+                "redis-cli GET",
+                Command::new("redis-cli").args(["-p", &self.port().to_string(), "GET", key]),
+            )?,
         };
         let raw = raw.trim();
         if raw.is_empty() {

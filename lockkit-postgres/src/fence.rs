@@ -31,7 +31,7 @@ use crate::error::{Msg, from_sqlx};
 /// several times.
 ///
 /// ```no_run
-/// use lockkit_core::{Lock, LockExt};
+/// use lockkit_core::{Error, Lock, LockExt};
 /// use lockkit_postgres::{PgFence, PgLock};
 /// use sqlx::{Arguments, Connection, postgres::PgArguments};
 /// # async fn f(locks: PgLock, mut db: sqlx::PgConnection) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
@@ -45,8 +45,16 @@ use crate::error::{Msg, from_sqlx};
 /// args.add(7_i32)?; // $2
 /// // WRONG: UPDATE reports SET body = $1 WHERE id = $2   -- a paused holder overwrites a newer one
 /// // RIGHT: the stale write fails with Error::StaleToken, changes nothing, and the lease is lost
-/// fence.update_as(&mut *tx, &lease, "body = $1", "id = $2", args).await?;
-/// tx.commit().await?;
+/// match fence.update_as(&mut *tx, &lease, "body = $1", "id = $2", args).await {
+///     Ok(_) => tx.commit().await?,
+///     Err(e @ (Error::StaleToken { .. } | Error::ForeignToken { .. })) => {
+///         // Roll back now, not by dropping `tx`: sqlx sends that ROLLBACK only when the
+///         // connection is next used, and until then the rows stay locked for everyone.
+///         tx.rollback().await?;
+///         return Err(e.into());
+///     }
+///     Err(e) => return Err(e.into()),
+/// }
 /// lease.release().await?;
 /// # Ok(()) }
 /// ```
@@ -118,7 +126,8 @@ impl PgFence {
     ///
     /// # Cancel safety
     /// As cancel safe as a sqlx statement: if dropped, the update may or may not have run in
-    /// the transaction; roll the transaction back (dropping a sqlx `Transaction` does).
+    /// the transaction; roll the transaction back (dropping a sqlx `Transaction` does too, but
+    /// only when the connection is next used: until then the matching rows stay locked).
     pub async fn update(
         &self,
         conn: &mut PgConnection,

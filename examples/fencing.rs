@@ -204,7 +204,7 @@ async fn run(args: Args) -> Result<(), Error> {
     let other = b
         .acquire(
             &format!("{name}-other"),
-            AcquireOptions::new().ttl(args.ttl * 5).wait(Wait::No),
+            AcquireOptions::new().ttl(ttl * 5).wait(Wait::No),
         )
         .await?;
     t.say(

@@ -897,7 +897,7 @@ impl LockBackend for EtcdLock {
     /// reports it; the lease may be a session lease shared by other locks).
     ///
     /// # Errors
-    /// As [`Lock::holder`]. Each request is bounded by the client's request timeout.
+    /// As [`Lock::holder`](lockkit_core::Lock::holder). Each request is bounded by the client's request timeout.
     ///
     /// # Cancel safety
     /// Cancel safe: it only reads.

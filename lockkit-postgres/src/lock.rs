@@ -943,7 +943,7 @@ impl LockBackend for PgLock {
     /// server holds the lock as long as the holder's session lives).
     ///
     /// # Errors
-    /// As [`Lock::holder`]; [`Error::Unavailable`] if no answer came within the connect
+    /// As [`Lock::holder`](lockkit_core::Lock::holder); [`Error::Unavailable`] if no answer came within the connect
     /// timeout.
     ///
     /// # Cancel safety

@@ -839,7 +839,7 @@ impl LockBackend for RedisLock {
     /// Reads the lock key's `PTTL` and the fence counter (the holder's token) in one script.
     ///
     /// # Errors
-    /// As [`Lock::holder`]; [`Error::Backend`] if the fence counter is not a number.
+    /// As [`Lock::holder`](lockkit_core::Lock::holder); [`Error::Backend`] if the fence counter is not a number.
     ///
     /// # Cancel safety
     /// Cancel safe: it only reads.

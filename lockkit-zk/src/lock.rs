@@ -729,7 +729,7 @@ impl LockBackend for ZkLock {
     /// A holder node deleted between the two reads makes the next one the holder: read again.
     ///
     /// # Errors
-    /// As [`Lock::holder`]; [`Error::Unavailable`] if no answer came within the connect timeout.
+    /// As [`Lock::holder`](lockkit_core::Lock::holder); [`Error::Unavailable`] if no answer came within the connect timeout.
     ///
     /// # Cancel safety
     /// Cancel safe: it only reads.

@@ -903,13 +903,6 @@ impl Lease {
     }
 }
 
-/// Marks `lease` lost for `reason` (final; a lease already lost keeps its first reason). For
-/// backends' fence helpers that learn of a newer holder ([`LossReason::StaleWrite`]): they see
-/// only the `&Lease`. It can only end a lease, never extend one.
-pub fn mark_lost(lease: &Lease, reason: LossReason) {
-    lease.tracker.mark_lost(reason);
-}
-
 /// The `outcome` field of a renew or release span.
 fn outcome_of(res: &Result<()>) -> &'static str {
     match res {

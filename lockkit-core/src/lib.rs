@@ -90,7 +90,7 @@ pub mod backend {
     #[cfg_attr(docsrs, doc(cfg(feature = "rustls")))]
     pub use crate::config::{TlsFailure, tls_failure};
     pub use crate::fence::LeaseFence;
-    pub use crate::lease::{LeaseOps, SuspectReason, TrackerHandle, mark_lost};
+    pub use crate::lease::{LeaseOps, SuspectReason, TrackerHandle};
     pub use crate::lock::{LockBackend, retry_transient, wait_deadline};
     pub use crate::options::{validate_name, validate_prefix, validate_ttl};
     /// The serde version lockkit's configs implement `Deserialize` of (feature `serde`).

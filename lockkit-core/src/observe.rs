@@ -333,8 +333,8 @@ mod tests {
                 other => panic!("{other:?}"),
             }
             let fenced = locks_stale().await;
-            crate::backend::mark_lost(&fenced, LossReason::StaleWrite);
-            crate::backend::mark_lost(&fenced, LossReason::NotHeldOnServer);
+            fenced.tracker_handle().mark_lost(LossReason::StaleWrite);
+            fenced.tracker_handle().mark_lost(LossReason::NotHeldOnServer);
             assert_eq!(fenced.loss_reason(), Some(LossReason::StaleWrite));
             // A late acknowledgement does not revive it, and the first reason stays.
             assert!(!tracker.confirm(Instant::now()));

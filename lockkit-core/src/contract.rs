@@ -12,6 +12,7 @@
 //! Capabilities a backend does not claim in its [`Guarantees`] are asserted to fail with
 //! [`Error::NotSupported`], never skipped silently.
 
+use crate::backend::LeaseBackendExt;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 

@@ -794,11 +794,6 @@ impl Lease {
         &self.tracker
     }
 
-    /// The backend's half of the lease; fence helpers downcast it with [`LeaseOps::as_any`].
-    pub fn ops(&self) -> &dyn LeaseOps {
-        &*self.ops
-    }
-
     /// Builds [`Error::LeaseLost`] for this lease.
     pub fn lost_error(&self) -> Error {
         Error::LeaseLost {
@@ -1049,6 +1044,23 @@ pub(crate) async fn keepalive_loop(
                 next = Instant::now();
             }
         }
+    }
+}
+
+/// For backends, their fences and their tests: the backend's half of a [`Lease`].
+///
+/// Not part of the lock user's API: calling [`LeaseOps::renew`] or [`LeaseOps::release`]
+/// through it bypasses the lease's client-side state (it could shorten the lease on the server
+/// while the lease still reads `Held`). Fences reach their grant's details with
+/// `lease.ops().as_any().downcast_ref::<BackendLease>()`.
+pub trait LeaseBackendExt {
+    /// The backend's half of the lease.
+    fn ops(&self) -> &dyn LeaseOps;
+}
+
+impl LeaseBackendExt for Lease {
+    fn ops(&self) -> &dyn LeaseOps {
+        &*self.ops
     }
 }
 

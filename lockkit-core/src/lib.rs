@@ -70,7 +70,8 @@ pub use options::{
 /// core then owns deadlines, keepalive, the loss signal, release-on-drop, the lease events and
 /// metrics. Only the backend holds the `TrackerHandle`, so only it can move the deadline. A fence
 /// for data kept in the backend is made from a [`Lease`] (`from_lease`, downcasting
-/// [`Lease::ops`] with [`LeaseOps::as_any`](backend::LeaseOps::as_any)) and keeps a
+/// [`LeaseBackendExt::ops`](backend::LeaseBackendExt::ops) with
+/// [`LeaseOps::as_any`](backend::LeaseOps::as_any)) and keeps a
 /// [`LeaseFence`](backend::LeaseFence), which marks the lease lost
 /// ([`LossReason::StaleWrite`]) when its own write is rejected as stale; tokens carry the
 /// backend's lock identity (`backend/namespace/name`).
@@ -90,7 +91,7 @@ pub mod backend {
     #[cfg_attr(docsrs, doc(cfg(feature = "rustls")))]
     pub use crate::config::{TlsFailure, tls_failure};
     pub use crate::fence::LeaseFence;
-    pub use crate::lease::{LeaseOps, SuspectReason, TrackerHandle};
+    pub use crate::lease::{LeaseBackendExt, LeaseOps, SuspectReason, TrackerHandle};
     pub use crate::lock::{LockBackend, retry_transient, wait_deadline};
     pub use crate::options::{validate_name, validate_prefix, validate_ttl};
     /// The serde version lockkit's configs implement `Deserialize` of (feature `serde`).

@@ -321,6 +321,7 @@ impl LeaseOps for MemoryLease {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::LeaseBackendExt;
     use crate::{Lock, LockExt};
 
     #[tokio::test(start_paused = true)]

@@ -1,5 +1,6 @@
 //! [`EtcdFence`]: writes to data kept in etcd that succeed only while the writer holds its lock.
 
+use lockkit_core::backend::LeaseBackendExt;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,5 +1,6 @@
 //! [`RedisFence`]: fenced writes to data kept in Redis itself.
 
+use lockkit_core::backend::LeaseBackendExt;
 use std::fmt;
 use std::sync::LazyLock;
 

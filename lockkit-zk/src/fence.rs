@@ -1,6 +1,7 @@
 //! [`ZkFence`]: writes to data kept in ZooKeeper itself that succeed only while the writer holds
 //! its lock.
 
+use lockkit_core::backend::LeaseBackendExt;
 use std::fmt;
 
 use lockkit_core::backend::LeaseFence;

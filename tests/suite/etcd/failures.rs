@@ -1,6 +1,7 @@
 //! Failure tests: holder loss behind a blackholed proxy, expired and revoked waiters, leftovers
 //! of failed acquires, session-lease sharing, authentication, tokens across a server restart.
 
+use lockkit::backend::LeaseBackendExt;
 use std::time::Duration;
 
 use lockkit::etcd::etcd_client::{Client, EventType, GetOptions};

@@ -1,6 +1,7 @@
 //! Failures a PostgreSQL lease must survive: a frozen holder process, a killed session, a
 //! server crash and restart, and acquires cancelled (or timed out) at every moment.
 
+use lockkit::backend::LeaseBackendExt;
 use std::future::Future;
 use std::pin::Pin;
 use std::process::Stdio;

@@ -1,6 +1,7 @@
 //! Regression tests for the findings of the review that tried to break the PostgreSQL adapter
 //! (/work/notes/pg-findings.md); each names its finding.
 
+use lockkit::backend::LeaseBackendExt;
 use std::time::Duration;
 
 use lockkit::postgres::sqlx::postgres::PgArguments;

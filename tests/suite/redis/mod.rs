@@ -1,6 +1,7 @@
 //! The Redis backend: the contract suite against the shared server (`LOCKKIT_REDIS_URL`), bad
 //! connects, and Redis-specific failure tests on private `redis-server` processes.
 
+use lockkit::backend::LeaseBackendExt;
 use std::process::Command;
 use std::time::Duration;
 

@@ -1,6 +1,7 @@
 //! ZooKeeper-specific behaviour against a real server: bad connects, TTL negotiation, session
 //! expiry of a frozen holder, lost create replies, the herd check, name encoding.
 
+use lockkit::backend::LeaseBackendExt;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 

@@ -79,7 +79,8 @@ impl Holder {
         let mut child = cmd
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(Stdio::null())
+            // A holder that dies (a panic, an abort) says why on the run's stderr.
+            .stderr(Stdio::inherit())
             .kill_on_drop(true)
             .spawn()
             .map_err(|e| format!("spawn holder: {e}"))?;

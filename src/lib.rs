@@ -66,8 +66,8 @@
 //!
 //! | backend | kind | tokens survive server restart | safe across failover | FIFO waiters |
 //! |---|---|---|---|---|
-//! | memory | correctness, one process | no | — | yes |
-//! | Redis (single node) | **efficiency** | yes (floored at server `TIME`) | **no** | no |
+//! | memory | correctness, one process | no | yes (nothing to fail over to) | yes |
+//! | Redis (single node) | **efficiency** | yes (counter started at server `TIME`) | **no** | yes (a queue the release hands the lock to) |
 //! | etcd | correctness (Raft) | yes | yes | yes |
 //! | ZooKeeper | correctness (ZAB) | yes | yes | yes |
 //! | PostgreSQL | correctness, one server | yes | **no** (advisory locks are not replicated) | yes |

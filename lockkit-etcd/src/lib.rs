@@ -159,4 +159,5 @@ pub use lock::EtcdLock;
 
 /// The etcd client crate this backend is built on, re-exported so users name the same version
 /// (for reads through [`EtcdLock::client`]).
+#[doc(no_inline)]
 pub use etcd_client;

@@ -173,4 +173,5 @@ pub use lease::PgLease;
 pub use lock::{PgLock, SESSION_CHECK, lock_key, lock_key_in};
 
 /// sqlx, as used by this crate (for [`PgFence`]'s arguments and [`PgConfig::new`]'s options).
+#[doc(no_inline)]
 pub use sqlx;

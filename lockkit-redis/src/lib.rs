@@ -200,4 +200,5 @@ pub use lock::{EXPIRY_JITTER, EXPIRY_SLACK, MAX_WAIT_POLL, RedisLock, WAITER_TTL
 pub use renewer::BATCH as RENEW_BATCH;
 
 /// The redis crate this backend is built on, for users who need its types.
+#[doc(no_inline)]
 pub use redis;

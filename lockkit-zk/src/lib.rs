@@ -110,4 +110,5 @@ pub use lock::{EXPIRY_SLACK, MAX_SESSIONS, ZkLock};
 /// The ZooKeeper client crate this backend is built on, re-exported so that code working with
 /// ZooKeeper next to lockkit (its own nodes, ACLs, the benchmark's hand-written floor) names the
 /// same version.
+#[doc(no_inline)]
 pub use zookeeper_client;

@@ -537,7 +537,7 @@ fn exit_statuses_of_the_readme_table() {
         &sh("echo $LOCKKIT_FENCING_TOKEN"),
     ));
     assert_eq!(code, Some(0));
-    assert!(out.trim().parse::<u64>().unwrap() > held_token);
+    assert!(token_value(out.trim()) > held_token);
 }
 
 /// `lockkit hold` ends on SIGTERM with the lock released and exit 0.

@@ -22,7 +22,9 @@
 //!   [`LOST_GRACE`] later (the lock may already be someone else's), and `lockkit` exits 70 with
 //!   the reason on stderr.
 //! - Processes the command left running in its group when it exited get SIGTERM (then SIGKILL
-//!   after `--grace`) before the lock is released.
+//!   after `--grace`) before the lock is released. The SIGKILL deadline is set once: at the
+//!   first forwarded signal if there was one, else when the first process exited. A lease lost
+//!   in any of these phases ends the group as above (SIGKILL after [`LOST_GRACE`], exit 70).
 //!
 //! Exit status: the command's own (128+N if a signal N ended it); 75 if the lock is held (with
 //! `--wait 0`) or the wait timed out; 70 if the lease was lost; 64 on bad arguments or
@@ -630,10 +632,30 @@ async fn run(
     };
     let mut lost = Box::pin(lease.lost());
     let mut loss: Option<String> = None;
+    // When the group gets SIGKILL: fixed at the first forwarded signal (or when the leader exits
+    // leaving processes behind), only ever brought forward (a lost lease: LOST_GRACE).
     let mut kill_at: Option<Instant> = None;
-    let status = loop {
+    // The leader's exit status, once it exited; then the loop waits for the rest of the group.
+    let mut status = None;
+    // After the leader exited: when to stop waiting for a group that outlives its SIGKILL.
+    let mut give_up: Option<Instant> = None;
+    let mut leftovers = false;
+    loop {
+        if status.is_some() && (!group.alive() || give_up.is_some_and(|g| Instant::now() >= g)) {
+            break;
+        }
         tokio::select! {
-            status = group.wait() => break status,
+            st = group.wait(), if status.is_none() => {
+                status = Some(st);
+                if group.alive() {
+                    leftovers = !group.killed();
+                    let sig = if group.killed() { Signal::SIGKILL } else { Signal::SIGTERM };
+                    group.signal(sig);
+                    let now = Instant::now();
+                    let k = *kill_at.get_or_insert(now + grace);
+                    give_up = Some(k.max(now) + LOST_GRACE);
+                }
+            }
             sig = sigs.recv() => {
                 group.signal(sig);
                 kill_at.get_or_insert(Instant::now() + grace);
@@ -641,17 +663,21 @@ async fn run(
             _ = &mut lost, if loss.is_none() => {
                 loss = Some(loss_text(&lease));
                 group.signal(Signal::SIGTERM);
-                let at = Instant::now() + LOST_GRACE;
+                let now = Instant::now();
+                let at = now + LOST_GRACE;
                 kill_at = Some(kill_at.map_or(at, |k| k.min(at)));
+                give_up = give_up.map(|_| now + LOST_GRACE + LOST_GRACE);
             }
-            _ = tokio::time::sleep_until(kill_at.unwrap_or_else(Instant::now)), if kill_at.is_some() => {
+            _ = tokio::time::sleep_until(kill_at.unwrap_or_else(Instant::now)),
+                if kill_at.is_some() && !group.killed() => {
                 group.signal(Signal::SIGKILL);
-                kill_at = None;
             }
+            _ = tokio::time::sleep(child::GROUP_POLL), if status.is_some() => {}
         }
-    };
-    let leftover_grace = if loss.is_some() { LOST_GRACE } else { grace };
-    if group.end(leftover_grace).await {
+    }
+    group.finish();
+    let status = status.expect("the loop ends only after the leader exited");
+    if leftovers {
         eprintln!("lockkit: the command left processes running in its group; they were ended");
     }
     if let Some(loss) = loss {

@@ -724,3 +724,106 @@ fn metrics_addr_serves_prometheus_text() {
     ]);
     assert_eq!(code, Some(64), "{err}");
 }
+
+/// Deletes `key` on the Redis server of `url` (a plain `redis://host:port`), as an operator's
+/// `redis-cli DEL` would: the lease of whoever held it is then lost.
+fn redis_del(url: &str, key: &str) {
+    use std::io::{Read, Write};
+    let addr = url.trim_start_matches("redis://").trim_end_matches('/');
+    let mut c = std::net::TcpStream::connect(addr).expect("connect to redis");
+    let cmd = format!("*2\r\n$3\r\nDEL\r\n${}\r\n{key}\r\n", key.len());
+    c.write_all(cmd.as_bytes()).unwrap();
+    let mut reply = [0u8; 16];
+    let n = c.read(&mut reply).unwrap();
+    assert_eq!(&reply[..n], b":1\r\n", "DEL {key}");
+}
+
+/// The group ID a command wrote to `file` (`echo $$`), once it is there.
+fn read_pgid(file: &Path) -> i32 {
+    wait_until(Duration::from_secs(15), "the command to start", || {
+        file.exists()
+    });
+    std::fs::read_to_string(file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// The command's first process exited and left a process that ignores SIGTERM; `--grace` is
+/// 20 s. The lease is lost meanwhile (its key deleted): the leftover gets SIGKILL within
+/// LOST_GRACE, not at the end of --grace, and `lockkit` exits 70 with the loss.
+#[test]
+fn lease_lost_while_ending_leftovers_exits_70_at_once() {
+    let url = server("LOCKKIT_REDIS_URL");
+    let tmp = scratch("lostleft");
+    let dir = tmp.path();
+    let name = unique("lostleft");
+    let pgid_file = dir.join("pgid");
+    let script = format!(
+        "(trap '' TERM; {WORK_FOREVER}) & echo $$ > {p}.tmp && mv {p}.tmp {p}",
+        p = pgid_file.display()
+    );
+    let mut a = spawn(&run_args(
+        &url,
+        &name,
+        &["-q", "--ttl", "2s", "--grace", "20s"],
+        &sh(&script),
+    ));
+    let err = stderr_lines(&mut a);
+    let pgid = read_pgid(&pgid_file);
+    wait_until(Duration::from_secs(5), "the leader to exit", || {
+        !live_members(pgid).contains(&pgid)
+    });
+    assert!(!live_members(pgid).is_empty(), "the leftover runs");
+    let deleted = Instant::now();
+    redis_del(&url, &format!("lockkit:lock:{name}"));
+    let st = wait_exit(&mut a, Duration::from_secs(15), "lockkit to exit");
+    let took = deleted.elapsed();
+    let text = rest(&err);
+    assert_eq!(st.code(), Some(70), "{text}");
+    assert!(text.contains("was lost"), "{text}");
+    assert!(live_members(pgid).is_empty(), "the leftover was ended");
+    // TTL 2 s: the loss is seen within a renewal round; then SIGKILL after LOST_GRACE (1 s).
+    assert!(
+        took < Duration::from_secs(6),
+        "exit {took:?} after the loss"
+    );
+}
+
+/// SIGTERM to `lockkit`; its command's first process exits 3 s later (its trap), leaving a
+/// process that ignores SIGTERM. SIGKILL comes at --grace (4 s) after the signal, not a new
+/// --grace after the first process exited (7 s).
+#[test]
+fn grace_is_counted_from_the_first_signal() {
+    let url = server("LOCKKIT_REDIS_URL");
+    let tmp = scratch("grace");
+    let dir = tmp.path();
+    let name = unique("grace");
+    let pgid_file = dir.join("pgid");
+    let script = format!(
+        "trap 'sleep 3; exit 0' TERM; (trap '' TERM; {WORK_FOREVER}) & \
+         echo $$ > {p}.tmp && mv {p}.tmp {p}; {WORK_FOREVER}",
+        p = pgid_file.display()
+    );
+    let mut a = spawn(&run_args(
+        &url,
+        &name,
+        &["-q", "--grace", "4s"],
+        &sh(&script),
+    ));
+    let pgid = read_pgid(&pgid_file);
+    wait_until(Duration::from_secs(5), "leader and leftover", || {
+        live_members(pgid).len() >= 2
+    });
+    let signalled = Instant::now();
+    kill(Pid::from_raw(a.id() as i32), Signal::SIGTERM).unwrap();
+    let st = wait_exit(&mut a, Duration::from_secs(20), "lockkit to exit");
+    let took = signalled.elapsed();
+    assert_eq!(st.code(), Some(0), "the first process exited 0");
+    assert!(live_members(pgid).is_empty(), "the leftover was ended");
+    assert!(
+        took >= Duration::from_secs(3) && took < Duration::from_secs(6),
+        "exit {took:?} after SIGTERM with --grace 4s"
+    );
+}

@@ -35,6 +35,15 @@
 //! elsewhere the watcher alone ends the command when `lockkit` dies.
 #![deny(unsafe_code)] // one documented exception: the parent-death signal in child.rs
 
+/// `eprintln!` that ignores write errors: a closed stderr (EPIPE) must not turn an exit status
+/// into a panic (101).
+macro_rules! stderr_line {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 mod child;
 
 use std::net::SocketAddr;
@@ -330,7 +339,7 @@ fn main() -> ExitCode {
 }
 
 fn report(f: Fail) -> ExitCode {
-    eprintln!("lockkit: {}", f.msg);
+    stderr_line!("lockkit: {}", f.msg);
     ExitCode::from(f.code)
 }
 
@@ -545,7 +554,7 @@ async fn acquire(args: &LockArgs, sigs: &mut Signals) -> Result<(Arc<dyn Lock>, 
             }
             note = async { query.as_mut().expect("guarded").await }, if query.is_some() => {
                 query = None;
-                eprintln!("lockkit: {}", waiting_note(name, started.elapsed(), &note));
+                stderr_line!("lockkit: {}", waiting_note(name, started.elapsed(), &note));
                 next_note = Instant::now() + NOTE_EVERY;
             }
         }
@@ -597,7 +606,7 @@ fn loss_text(lease: &Lease) -> String {
 async fn release(lease: Lease) {
     if let Err(e) = lease.release().await {
         if !matches!(e, Error::NotHeld { .. }) {
-            eprintln!(
+            stderr_line!(
                 "lockkit: release: {} (the lock lapses at its TTL)",
                 chain(&e)
             );
@@ -678,7 +687,7 @@ async fn run(
     group.finish();
     let status = status.expect("the loop ends only after the leader exited");
     if leftovers {
-        eprintln!("lockkit: the command left processes running in its group; they were ended");
+        stderr_line!("lockkit: the command left processes running in its group; they were ended");
     }
     if let Some(loss) = loss {
         drop(lease); // lost: nothing of ours is left on the server to release

@@ -827,3 +827,21 @@ fn grace_is_counted_from_the_first_signal() {
         "exit {took:?} after SIGTERM with --grace 4s"
     );
 }
+
+/// With its stderr closed (EPIPE on write) `lockkit` still exits with its own status (127: the
+/// command cannot be started), not a panic's 101.
+#[test]
+fn closed_stderr_keeps_the_exit_status() {
+    let url = server("LOCKKIT_REDIS_URL");
+    let mut a = lockkit()
+        .args(run_args(&url, &unique("epipe"), &[], &["/nonexistent/cmd"]))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn lockkit");
+    // Closed before lockkit has connected, let alone written anything.
+    drop(a.stderr.take());
+    let st = wait_exit(&mut a, Duration::from_secs(15), "lockkit to exit");
+    assert_eq!(st.code(), Some(127));
+}

@@ -448,6 +448,40 @@ struct Signals {
     hup: tokio::signal::unix::Signal,
 }
 
+/// The job-control signals of `lockkit run`: SIGTSTP (Ctrl-Z), SIGTTIN and SIGTTOU stop the
+/// command's group and then `lockkit`; SIGCONT resumes the group.
+struct JobSignals {
+    tstp: tokio::signal::unix::Signal,
+    ttin: tokio::signal::unix::Signal,
+    ttou: tokio::signal::unix::Signal,
+    cont: tokio::signal::unix::Signal,
+}
+
+impl JobSignals {
+    fn new() -> Result<Self, Fail> {
+        let catch = |s: Signal| {
+            signal(SignalKind::from_raw(s as i32))
+                .map_err(|e| Fail::new(EX_UNAVAILABLE, format!("catching {s}: {e}")))
+        };
+        Ok(Self {
+            tstp: catch(Signal::SIGTSTP)?,
+            ttin: catch(Signal::SIGTTIN)?,
+            ttou: catch(Signal::SIGTTOU)?,
+            cont: catch(Signal::SIGCONT)?,
+        })
+    }
+
+    /// The next to arrive: `true` for a stop signal, `false` for SIGCONT.
+    async fn recv(&mut self) -> bool {
+        tokio::select! {
+            _ = self.tstp.recv() => true,
+            _ = self.ttin.recv() => true,
+            _ = self.ttou.recv() => true,
+            _ = self.cont.recv() => false,
+        }
+    }
+}
+
 impl Signals {
     fn new() -> Result<Self, Fail> {
         let catch = |k: SignalKind| {
@@ -629,6 +663,7 @@ async fn run(
         ("LOCKKIT_FENCING_TOKEN", lease.token().to_string()),
         ("LOCKKIT_LOCK", name.to_owned()),
     ];
+    let mut job = JobSignals::new()?;
     let mut group = match child::spawn(program, args, &env) {
         Ok(g) => g,
         Err(e) => {
@@ -668,6 +703,15 @@ async fn run(
             sig = sigs.recv() => {
                 group.signal(sig);
                 kill_at.get_or_insert(Instant::now() + grace);
+            }
+            stop = job.recv() => {
+                // A shell's job control: the command (its own process group) stops with us and
+                // resumes with us. Resumed past the TTL, `lost` fires next: exit 70.
+                if stop {
+                    group.signal(Signal::SIGSTOP);
+                    let _ = nix::sys::signal::raise(Signal::SIGSTOP);
+                }
+                group.signal(Signal::SIGCONT);
             }
             _ = &mut lost, if loss.is_none() => {
                 loss = Some(loss_text(&lease));

@@ -845,3 +845,42 @@ fn closed_stderr_keeps_the_exit_status() {
     let st = wait_exit(&mut a, Duration::from_secs(15), "lockkit to exit");
     assert_eq!(st.code(), Some(127));
 }
+
+/// The state letter of process `pid` (`R`, `S`, `T`, …), `None` once it is gone.
+fn proc_state(pid: i32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?.1.trim_start().chars().next()
+}
+
+/// Ctrl-Z (SIGTSTP to `lockkit run`) stops the command's whole group and `lockkit`, as a shell
+/// stops a job; SIGCONT resumes both.
+#[test]
+fn sigtstp_stops_the_command_with_lockkit() {
+    let url = server("LOCKKIT_REDIS_URL");
+    let tmp = scratch("tstp");
+    let dir = tmp.path();
+    let pgid_file = dir.join("pgid");
+    let script = format!(
+        "echo $$ > {p}.tmp && mv {p}.tmp {p}; {WORK_FOREVER}",
+        p = pgid_file.display()
+    );
+    let mut a = spawn(&run_args(&url, &unique("tstp"), &["-q"], &sh(&script)));
+    let pid = a.id() as i32;
+    let pgid = read_pgid(&pgid_file);
+    let stopped = |p: i32| proc_state(p) == Some('T');
+    kill(Pid::from_raw(pid), Signal::SIGTSTP).unwrap();
+    wait_until(
+        Duration::from_secs(5),
+        "lockkit and its command stopped",
+        || stopped(pid) && stopped(pgid),
+    );
+    kill(Pid::from_raw(pid), Signal::SIGCONT).unwrap();
+    wait_until(
+        Duration::from_secs(5),
+        "lockkit and its command resumed",
+        || !stopped(pid) && !stopped(pgid),
+    );
+    kill(Pid::from_raw(pid), Signal::SIGTERM).unwrap();
+    let st = wait_exit(&mut a, Duration::from_secs(15), "lockkit to exit");
+    assert_eq!(st.code(), Some(128 + 15), "the command ended by SIGTERM");
+}

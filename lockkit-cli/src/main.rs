@@ -26,6 +26,10 @@
 //!   first forwarded signal if there was one, else when the first process exited. A lease lost
 //!   in any of these phases ends the group as above (SIGKILL after [`LOST_GRACE`], exit 70).
 //!
+//! - SIGTSTP, SIGTTIN and SIGTTOU stop the command's group, then `lockkit` (as a shell stops a
+//!   job); SIGCONT resumes the group. SIGSTOP of `lockkit` itself cannot be caught: the command
+//!   runs on until `lockkit` resumes and sees the lease lost (its fencing token protects that gap).
+//!
 //! Exit status: the command's own (128+N if a signal N ended it); 75 if the lock is held (with
 //! `--wait 0`) or the wait timed out; 70 if the lease was lost; 64 on bad arguments or
 //! configuration; 69 if the lock service is unavailable or refused the credentials; 127 if the

@@ -330,14 +330,7 @@ fn sigkill_of_lockkit_ends_the_whole_command() {
         &["--ttl", "2s"],
         &["sh".into(), "-c".into(), script],
     ));
-    wait_until(Duration::from_secs(15), "the command to start", || {
-        pgid_file.exists()
-    });
-    let pgid: i32 = std::fs::read_to_string(&pgid_file)
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
+    let pgid = read_pgid(&pgid_file);
     wait_until(
         Duration::from_secs(5),
         "shell and sleep in the group",

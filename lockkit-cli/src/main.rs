@@ -688,9 +688,12 @@ async fn run(
     // After the leader exited: when to stop waiting for a group that outlives its SIGKILL.
     let mut give_up: Option<Instant> = None;
     let mut leftovers = false;
-    loop {
-        if status.is_some() && (!group.alive() || give_up.is_some_and(|g| Instant::now() >= g)) {
-            break;
+    let status = loop {
+        // Once the leader exited: done when the group is gone, or given up on.
+        if let Some(st) =
+            status.take_if(|_| !group.alive() || give_up.is_some_and(|g| Instant::now() >= g))
+        {
+            break st;
         }
         tokio::select! {
             st = group.wait(), if status.is_none() => {
@@ -731,9 +734,8 @@ async fn run(
             }
             _ = tokio::time::sleep(child::GROUP_POLL), if status.is_some() => {}
         }
-    }
+    };
     group.finish();
-    let status = status.expect("the loop ends only after the leader exited");
     if leftovers {
         stderr_line!("lockkit: the command left processes running in its group; they were ended");
     }

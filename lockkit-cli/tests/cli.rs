@@ -523,13 +523,13 @@ fn exit_statuses_of_the_readme_table() {
     drop(holder.stdin.take());
     let st = wait_exit(&mut holder, Duration::from_secs(10), "hold to exit");
     assert_eq!(st.code(), Some(0));
-    let (code, out, _) = code_of(&run_args(
+    let (code, out, err) = code_of(&run_args(
         &url,
         &name,
         &["--wait", "0"],
         &sh("echo $LOCKKIT_FENCING_TOKEN"),
     ));
-    assert_eq!(code, Some(0));
+    assert_eq!(code, Some(0), "after hold released: {err}");
     assert!(token_value(out.trim()) > held_token);
 }
 

@@ -9,11 +9,10 @@ use nix::errno::Errno;
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
 use tokio::process::{Child, Command};
-use tokio::time::Instant;
 
-/// How often [`Group::end`] looks whether processes the command left behind are gone (there is
+/// How often `lockkit run` looks whether processes the command left behind are gone (there is
 /// no event for "a process group is empty" that a non-parent can wait on).
-const GROUP_POLL: Duration = Duration::from_millis(20);
+pub const GROUP_POLL: Duration = Duration::from_millis(20);
 
 /// The started command: its leader process (the group ID is its PID) and the watcher process
 /// that SIGKILLs the group if `lockkit` ends without doing so itself.
@@ -198,7 +197,7 @@ impl Group {
     /// Whether any process of the group is left. On Linux zombies do not count (an orphaned
     /// zombie waits for whoever reaps orphans, which may be slow in a container); elsewhere
     /// they do until reaped.
-    fn alive(&self) -> bool {
+    pub fn alive(&self) -> bool {
         if self.pgid.as_raw() <= 0 {
             false
         } else if cfg!(target_os = "linux") {
@@ -216,29 +215,15 @@ impl Group {
         self.leader.wait().await
     }
 
-    /// After the leader exited: ends what it left running in its group (SIGTERM, then SIGKILL
-    /// after `grace`), waits until the group is gone (bounded: `grace` + 1 s), then stops the
-    /// watcher. Returns whether the command had left processes running (not counting those
-    /// already sent SIGKILL).
-    pub async fn end(&mut self, grace: Duration) -> bool {
-        let mut leftovers = false;
-        if self.alive() {
-            leftovers = !self.killed;
-            self.signal(Signal::SIGTERM);
-            let kill_at = Instant::now() + grace;
-            let give_up = kill_at + Duration::from_secs(1);
-            let mut killed = false;
-            while self.alive() && Instant::now() < give_up {
-                if !killed && Instant::now() >= kill_at {
-                    self.signal(Signal::SIGKILL);
-                    killed = true;
-                }
-                tokio::time::sleep(GROUP_POLL).await;
-            }
-        }
+    /// Whether the group was sent SIGKILL: what is left of it is dying, not left behind.
+    pub fn killed(&self) -> bool {
+        self.killed
+    }
+
+    /// Stops the watcher: call once the group is gone (or given up on).
+    pub fn finish(&mut self) {
         if let Some(w) = self.watcher.take() {
             stop_watcher(w);
         }
-        leftovers
     }
 }

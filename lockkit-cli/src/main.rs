@@ -22,7 +22,13 @@
 //!   [`LOST_GRACE`] later (the lock may already be someone else's), and `lockkit` exits 70 with
 //!   the reason on stderr.
 //! - Processes the command left running in its group when it exited get SIGTERM (then SIGKILL
-//!   after `--grace`) before the lock is released.
+//!   after `--grace`) before the lock is released. The SIGKILL deadline is set once: at the
+//!   first forwarded signal if there was one, else when the first process exited. A lease lost
+//!   in any of these phases ends the group as above (SIGKILL after [`LOST_GRACE`], exit 70).
+//!
+//! - SIGTSTP, SIGTTIN and SIGTTOU stop the command's group, then `lockkit` (as a shell stops a
+//!   job); SIGCONT resumes the group. SIGSTOP of `lockkit` itself cannot be caught: the command
+//!   runs on until `lockkit` resumes and sees the lease lost (its fencing token protects that gap).
 //!
 //! Exit status: the command's own (128+N if a signal N ended it); 75 if the lock is held (with
 //! `--wait 0`) or the wait timed out; 70 if the lease was lost; 64 on bad arguments or
@@ -32,6 +38,15 @@
 //! Unix only (process groups, signals). The parent-death signal is Linux's `PR_SET_PDEATHSIG`;
 //! elsewhere the watcher alone ends the command when `lockkit` dies.
 #![deny(unsafe_code)] // one documented exception: the parent-death signal in child.rs
+
+/// `eprintln!` that ignores write errors: a closed stderr (EPIPE) must not turn an exit status
+/// into a panic (101).
+macro_rules! stderr_line {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
 
 mod child;
 
@@ -328,7 +343,7 @@ fn main() -> ExitCode {
 }
 
 fn report(f: Fail) -> ExitCode {
-    eprintln!("lockkit: {}", f.msg);
+    stderr_line!("lockkit: {}", f.msg);
     ExitCode::from(f.code)
 }
 
@@ -437,6 +452,40 @@ struct Signals {
     hup: tokio::signal::unix::Signal,
 }
 
+/// The job-control signals of `lockkit run`: SIGTSTP (Ctrl-Z), SIGTTIN and SIGTTOU stop the
+/// command's group and then `lockkit`; SIGCONT resumes the group.
+struct JobSignals {
+    tstp: tokio::signal::unix::Signal,
+    ttin: tokio::signal::unix::Signal,
+    ttou: tokio::signal::unix::Signal,
+    cont: tokio::signal::unix::Signal,
+}
+
+impl JobSignals {
+    fn new() -> Result<Self, Fail> {
+        let catch = |s: Signal| {
+            signal(SignalKind::from_raw(s as i32))
+                .map_err(|e| Fail::new(EX_UNAVAILABLE, format!("catching {s}: {e}")))
+        };
+        Ok(Self {
+            tstp: catch(Signal::SIGTSTP)?,
+            ttin: catch(Signal::SIGTTIN)?,
+            ttou: catch(Signal::SIGTTOU)?,
+            cont: catch(Signal::SIGCONT)?,
+        })
+    }
+
+    /// The next to arrive: `true` for a stop signal, `false` for SIGCONT.
+    async fn recv(&mut self) -> bool {
+        tokio::select! {
+            _ = self.tstp.recv() => true,
+            _ = self.ttin.recv() => true,
+            _ = self.ttou.recv() => true,
+            _ = self.cont.recv() => false,
+        }
+    }
+}
+
 impl Signals {
     fn new() -> Result<Self, Fail> {
         let catch = |k: SignalKind| {
@@ -543,7 +592,7 @@ async fn acquire(args: &LockArgs, sigs: &mut Signals) -> Result<(Arc<dyn Lock>, 
             }
             note = async { query.as_mut().expect("guarded").await }, if query.is_some() => {
                 query = None;
-                eprintln!("lockkit: {}", waiting_note(name, started.elapsed(), &note));
+                stderr_line!("lockkit: {}", waiting_note(name, started.elapsed(), &note));
                 next_note = Instant::now() + NOTE_EVERY;
             }
         }
@@ -595,7 +644,7 @@ fn loss_text(lease: &Lease) -> String {
 async fn release(lease: Lease) {
     if let Err(e) = lease.release().await {
         if !matches!(e, Error::NotHeld { .. }) {
-            eprintln!(
+            stderr_line!(
                 "lockkit: release: {} (the lock lapses at its TTL)",
                 chain(&e)
             );
@@ -618,6 +667,7 @@ async fn run(
         ("LOCKKIT_FENCING_TOKEN", lease.token().to_string()),
         ("LOCKKIT_LOCK", name.to_owned()),
     ];
+    let mut job = JobSignals::new()?;
     let mut group = match child::spawn(program, args, &env) {
         Ok(g) => g,
         Err(e) => {
@@ -630,29 +680,64 @@ async fn run(
     };
     let mut lost = Box::pin(lease.lost());
     let mut loss: Option<String> = None;
+    // When the group gets SIGKILL: fixed at the first forwarded signal (or when the leader exits
+    // leaving processes behind), only ever brought forward (a lost lease: LOST_GRACE).
     let mut kill_at: Option<Instant> = None;
+    // The leader's exit status, once it exited; then the loop waits for the rest of the group.
+    let mut status = None;
+    // After the leader exited: when to stop waiting for a group that outlives its SIGKILL.
+    let mut give_up: Option<Instant> = None;
+    let mut leftovers = false;
     let status = loop {
+        // Once the leader exited: done when the group is gone, or given up on.
+        if let Some(st) =
+            status.take_if(|_| !group.alive() || give_up.is_some_and(|g| Instant::now() >= g))
+        {
+            break st;
+        }
         tokio::select! {
-            status = group.wait() => break status,
+            st = group.wait(), if status.is_none() => {
+                status = Some(st);
+                if group.alive() {
+                    leftovers = !group.killed();
+                    let sig = if group.killed() { Signal::SIGKILL } else { Signal::SIGTERM };
+                    group.signal(sig);
+                    let now = Instant::now();
+                    let k = *kill_at.get_or_insert(now + grace);
+                    give_up = Some(k.max(now) + LOST_GRACE);
+                }
+            }
             sig = sigs.recv() => {
                 group.signal(sig);
                 kill_at.get_or_insert(Instant::now() + grace);
             }
+            stop = job.recv() => {
+                // A shell's job control: the command (its own process group) stops with us and
+                // resumes with us. Resumed past the TTL, `lost` fires next: exit 70.
+                if stop {
+                    group.signal(Signal::SIGSTOP);
+                    let _ = nix::sys::signal::raise(Signal::SIGSTOP);
+                }
+                group.signal(Signal::SIGCONT);
+            }
             _ = &mut lost, if loss.is_none() => {
                 loss = Some(loss_text(&lease));
                 group.signal(Signal::SIGTERM);
-                let at = Instant::now() + LOST_GRACE;
+                let now = Instant::now();
+                let at = now + LOST_GRACE;
                 kill_at = Some(kill_at.map_or(at, |k| k.min(at)));
+                give_up = give_up.map(|_| now + LOST_GRACE + LOST_GRACE);
             }
-            _ = tokio::time::sleep_until(kill_at.unwrap_or_else(Instant::now)), if kill_at.is_some() => {
+            _ = tokio::time::sleep_until(kill_at.unwrap_or_else(Instant::now)),
+                if kill_at.is_some() && !group.killed() => {
                 group.signal(Signal::SIGKILL);
-                kill_at = None;
             }
+            _ = tokio::time::sleep(child::GROUP_POLL), if status.is_some() => {}
         }
     };
-    let leftover_grace = if loss.is_some() { LOST_GRACE } else { grace };
-    if group.end(leftover_grace).await {
-        eprintln!("lockkit: the command left processes running in its group; they were ended");
+    group.finish();
+    if leftovers {
+        stderr_line!("lockkit: the command left processes running in its group; they were ended");
     }
     if let Some(loss) = loss {
         drop(lease); // lost: nothing of ours is left on the server to release

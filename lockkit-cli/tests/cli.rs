@@ -330,14 +330,7 @@ fn sigkill_of_lockkit_ends_the_whole_command() {
         &["--ttl", "2s"],
         &["sh".into(), "-c".into(), script],
     ));
-    wait_until(Duration::from_secs(15), "the command to start", || {
-        pgid_file.exists()
-    });
-    let pgid: i32 = std::fs::read_to_string(&pgid_file)
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
+    let pgid = read_pgid(&pgid_file);
     wait_until(
         Duration::from_secs(5),
         "shell and sleep in the group",
@@ -530,14 +523,14 @@ fn exit_statuses_of_the_readme_table() {
     drop(holder.stdin.take());
     let st = wait_exit(&mut holder, Duration::from_secs(10), "hold to exit");
     assert_eq!(st.code(), Some(0));
-    let (code, out, _) = code_of(&run_args(
+    let (code, out, err) = code_of(&run_args(
         &url,
         &name,
         &["--wait", "0"],
         &sh("echo $LOCKKIT_FENCING_TOKEN"),
     ));
-    assert_eq!(code, Some(0));
-    assert!(out.trim().parse::<u64>().unwrap() > held_token);
+    assert_eq!(code, Some(0), "after hold released: {err}");
+    assert!(token_value(out.trim()) > held_token);
 }
 
 /// `lockkit hold` ends on SIGTERM with the lock released and exit 0.
@@ -723,4 +716,164 @@ fn metrics_addr_serves_prometheus_text() {
         "x",
     ]);
     assert_eq!(code, Some(64), "{err}");
+}
+
+/// Deletes `key` on the Redis server of `url` (a plain `redis://host:port`), as an operator's
+/// `redis-cli DEL` would: the lease of whoever held it is then lost.
+fn redis_del(url: &str, key: &str) {
+    use std::io::{Read, Write};
+    let addr = url.trim_start_matches("redis://").trim_end_matches('/');
+    let mut c = std::net::TcpStream::connect(addr).expect("connect to redis");
+    let cmd = format!("*2\r\n$3\r\nDEL\r\n${}\r\n{key}\r\n", key.len());
+    c.write_all(cmd.as_bytes()).unwrap();
+    let mut reply = [0u8; 16];
+    let n = c.read(&mut reply).unwrap();
+    assert_eq!(&reply[..n], b":1\r\n", "DEL {key}");
+}
+
+/// The group ID a command wrote to `file` (`echo $$`), once it is there.
+fn read_pgid(file: &Path) -> i32 {
+    wait_until(Duration::from_secs(15), "the command to start", || {
+        file.exists()
+    });
+    std::fs::read_to_string(file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// The command's first process exited and left a process that ignores SIGTERM; `--grace` is
+/// 20 s. The lease is lost meanwhile (its key deleted): the leftover gets SIGKILL within
+/// LOST_GRACE, not at the end of --grace, and `lockkit` exits 70 with the loss.
+#[test]
+fn lease_lost_while_ending_leftovers_exits_70_at_once() {
+    let url = server("LOCKKIT_REDIS_URL");
+    let tmp = scratch("lostleft");
+    let dir = tmp.path();
+    let name = unique("lostleft");
+    let pgid_file = dir.join("pgid");
+    let script = format!(
+        "(trap '' TERM; {WORK_FOREVER}) & echo $$ > {p}.tmp && mv {p}.tmp {p}",
+        p = pgid_file.display()
+    );
+    let mut a = spawn(&run_args(
+        &url,
+        &name,
+        &["-q", "--ttl", "2s", "--grace", "20s"],
+        &sh(&script),
+    ));
+    let err = stderr_lines(&mut a);
+    let pgid = read_pgid(&pgid_file);
+    wait_until(Duration::from_secs(5), "the leader to exit", || {
+        !live_members(pgid).contains(&pgid)
+    });
+    assert!(!live_members(pgid).is_empty(), "the leftover runs");
+    let deleted = Instant::now();
+    redis_del(&url, &format!("lockkit:lock:{name}"));
+    let st = wait_exit(&mut a, Duration::from_secs(15), "lockkit to exit");
+    let took = deleted.elapsed();
+    let text = rest(&err);
+    assert_eq!(st.code(), Some(70), "{text}");
+    assert!(text.contains("was lost"), "{text}");
+    assert!(live_members(pgid).is_empty(), "the leftover was ended");
+    // TTL 2 s: the loss is seen within a renewal round; then SIGKILL after LOST_GRACE (1 s).
+    assert!(
+        took < Duration::from_secs(6),
+        "exit {took:?} after the loss"
+    );
+}
+
+/// SIGTERM to `lockkit`; its command's first process exits 3 s later (its trap), leaving a
+/// process that ignores SIGTERM. SIGKILL comes at --grace (4 s) after the signal, not a new
+/// --grace after the first process exited (7 s).
+#[test]
+fn grace_is_counted_from_the_first_signal() {
+    let url = server("LOCKKIT_REDIS_URL");
+    let tmp = scratch("grace");
+    let dir = tmp.path();
+    let name = unique("grace");
+    let pgid_file = dir.join("pgid");
+    let script = format!(
+        "trap 'sleep 3; exit 0' TERM; (trap '' TERM; {WORK_FOREVER}) & \
+         echo $$ > {p}.tmp && mv {p}.tmp {p}; {WORK_FOREVER}",
+        p = pgid_file.display()
+    );
+    let mut a = spawn(&run_args(
+        &url,
+        &name,
+        &["-q", "--grace", "4s"],
+        &sh(&script),
+    ));
+    let pgid = read_pgid(&pgid_file);
+    wait_until(Duration::from_secs(5), "leader and leftover", || {
+        live_members(pgid).len() >= 2
+    });
+    let signalled = Instant::now();
+    kill(Pid::from_raw(a.id() as i32), Signal::SIGTERM).unwrap();
+    let st = wait_exit(&mut a, Duration::from_secs(20), "lockkit to exit");
+    let took = signalled.elapsed();
+    assert_eq!(st.code(), Some(0), "the first process exited 0");
+    assert!(live_members(pgid).is_empty(), "the leftover was ended");
+    assert!(
+        took >= Duration::from_secs(3) && took < Duration::from_secs(6),
+        "exit {took:?} after SIGTERM with --grace 4s"
+    );
+}
+
+/// With its stderr closed (EPIPE on write) `lockkit` still exits with its own status (127: the
+/// command cannot be started), not a panic's 101.
+#[test]
+fn closed_stderr_keeps_the_exit_status() {
+    let url = server("LOCKKIT_REDIS_URL");
+    let mut a = lockkit()
+        .args(run_args(&url, &unique("epipe"), &[], &["/nonexistent/cmd"]))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn lockkit");
+    // Closed before lockkit has connected, let alone written anything.
+    drop(a.stderr.take());
+    let st = wait_exit(&mut a, Duration::from_secs(15), "lockkit to exit");
+    assert_eq!(st.code(), Some(127));
+}
+
+/// The state letter of process `pid` (`R`, `S`, `T`, …), `None` once it is gone.
+fn proc_state(pid: i32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?.1.trim_start().chars().next()
+}
+
+/// Ctrl-Z (SIGTSTP to `lockkit run`) stops the command's whole group and `lockkit`, as a shell
+/// stops a job; SIGCONT resumes both.
+#[test]
+fn sigtstp_stops_the_command_with_lockkit() {
+    let url = server("LOCKKIT_REDIS_URL");
+    let tmp = scratch("tstp");
+    let dir = tmp.path();
+    let pgid_file = dir.join("pgid");
+    let script = format!(
+        "echo $$ > {p}.tmp && mv {p}.tmp {p}; {WORK_FOREVER}",
+        p = pgid_file.display()
+    );
+    let mut a = spawn(&run_args(&url, &unique("tstp"), &["-q"], &sh(&script)));
+    let pid = a.id() as i32;
+    let pgid = read_pgid(&pgid_file);
+    let stopped = |p: i32| proc_state(p) == Some('T');
+    kill(Pid::from_raw(pid), Signal::SIGTSTP).unwrap();
+    wait_until(
+        Duration::from_secs(5),
+        "lockkit and its command stopped",
+        || stopped(pid) && stopped(pgid),
+    );
+    kill(Pid::from_raw(pid), Signal::SIGCONT).unwrap();
+    wait_until(
+        Duration::from_secs(5),
+        "lockkit and its command resumed",
+        || !stopped(pid) && !stopped(pgid),
+    );
+    kill(Pid::from_raw(pid), Signal::SIGTERM).unwrap();
+    let st = wait_exit(&mut a, Duration::from_secs(15), "lockkit to exit");
+    assert_eq!(st.code(), Some(128 + 15), "the command ended by SIGTERM");
 }

@@ -597,6 +597,26 @@ impl Call {
         self.lock().retired.retain(|r| r != holder);
     }
 
+    /// Cleans up after the current ID now, before the call returns (a timed-out wait): leaves
+    /// the queue and gives back a lock handed over meanwhile, so a program that exits right
+    /// after its `Timeout` leaves nothing queued. One try; if it fails (or this future is
+    /// dropped), the cleanup goes on in the background as for a cancelled call.
+    async fn clean_up_now(&self) {
+        let id = {
+            let st = self.lock();
+            if !st.armed {
+                return;
+            }
+            st.me.clone()
+        };
+        if cancel_once(&self.conn, &self.keys, &id, self.ttl)
+            .await
+            .is_ok()
+        {
+            self.forget(&id);
+        }
+    }
+
     /// The call got its grant: nothing to clean up. Returns the owner value.
     fn granted(&self) -> String {
         let mut st = self.lock();
@@ -760,6 +780,7 @@ impl LockBackend for RedisLock {
             }
             let now = Instant::now();
             if deadline.is_some_and(|d| now >= d) {
+                call.clean_up_now().await;
                 return Err(timeout());
             }
             if route.is_none() && subscribing.is_none() && now >= next_subscribe {
@@ -779,7 +800,10 @@ impl LockBackend for RedisLock {
             };
             match woken {
                 Woken::Look => {}
-                Woken::Deadline => return Err(timeout()),
+                Woken::Deadline => {
+                    call.clean_up_now().await;
+                    return Err(timeout());
+                }
                 // Subscribed: look again at once, queued this time.
                 Woken::Subscribed(Ok(())) => subscribing = None,
                 Woken::Subscribed(Err(e)) => {

@@ -102,13 +102,16 @@ impl Waiting {
         &self.id
     }
 
-    /// Whether the pub/sub connection behind this route is gone (no message can come).
+    /// Whether no message can come on this route any more: its pub/sub connection is gone, or
+    /// it already delivered its hand-off.
     pub(crate) fn is_dead(&self) -> bool {
         self.rx.is_none()
     }
 
     /// Resolves with the hand-off token, or with `None` once the pub/sub connection behind the
-    /// route is lost (then [`is_dead`](Self::is_dead); pends forever on later calls).
+    /// route is lost. Either way the route is used up ([`is_dead`](Self::is_dead): register a
+    /// new one to hear of a later hand-off) and pends forever on later calls: a oneshot receiver
+    /// must not be polled again once it has answered.
     ///
     /// # Cancel safety
     /// Cancel safe: a message that arrives while nobody polls is kept.
@@ -116,13 +119,9 @@ impl Waiting {
         let Some(rx) = self.rx.as_mut() else {
             return std::future::pending().await;
         };
-        match rx.await {
-            Ok(token) => Some(token),
-            Err(_) => {
-                self.rx = None;
-                None
-            }
-        }
+        let answer = rx.await;
+        self.rx = None;
+        answer.ok()
     }
 }
 

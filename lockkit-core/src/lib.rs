@@ -33,6 +33,7 @@
 #![deny(rustdoc::broken_intra_doc_links)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod backoff;
 mod config;
 mod error;
 mod fence;
@@ -54,8 +55,8 @@ pub use lease::{Lease, LeaseState, LeaseTracker, LossReason, drift_margin};
 pub use lock::{Guarantees, HolderInfo, Lock, LockExt, LockKind};
 pub use memory::MemoryLock;
 pub use options::{
-    AcquireOptions, DEFAULT_TTL, MAX_NAME_BYTES, MAX_PREFIX_BYTES, MAX_RETRY_DELAY, MAX_TTL,
-    MIN_TTL, RetryPolicy, Wait,
+    AcquireOptions, DEFAULT_TTL, MAX_LOCK_DELAY, MAX_NAME_BYTES, MAX_PREFIX_BYTES, MAX_RETRY_DELAY,
+    MAX_TTL, MIN_TTL, RetryPolicy, Wait,
 };
 
 /// For backend authors: what an adapter needs beyond the user-facing API.
@@ -65,7 +66,8 @@ pub use options::{
 /// validates input with the shared rules ([`validate_name`](backend::validate_name),
 /// [`validate_ttl`](backend::validate_ttl), [`validate_prefix`](backend::validate_prefix), plus
 /// [`AcquireOptions::validate`]), retries transient failures with
-/// [`retry_transient`](backend::retry_transient) and hands each grant to [`Lease::new`] with a
+/// [`retry_transient`](backend::retry_transient) (and backs off in its own retry loops with
+/// [`Backoff`](backend::Backoff)) and hands each grant to [`Lease::new`] with a
 /// [`TrackerHandle`](backend::TrackerHandle) started at the granting request's send time; the
 /// core then owns deadlines, keepalive, the loss signal, release-on-drop, the lease events and
 /// metrics. Only the backend holds the `TrackerHandle`, so only it can move the deadline. A fence
@@ -80,6 +82,7 @@ pub use options::{
 /// The connection-URL grammar all backends share lives here too: [`BackendUrl`](backend::BackendUrl)
 /// (its docs give the rules and the shared parameter names).
 pub mod backend {
+    pub use crate::backoff::Backoff;
     #[cfg(feature = "serde")]
     #[cfg_attr(docsrs, doc(cfg(feature = "serde")))]
     pub use crate::config::deserialize_url;

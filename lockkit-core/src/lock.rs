@@ -48,6 +48,15 @@ pub struct Guarantees {
     /// How much later than its TTL the server may free a lapsed lease (TTL rounding, session
     /// timeout granularity, expiry sweeps). The contract suite allows this much.
     pub expiry_slack: Duration,
+    /// [`AcquireOptions::lock_delay`] is honoured; without it a nonzero delay is refused with
+    /// [`Error::NotSupported`].
+    pub lock_delay: bool,
+    /// When the server itself ends a lease (its key deleted or evicted, its lease revoked, its
+    /// session or connection ended), the holder hears of it (turns
+    /// [`Lost`](crate::LeaseState::Lost)) within this bound; `None` if the holder cannot hear
+    /// of it before its next renewal. Whatever this says, a holder that hears nothing turns Lost
+    /// on its own deadline (the TTL from the send time of its last acknowledged renewal).
+    pub loss_notice: Option<Duration>,
     /// One line for humans: the fine print.
     pub notes: &'static str,
 }
@@ -63,6 +72,8 @@ impl Guarantees {
             fifo_waiters: false,
             manual_renewal: false,
             expiry_slack: Duration::ZERO,
+            lock_delay: false,
+            loss_notice: None,
             notes: "",
         }
     }
@@ -242,6 +253,12 @@ async fn grant_with_min_validity<B: LockBackend + ?Sized>(
 ) -> Result<Lease> {
     crate::backend::validate_name(name)?;
     opts.validate()?;
+    if opts.effective_lock_delay().is_some() && !backend.guarantees().lock_delay {
+        return Err(Error::NotSupported {
+            operation: "lock-delay",
+            backend: backend.guarantees().backend,
+        });
+    }
     let start = Instant::now();
     let deadline = wait_deadline(opts.wait, start);
     let min_validity = opts.effective_min_validity();

@@ -18,6 +18,10 @@ pub const DEFAULT_TTL: Duration = Duration::from_secs(30);
 /// The longest pause between two retries of a transient failure: 10 minutes.
 pub const MAX_RETRY_DELAY: Duration = Duration::from_secs(600);
 
+/// Longest [`AcquireOptions::lock_delay`]: one minute, Chubby's bound (a delay is for in-flight
+/// writes to drain, not a second TTL).
+pub const MAX_LOCK_DELAY: Duration = Duration::from_secs(60);
+
 /// The longest lock name, in bytes of UTF-8: 256.
 pub const MAX_NAME_BYTES: usize = 256;
 
@@ -109,6 +113,17 @@ pub struct AcquireOptions {
     /// [`Suspect`](crate::LeaseState::Suspect). `Some(Duration::ZERO)` accepts any grant. Must be
     /// shorter than the TTL.
     pub min_validity: Option<Duration>,
+    /// Lock-delay (Chubby, section 2.4): when this lease ends *without a release* — it lapsed
+    /// unrenewed, its session or connection was lost, its holder died — the lock is granted to
+    /// no one until at least this long after the server freed it, so that writes the failed
+    /// holder still has in flight drain first. An explicit [`Lease::release`](crate::Lease::release)
+    /// (and a release on drop that reaches the server) frees the lock at once. `None` (the
+    /// default) or `Some(Duration::ZERO)`: no delay. At most [`MAX_LOCK_DELAY`]. Backends without
+    /// it ([`Guarantees::lock_delay`](crate::Guarantees::lock_delay) `false`) refuse a nonzero
+    /// delay with [`Error::NotSupported`]. Where the server cannot tell when a failed holder's
+    /// lock was freed, the delay counts from when the next acquirer saw it free: longer, never
+    /// shorter. During the delay a try-once acquire gets [`Error::Held`] and waiters wait.
+    pub lock_delay: Option<Duration>,
     /// The backend name the metrics and spans carry; set by [`Lock::acquire`](crate::Lock::acquire).
     pub(crate) observed_backend: Option<&'static str>,
 }
@@ -123,6 +138,7 @@ impl Default for AcquireOptions {
             release_on_drop: true,
             lock_name_label: false,
             min_validity: None,
+            lock_delay: None,
             observed_backend: None,
         }
     }
@@ -177,6 +193,18 @@ impl AcquireOptions {
         self
     }
 
+    /// Sets the lock-delay after a failed (not released) holder (see
+    /// [`lock_delay`](Self#structfield.lock_delay)); `Duration::ZERO` turns it off.
+    pub fn lock_delay(mut self, delay: Duration) -> Self {
+        self.lock_delay = Some(delay);
+        self
+    }
+
+    /// The lock-delay in force: `None` when off (unset or zero).
+    pub fn effective_lock_delay(&self) -> Option<Duration> {
+        self.lock_delay.filter(|d| !d.is_zero())
+    }
+
     /// The minimum validity in force: the one set, or half the TTL.
     pub fn effective_min_validity(&self) -> Duration {
         self.min_validity.unwrap_or(self.ttl / 2)
@@ -188,9 +216,17 @@ impl AcquireOptions {
     /// [`Error::InvalidConfig`] if the TTL is outside [`MIN_TTL`]..=[`MAX_TTL`], the wait
     /// timeout is longer than [`MAX_TTL`] (almost surely a unit mistake; use [`Wait::Forever`]),
     /// the retry delays are inverted or longer than [`MAX_RETRY_DELAY`], or the minimum validity
-    /// is not shorter than the TTL (no grant could ever meet it).
+    /// is not shorter than the TTL (no grant could ever meet it), or the lock-delay is longer than
+    /// [`MAX_LOCK_DELAY`].
     pub fn validate(&self) -> Result<()> {
         validate_ttl(self.ttl)?;
+        if let Some(d) = self.lock_delay {
+            if d > MAX_LOCK_DELAY {
+                return Err(Error::config(format!(
+                    "lock-delay {d:?} is longer than {MAX_LOCK_DELAY:?}"
+                )));
+            }
+        }
         if let Some(min) = self.min_validity {
             if min >= self.ttl {
                 return Err(Error::config(format!(

@@ -4,7 +4,8 @@
 //! implements, the [`Lease`] it grants (with its [`FencingToken`], client-side [`LeaseState`] and
 //! keepalive), [`AcquireOptions`], the one [`Error`] type, fences for the protected resource, the
 //! in-process [`MemoryLock`] backend, and (feature `contract`) the contract suite every backend
-//! passes.
+//! passes. Leader election ([`Election`], [`Leadership`], [`Observer`]) and semaphores
+//! ([`Semaphore`], [`Permit`]) are built on the same leases.
 //!
 //! ```
 //! use std::time::Duration;
@@ -35,25 +36,36 @@
 
 mod backoff;
 mod config;
+mod election;
 mod error;
 mod fence;
 mod keeper;
 mod lease;
 mod lock;
 mod memory;
+mod memory_slots;
 pub mod observe;
 mod options;
+mod semaphore;
+mod slots;
 mod token;
 
 #[cfg(feature = "contract")]
 #[cfg_attr(docsrs, doc(cfg(feature = "contract")))]
 pub mod contract;
 
+#[cfg(feature = "contract")]
+#[cfg_attr(docsrs, doc(cfg(feature = "contract")))]
+pub mod contract_election;
+
+pub use election::{Election, LeaderEvent, LeaderInfo, Leadership, Observer};
 pub use error::{BoxError, Error, Result};
 pub use fence::MemoryFence;
 pub use lease::{Lease, LeaseState, LeaseTracker, LossReason, drift_margin};
 pub use lock::{Guarantees, HolderInfo, Lock, LockExt, LockKind};
 pub use memory::MemoryLock;
+pub use semaphore::{Permit, Semaphore};
+pub use slots::{MAX_PERMITS, MAX_VALUE_BYTES, SlotGuarantees, SlotHolder, SlotHolders};
 pub use options::{
     AcquireOptions, DEFAULT_TTL, MAX_LOCK_DELAY, MAX_NAME_BYTES, MAX_PREFIX_BYTES, MAX_RETRY_DELAY,
     MAX_TTL, MIN_TTL, RetryPolicy, Wait,
@@ -79,6 +91,13 @@ pub use options::{
 /// backend's lock identity (`backend/namespace/name`).
 /// `lockkit-core/src/memory.rs` is a complete backend to copy from.
 ///
+/// Elections and semaphores: a backend implements [`SlotBackend`](backend::SlotBackend) (grant
+/// one of N slots with a value, read the holders, watch them, and a
+/// [`SlotOps`](backend::SlotOps) handle to change a value) and gets [`Election`] and
+/// [`Semaphore`] from the core; `lockkit-core/src/memory_slots.rs` is the example, and
+/// [docs/election-semaphore.md](https://example.invalid/lockkit/blob/main/docs/election-semaphore.md)
+/// the design.
+///
 /// The connection-URL grammar all backends share lives here too: [`BackendUrl`](backend::BackendUrl)
 /// (its docs give the rules and the shared parameter names).
 pub mod backend {
@@ -97,6 +116,11 @@ pub mod backend {
     pub use crate::lease::{LeaseBackendExt, LeaseOps, SuspectReason, TrackerHandle};
     pub use crate::lock::{LockBackend, retry_transient, wait_deadline};
     pub use crate::options::{validate_name, validate_prefix, validate_ttl};
+    pub use crate::slots::{
+        SlotBackend, SlotGrant, SlotKind, SlotOps, SlotRequest, SlotWatch, WatchEvent,
+        validate_permits, validate_value,
+    };
+    pub use crate::{SlotGuarantees, SlotHolder, SlotHolders};
     /// The serde version lockkit's configs implement `Deserialize` of (feature `serde`).
     #[cfg(feature = "serde")]
     #[doc(hidden)]

@@ -270,8 +270,7 @@ pub trait Election: Send + Sync + fmt::Debug {
     /// # Cancel safety
     /// Cancel safe: dropping the future leaves no candidate behind (a leadership handed over
     /// meanwhile is handed on).
-    async fn campaign(&self, name: &str, value: &[u8], opts: AcquireOptions)
-    -> Result<Leadership>;
+    async fn campaign(&self, name: &str, value: &[u8], opts: AcquireOptions) -> Result<Leadership>;
 
     /// Reads who leads `name` now: `None` if no one does. A read only.
     ///
@@ -299,16 +298,13 @@ pub trait Election: Send + Sync + fmt::Debug {
 
 #[async_trait]
 impl<B: SlotBackend + ?Sized> Election for B {
-    async fn campaign(
-        &self,
-        name: &str,
-        value: &[u8],
-        opts: AcquireOptions,
-    ) -> Result<Leadership> {
+    async fn campaign(&self, name: &str, value: &[u8], opts: AcquireOptions) -> Result<Leadership> {
         let backend = self.slot_guarantees().lock.backend;
         let span = tracing::info_span!(target: TARGET, "campaign", election = %name, backend, ttl = ?opts.ttl, outcome = tracing::field::Empty, term = tracing::field::Empty);
         let req = SlotRequest::new(SlotKind::Election, name, 1, value);
-        let res = grant_checked(self, req, opts).instrument(span.clone()).await;
+        let res = grant_checked(self, req, opts)
+            .instrument(span.clone())
+            .await;
         span.record("outcome", outcome(&res));
         let grant = res?;
         span.record("term", grant.lease.token().get());

@@ -64,12 +64,12 @@ pub use fence::MemoryFence;
 pub use lease::{Lease, LeaseState, LeaseTracker, LossReason, drift_margin};
 pub use lock::{Guarantees, HolderInfo, Lock, LockExt, LockKind};
 pub use memory::MemoryLock;
-pub use semaphore::{Permit, Semaphore};
-pub use slots::{MAX_PERMITS, MAX_VALUE_BYTES, SlotGuarantees, SlotHolder, SlotHolders};
 pub use options::{
     AcquireOptions, DEFAULT_TTL, MAX_LOCK_DELAY, MAX_NAME_BYTES, MAX_PREFIX_BYTES, MAX_RETRY_DELAY,
     MAX_TTL, MIN_TTL, RetryPolicy, Wait,
 };
+pub use semaphore::{Permit, Semaphore};
+pub use slots::{MAX_PERMITS, MAX_VALUE_BYTES, SlotGuarantees, SlotHolder, SlotHolders};
 
 /// For backend authors: what an adapter needs beyond the user-facing API.
 ///

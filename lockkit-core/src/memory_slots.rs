@@ -487,7 +487,10 @@ impl MemorySlotLease {
     fn with_held<R>(&self, f: impl FnOnce(&Slots, &Key, &mut Entry, Instant) -> R) -> Result<R> {
         let now = Instant::now();
         let mut t = lock(&self.slots.table);
-        let e = t.entries.get_mut(&self.key).ok_or_else(|| self.not_held())?;
+        let e = t
+            .entries
+            .get_mut(&self.key)
+            .ok_or_else(|| self.not_held())?;
         match e.holders.get(self.slot).and_then(Option::as_ref) {
             Some(h) if h.owner == self.owner && h.expires > now => {
                 Ok(f(&self.slots, &self.key, e, now))
@@ -515,7 +518,10 @@ impl LeaseOps for MemorySlotLease {
     async fn release(&self) -> Result<()> {
         let now = Instant::now();
         let mut t = lock(&self.slots.table);
-        let e = t.entries.get_mut(&self.key).ok_or_else(|| self.not_held())?;
+        let e = t
+            .entries
+            .get_mut(&self.key)
+            .ok_or_else(|| self.not_held())?;
         let live = match e.holders.get(self.slot).and_then(Option::as_ref) {
             Some(h) if h.owner == self.owner => h.expires > now,
             _ => return Err(self.not_held()),

@@ -117,8 +117,12 @@ pub trait Semaphore: Send + Sync + fmt::Debug {
     /// # Cancel safety
     /// Cancel safe: dropping the future leaves no waiter behind (a permit handed over meanwhile
     /// is handed on).
-    async fn acquire_permit(&self, name: &str, permits: u32, opts: AcquireOptions)
-    -> Result<Permit>;
+    async fn acquire_permit(
+        &self,
+        name: &str,
+        permits: u32,
+        opts: AcquireOptions,
+    ) -> Result<Permit>;
 
     /// Reads the holders of semaphore `name` and its N in force: `None` if it is idle.
     ///
@@ -146,7 +150,9 @@ impl<B: SlotBackend + ?Sized> Semaphore for B {
         let backend = self.slot_guarantees().lock.backend;
         let span = tracing::info_span!(target: TARGET, "acquire_permit", semaphore = %name, backend, permits, ttl = ?opts.ttl, outcome = tracing::field::Empty, slot = tracing::field::Empty, token = tracing::field::Empty);
         let req = SlotRequest::new(SlotKind::Semaphore, name, permits, &[]);
-        let res = grant_checked(self, req, opts).instrument(span.clone()).await;
+        let res = grant_checked(self, req, opts)
+            .instrument(span.clone())
+            .await;
         span.record("outcome", outcome(&res));
         let grant = res?;
         span.record("slot", grant.slot);

@@ -359,17 +359,17 @@ pub(crate) async fn grant_checked<B: SlotBackend + ?Sized>(
         }
         let grant = backend.grant_slot(req, attempt);
         let grant = match (opts.wait, deadline) {
-            (Wait::Timeout(_), Some(d)) => match tokio::time::timeout_at(d + CUT_GRACE, grant)
-                .await
-            {
-                Ok(res) => res?,
-                Err(_) => {
-                    return Err(Error::Timeout {
-                        name: name.to_owned(),
-                        waited: start.elapsed(),
-                    });
+            (Wait::Timeout(_), Some(d)) => {
+                match tokio::time::timeout_at(d + CUT_GRACE, grant).await {
+                    Ok(res) => res?,
+                    Err(_) => {
+                        return Err(Error::Timeout {
+                            name: name.to_owned(),
+                            waited: start.elapsed(),
+                        });
+                    }
                 }
-            },
+            }
             _ => grant.await?,
         };
         let remaining = grant.lease.remaining();

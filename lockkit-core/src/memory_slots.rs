@@ -578,3 +578,130 @@ impl SlotBackend for MemoryLock {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Election, LeaderEvent, Semaphore};
+
+    fn waiters(m: &MemoryLock, kind: SlotKind, name: &str) -> usize {
+        lock(&m.slots.table)
+            .entries
+            .get(&(kind, name.to_owned()))
+            .map_or(0, |e| e.waiters.len())
+    }
+
+    fn has_reaper(m: &MemoryLock, kind: SlotKind, name: &str) -> bool {
+        lock(&m.slots.table)
+            .entries
+            .get(&(kind, name.to_owned()))
+            .is_some_and(|e| e.reaper.is_some())
+    }
+
+    async fn settle_tasks() {
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_release_wakes_the_first_waiter_only() {
+        let m = MemoryLock::new();
+        let held = m
+            .acquire_permit("s", 1, AcquireOptions::new())
+            .await
+            .unwrap();
+        let mut tasks = Vec::new();
+        for _ in 0..3 {
+            let m = m.clone();
+            tasks.push(tokio::spawn(async move {
+                m.acquire_permit("s", 1, AcquireOptions::new()).await
+            }));
+            settle_tasks().await;
+        }
+        assert_eq!(waiters(&m, SlotKind::Semaphore, "s"), 3);
+        held.release().await.unwrap();
+        settle_tasks().await;
+        assert!(tasks[0].is_finished(), "the first waiter was not granted");
+        assert!(!tasks[1].is_finished() && !tasks[2].is_finished());
+        assert_eq!(waiters(&m, SlotKind::Semaphore, "s"), 2);
+        let first = tasks.remove(0).await.unwrap().unwrap();
+        first.release().await.unwrap();
+        settle_tasks().await;
+        assert!(tasks[0].is_finished() && !tasks[1].is_finished());
+        for t in &tasks {
+            t.abort();
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_candidate_dropped_after_the_hand_off_hands_on() {
+        let m = MemoryLock::new();
+        let a = m.campaign("e", b"a", AcquireOptions::new()).await.unwrap();
+        let spawn = |v: &'static [u8]| {
+            let m = m.clone();
+            tokio::spawn(async move { m.campaign("e", v, AcquireOptions::new()).await })
+        };
+        let b = spawn(b"b");
+        settle_tasks().await;
+        let c = spawn(b"c");
+        settle_tasks().await;
+        a.resign().await.unwrap();
+        // B was handed the leadership but has not run since: drop it.
+        b.abort();
+        let lc = c.await.unwrap().unwrap();
+        assert_eq!(lc.value(), b"c");
+        let info = m.leader("e").await.unwrap().unwrap();
+        assert_eq!((info.term, info.value), (lc.term(), b"c".to_vec()));
+        assert_eq!(waiters(&m, SlotKind::Election, "e"), 0);
+        lc.resign().await.unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_observer_that_falls_behind_gets_missed_then_goes_on_in_order() {
+        let m = MemoryLock::new();
+        let mut obs = m.observe("e").await.unwrap();
+        assert_eq!(obs.next().await.unwrap(), LeaderEvent::NoLeader);
+        let mut l = m.campaign("e", b"0", AcquireOptions::new()).await.unwrap();
+        for i in 1..=OBSERVER_BUFFER + 10 {
+            l.proclaim(i.to_string().as_bytes()).await.unwrap();
+        }
+        assert_eq!(obs.next().await.unwrap(), LeaderEvent::Missed);
+        let mut last = 0;
+        for _ in 0..OBSERVER_BUFFER {
+            match obs.next().await.unwrap() {
+                LeaderEvent::Leader(info) => {
+                    let v: usize = std::str::from_utf8(&info.value).unwrap().parse().unwrap();
+                    assert!(v > last, "{v} after {last}");
+                    last = v;
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(last, OBSERVER_BUFFER + 10);
+        l.resign().await.unwrap();
+        assert_eq!(obs.next().await.unwrap(), LeaderEvent::NoLeader);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_reaper_runs_only_while_someone_waits_or_observes() {
+        let m = MemoryLock::new();
+        let ttl = Duration::from_secs(1);
+        let l = m
+            .campaign("e", b"a", AcquireOptions::new().ttl(ttl).keepalive(false))
+            .await
+            .unwrap();
+        assert!(!has_reaper(&m, SlotKind::Election, "e"), "no one watches");
+        let mut obs = m.observe("e").await.unwrap();
+        assert!(has_reaper(&m, SlotKind::Election, "e"));
+        assert!(matches!(obs.next().await.unwrap(), LeaderEvent::Leader(_)));
+        // The reaper tells the observer of the lapse, on time.
+        let start = Instant::now();
+        assert_eq!(obs.next().await.unwrap(), LeaderEvent::NoLeader);
+        assert_eq!(start.elapsed(), ttl);
+        drop(obs);
+        settle_tasks().await;
+        assert!(!has_reaper(&m, SlotKind::Election, "e"));
+        drop(l);
+    }
+}

@@ -244,6 +244,28 @@ impl Leadership {
 /// Object safe (`Arc<dyn Election>`). Implemented once, here, for every
 /// [`SlotBackend`](crate::backend::SlotBackend).
 ///
+/// ```
+/// use lockkit_core::{AcquireOptions, Election, LeaderEvent, LeaderInfo, MemoryFence, MemoryLock};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> lockkit_core::Result<()> {
+/// let backend = MemoryLock::new();
+/// let storage = MemoryFence::new();
+/// let mut observer = backend.observe("scheduler").await?;
+/// assert_eq!(observer.next().await?, LeaderEvent::NoLeader);
+///
+/// let mut leader = backend.campaign("scheduler", b"10.0.0.7:8080", AcquireOptions::new()).await?;
+/// storage.write("plan", leader.term(), "v1")?; // every write is fenced by the term
+/// leader.proclaim(b"10.0.0.7:9090").await?; // the same term, a new value
+/// let term = leader.term();
+/// leader.resign().await?; // the next candidate in line, if any, leads
+///
+/// let expect = |v: &[u8]| LeaderEvent::Leader(LeaderInfo::new(term.clone(), v.to_vec()));
+/// assert_eq!(observer.next().await?, expect(b"10.0.0.7:8080"));
+/// assert_eq!(observer.next().await?, expect(b"10.0.0.7:9090"));
+/// assert_eq!(observer.next().await?, LeaderEvent::NoLeader);
+/// # Ok(()) }
+/// ```
+///
 /// # Contract
 /// - At most one [`Leadership`] per name is [`Held`](crate::LeaseState::Held) at a time (up to
 ///   the backend's [`Guarantees`](crate::Guarantees)), and every new leader's term is larger

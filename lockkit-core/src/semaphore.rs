@@ -87,6 +87,22 @@ impl Permit {
 /// Object safe (`Arc<dyn Semaphore>`). Implemented once, here, for every
 /// [`SlotBackend`](crate::backend::SlotBackend).
 ///
+/// ```
+/// use lockkit_core::{AcquireOptions, Error, MemoryFence, MemoryLock, Semaphore, Wait};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> lockkit_core::Result<()> {
+/// let backend = MemoryLock::new();
+/// let storage = MemoryFence::new();
+/// let permit = backend.acquire_permit("transcoders", 2, AcquireOptions::new()).await?;
+/// // N holders work at once: fence per slot.
+/// storage.write(&format!("slot-{}", permit.slot()), permit.token(), "job 1")?;
+/// // Every client must agree on N while the semaphore is in use:
+/// let other = backend.acquire_permit("transcoders", 3, AcquireOptions::new()).await;
+/// assert!(matches!(other, Err(Error::PermitsMismatch { ours: 3, theirs: 2, .. })));
+/// permit.release().await?; // admits the first waiter, if any
+/// # Ok(()) }
+/// ```
+///
 /// # Contract
 /// - At most N permits of a name are [`Held`](crate::LeaseState::Held) at once (up to the
 ///   backend's [`Guarantees`](crate::Guarantees)); each is a lease on one slot, whose tokens

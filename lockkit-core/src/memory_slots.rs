@@ -228,8 +228,8 @@ impl Slots {
     async fn grant(&self, req: SlotRequest<'_>, opts: AcquireOptions) -> Result<SlotGrant> {
         req.validate()?;
         opts.validate()?;
-        let deadline = wait_deadline(opts.wait, Instant::now());
         let start = Instant::now();
+        let deadline = wait_deadline(opts.wait, start);
         let key: Key = (req.kind, req.name.to_owned());
         let (id, notify) = {
             let mut t = lock(&self.table);

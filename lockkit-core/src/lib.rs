@@ -34,20 +34,22 @@
 #![deny(rustdoc::broken_intra_doc_links)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+// Leader election and semaphores (docs/election-semaphore.md).
+mod election;
+mod memory_slots;
+mod semaphore;
+mod slots;
+
 mod backoff;
 mod config;
-mod election;
 mod error;
 mod fence;
 mod keeper;
 mod lease;
 mod lock;
 mod memory;
-mod memory_slots;
 pub mod observe;
 mod options;
-mod semaphore;
-mod slots;
 mod token;
 
 #[cfg(feature = "contract")]
@@ -101,6 +103,13 @@ pub use slots::{MAX_PERMITS, MAX_VALUE_BYTES, SlotGuarantees, SlotHolder, SlotHo
 /// The connection-URL grammar all backends share lives here too: [`BackendUrl`](backend::BackendUrl)
 /// (its docs give the rules and the shared parameter names).
 pub mod backend {
+    // Elections and semaphores.
+    pub use crate::slots::{
+        SlotBackend, SlotGrant, SlotKind, SlotOps, SlotRequest, SlotWatch, WatchEvent,
+        validate_permits, validate_value,
+    };
+    pub use crate::{SlotGuarantees, SlotHolder, SlotHolders};
+
     pub use crate::backoff::Backoff;
     #[cfg(feature = "serde")]
     #[cfg_attr(docsrs, doc(cfg(feature = "serde")))]
@@ -116,11 +125,6 @@ pub mod backend {
     pub use crate::lease::{LeaseBackendExt, LeaseOps, SuspectReason, TrackerHandle};
     pub use crate::lock::{LockBackend, retry_transient, wait_deadline};
     pub use crate::options::{validate_name, validate_prefix, validate_ttl};
-    pub use crate::slots::{
-        SlotBackend, SlotGrant, SlotKind, SlotOps, SlotRequest, SlotWatch, WatchEvent,
-        validate_permits, validate_value,
-    };
-    pub use crate::{SlotGuarantees, SlotHolder, SlotHolders};
     /// The serde version lockkit's configs implement `Deserialize` of (feature `serde`).
     #[cfg(feature = "serde")]
     #[doc(hidden)]

@@ -417,7 +417,8 @@ pub async fn cancelled_candidate_leaves_nothing(h: &dyn SlotHarness) {
     lc.resign().await.expect("resign");
 }
 
-/// Bad names, values and TTLs get typed errors before any I/O; a value of exactly
+/// Bad names, values and TTLs (and a lock-delay the backend lacks) get typed errors before any
+/// I/O; a value of exactly
 /// `MAX_VALUE_BYTES` works; an election never held has no leader.
 pub async fn election_bad_input(h: &dyn SlotHarness) {
     let a = h.election().await;
@@ -455,6 +456,15 @@ pub async fn election_bad_input(h: &dyn SlotHarness) {
         match a.campaign(&name, b"v", once().ttl(ttl)).await {
             Err(Error::InvalidConfig { .. }) => {}
             other => panic!("ttl {ttl:?}: expected InvalidConfig, got {other:?}"),
+        }
+    }
+    if !a.election_guarantees().lock.lock_delay {
+        match a
+            .campaign(&name, b"v", once().lock_delay(Duration::from_secs(1)))
+            .await
+        {
+            Err(Error::NotSupported { .. }) => {}
+            other => panic!("lock-delay without support: expected NotSupported, got {other:?}"),
         }
     }
     let full: Vec<u8> = (0..MAX_VALUE_BYTES).map(|i| (i % 251) as u8).collect();

@@ -15,6 +15,7 @@ use tokio::time::Instant;
 
 use tracing::Instrument;
 
+use crate::backoff::Backoff;
 use crate::keeper::{self, Registration};
 use crate::observe::{Labels, TARGET};
 use crate::tracker::{
@@ -354,13 +355,14 @@ impl Drop for Lease {
 /// Release on drop: retries transient failures with backoff until `until` (after which the server
 /// frees the lock by itself).
 async fn release_in_background(name: String, ops: Arc<dyn LeaseOps>, until: Instant) {
-    let mut pause = Duration::from_millis(20);
+    let mut backoff = Backoff::new(Duration::from_millis(20), Duration::from_secs(1));
     loop {
-        match tokio::time::timeout_at(until, ops.release()).await {
+        let outcome = tokio::time::timeout_at(until, ops.release()).await;
+        let pause = backoff.next_delay();
+        match outcome {
             Ok(Err(e)) if e.is_retryable() && Instant::now() + pause < until => {
                 tracing::debug!(target: TARGET, lock = %name, error = %e, "release on drop failed; retrying");
                 tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(Duration::from_secs(1));
             }
             Ok(Err(e)) => {
                 tracing::debug!(target: TARGET, lock = %name, error = %e, "release on drop failed; the TTL will free the lock");
@@ -513,42 +515,61 @@ mod tests {
         assert_eq!(lease.state(), LeaseState::Held);
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn drop_release_retries_transient_failures() {
-        #[derive(Debug, Default)]
-        struct FlakyRelease(std::sync::atomic::AtomicUsize);
-        #[async_trait]
-        impl LeaseOps for FlakyRelease {
-            async fn renew(&self, _ttl: Duration) -> Result<()> {
+    /// A release that fails twice, then succeeds; records when each attempt was made.
+    #[derive(Debug, Default)]
+    struct FlakyRelease(std::sync::Mutex<Vec<Instant>>);
+
+    #[async_trait]
+    impl LeaseOps for FlakyRelease {
+        async fn renew(&self, _ttl: Duration) -> Result<()> {
+            Ok(())
+        }
+        async fn release(&self) -> Result<()> {
+            let mut at = self.0.lock().unwrap();
+            at.push(Instant::now());
+            if at.len() <= 2 {
+                Err(Error::Unavailable {
+                    backend: "test",
+                    source: "down".into(),
+                })
+            } else {
                 Ok(())
             }
-            async fn release(&self) -> Result<()> {
-                if self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst) < 2 {
-                    Err(Error::Unavailable {
-                        backend: "test",
-                        source: "down".into(),
-                    })
-                } else {
-                    Ok(())
-                }
-            }
-            fn as_any(&self) -> &dyn Any {
-                self
-            }
         }
+        fn as_any(&self) -> &dyn Any {
+            self
+        }
+    }
+
+    fn dropped_flaky_lease() -> Arc<FlakyRelease> {
         let ops = Arc::new(FlakyRelease::default());
         let ttl = Duration::from_secs(3);
         let opts = AcquireOptions::new().ttl(ttl).keepalive(false);
-        let lease = Lease::new(
+        drop(Lease::new(
             "l",
             FencingToken::new("memory/0/l", 1),
             TrackerHandle::new(Instant::now(), ttl),
             ops.clone(),
             &opts,
-        );
-        drop(lease);
+        ));
+        ops
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn drop_release_retries_transient_failures_with_jittered_backoff() {
+        let (a, b) = (dropped_flaky_lease(), dropped_flaky_lease());
         tokio::time::sleep(Duration::from_secs(1)).await;
-        assert_eq!(ops.0.load(std::sync::atomic::Ordering::SeqCst), 3);
+        let (a, b) = (a.0.lock().unwrap().clone(), b.0.lock().unwrap().clone());
+        assert_eq!((a.len(), b.len()), (3, 3), "{a:?} {b:?}");
+        let pauses = |at: &[Instant]| [at[1] - at[0], at[2] - at[1]];
+        for p in [pauses(&a), pauses(&b)] {
+            // Backoff steps 20 ms, 40 ms, each plus up to one step of jitter.
+            let (first, second) = (Duration::from_millis(20), Duration::from_millis(40));
+            assert!(p[0] >= first && p[0] <= first * 2, "{p:?}");
+            assert!(p[1] >= second && p[1] <= second * 2, "{p:?}");
+        }
+        // Two leases dropped together do not retry in step.
+        assert_ne!(pauses(&a), pauses(&b), "retries without jitter");
     }
 
     #[tokio::test(start_paused = true)]

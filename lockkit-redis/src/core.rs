@@ -11,6 +11,7 @@ use std::time::Duration;
 use redis::Script;
 use tokio::time::Instant;
 
+use lockkit_core::backend::Backoff;
 use lockkit_core::{Error, Result};
 
 use crate::conn::Conn;
@@ -200,7 +201,7 @@ pub(crate) async fn cancel_once(
 }
 
 /// Removes what the acquire attempt with `owner` (sent at `sent`) may have taken, retrying
-/// transient errors (with backoff, 50 ms up to 1 s) until [`cancel_horizon`] after `sent`.
+/// transient errors (with [`Backoff`], steps of 50 ms doubling up to 1 s, jittered) until [`cancel_horizon`] after `sent`.
 ///
 /// # Cancel safety
 /// Meant to be spawned; dropping it stops the retries.
@@ -212,7 +213,7 @@ pub(crate) async fn cancel_attempt(
     ttl: Duration,
 ) {
     let until = sent.checked_add(cancel_horizon(ttl));
-    let mut delay = Duration::from_millis(50);
+    let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
     loop {
         match cancel_once(&conn, &keys, &owner, ttl).await {
             Ok(true) => {
@@ -220,15 +221,16 @@ pub(crate) async fn cancel_attempt(
                 return;
             }
             Ok(false) => return,
-            Err(e) if e.is_retryable() && until.is_none_or(|u| Instant::now() + delay < u) => {
-                tracing::debug!(key = %keys.lock, error = %e, "cleanup of a cancelled acquire failed; retrying");
-                tokio::time::sleep(delay).await;
-                delay = (delay * 2).min(Duration::from_secs(1));
-            }
             Err(e) => {
-                tracing::warn!(key = %keys.lock, error = %e,
-                    "cleanup of a cancelled acquire failed; if it took the lock, its TTL frees it");
-                return;
+                let delay = backoff.next_delay();
+                if e.is_retryable() && until.is_none_or(|u| Instant::now() + delay < u) {
+                    tracing::debug!(key = %keys.lock, error = %e, "cleanup of a cancelled acquire failed; retrying");
+                    tokio::time::sleep(delay).await;
+                } else {
+                    tracing::warn!(key = %keys.lock, error = %e,
+                        "cleanup of a cancelled acquire failed; if it took the lock, its TTL frees it");
+                    return;
+                }
             }
         }
     }

@@ -189,7 +189,9 @@ mod fence;
 mod lease;
 mod lock;
 mod renewer;
+mod server;
 mod waiters;
+mod watch;
 
 pub use config::{
     DEFAULT_CONNECT_TIMEOUT, DEFAULT_PREFIX, DEFAULT_RESPONSE_TIMEOUT, MAX_CA_FILE_BYTES,
@@ -198,6 +200,7 @@ pub use config::{
 pub use fence::RedisFence;
 pub use lock::{EXPIRY_JITTER, EXPIRY_SLACK, MAX_WAIT_POLL, RedisLock, WAITER_TTL};
 pub use renewer::BATCH as RENEW_BATCH;
+pub use watch::LOSS_NOTICE;
 
 /// The redis crate this backend is built on, for users who need its types.
 #[doc(no_inline)]

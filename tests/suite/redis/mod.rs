@@ -14,6 +14,7 @@ use crate::common::{ServerProcess, free_port, fresh_prefix, server_url, wait_unt
 
 mod failures;
 mod fence;
+mod notify;
 mod queue;
 
 mod contract {

@@ -220,7 +220,7 @@ impl Hub {
         };
         let hub = self.clone();
         rt.spawn(async move {
-            futures_util::future::join(hub.probe(), hub.watch.check_run()).await;
+            let _ = futures_util::future::join(hub.probe(), hub.watch.check_run()).await;
             hub.ticking.store(false, Ordering::Release);
         });
     }
@@ -266,7 +266,14 @@ impl Hub {
                 let Some(hub) = weak.upgrade() else { return };
                 match hub.ensure().await {
                     Ok(()) => {
-                        hub.watch.check_run().await;
+                        // The command connection may still be reconnecting: retry the check.
+                        backoff.reset();
+                        for _ in 0..8 {
+                            if hub.watch.check_run().await {
+                                break;
+                            }
+                            tokio::time::sleep(backoff.next_delay()).await;
+                        }
                         return;
                     }
                     Err(e) => {

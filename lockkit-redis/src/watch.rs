@@ -16,24 +16,26 @@
 //!   holders hear only at their next renewal, as without notifications.
 //! - **Server restart**: the server's `run_id` (`INFO server`) is read at connect, when the
 //!   pub/sub connection comes back after a drop, and once per keepalive tick. A new `run_id`
-//!   means the server restarted: a lease granted before the last look that still saw the old
-//!   one is [`Lost`](lockkit_core::LeaseState::Lost) with
+//!   means the server restarted: every lease held here is
+//!   [`Lost`](lockkit_core::LeaseState::Lost) with
 //!   [`SessionExpired`](LossReason::SessionExpired) (the server run that held it ended; even
-//!   with persistence the restart may have dropped its last writes); a lease granted since then
-//!   may have been granted by the new run, so it is checked with one `GET`.
+//!   with persistence the restart may have dropped its last writes), and its key is given back
+//!   (compare-and-delete) in case it survived. A lease the new run granted before the client
+//!   saw the new `run_id` is lost too (which run granted it cannot be told apart cheaply): the
+//!   holder stops early, and the lock is free again at once.
 
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
-use tokio::time::Instant;
 
-use lockkit_core::backend::TrackerHandle;
+use lockkit_core::backend::{LeaseOps, TrackerHandle};
 use lockkit_core::{LeaseState, LossReason};
 
 use crate::conn::Conn;
+use crate::core::{RedisLease, holds};
 use crate::server::info_field;
 
 /// Within how long a holder hears that its lock key was deleted, evicted or expired on the
@@ -51,8 +53,7 @@ struct Entry {
     id: u64,
     owner: String,
     tracker: TrackerHandle,
-    /// When the lease was registered (just after its grant arrived).
-    since: Instant,
+    lease: Weak<RedisLease>,
 }
 
 #[derive(Default)]
@@ -62,13 +63,6 @@ struct State {
     next: u64,
 }
 
-/// The server run the client talks to.
-struct Run {
-    /// Its `run_id`; `None` if `INFO` never answered.
-    id: Option<String>,
-    /// Send time of the last `INFO` that returned `id`.
-    seen: Instant,
-}
 
 /// The held leases of one client, and what the server's run is.
 pub(crate) struct Watch {
@@ -81,8 +75,9 @@ pub(crate) struct Watch {
     /// The `PSUBSCRIBE` pattern of the prefix's lock keys.
     pattern: String,
     state: Mutex<State>,
-    /// Serializes `run_id` checks.
-    run: tokio::sync::Mutex<Run>,
+    /// The `run_id` of the server run the client talks to (`None` if `INFO` never answered);
+    /// the lock serializes checks.
+    run: tokio::sync::Mutex<Option<String>>,
 }
 
 impl fmt::Debug for Watch {
@@ -125,14 +120,13 @@ impl Drop for Watched {
 
 impl Watch {
     /// The watch of a client on database `db` with key prefix `prefix`, for a server whose
-    /// `run_id` was `run_id` at `seen`.
+    /// `run_id` is `run_id`.
     pub(crate) fn new(
         conn: Conn,
         db: i64,
         prefix: &str,
         notifications: bool,
         run_id: Option<String>,
-        seen: Instant,
     ) -> Arc<Self> {
         let channel_prefix = format!("__keyspace@{db}__:");
         let pattern = format!("{channel_prefix}{}:lock:*", glob_escape(prefix));
@@ -142,7 +136,7 @@ impl Watch {
             channel_prefix,
             pattern,
             state: Mutex::new(State::default()),
-            run: tokio::sync::Mutex::new(Run { id: run_id, seen }),
+            run: tokio::sync::Mutex::new(run_id),
         })
     }
 
@@ -162,25 +156,21 @@ impl Watch {
         &self.pattern
     }
 
-    /// Adds a held lease: its lock key, owner value and tracker.
-    pub(crate) fn register(
-        self: &Arc<Self>,
-        key: &str,
-        owner: &str,
-        tracker: &TrackerHandle,
-    ) -> Watched {
+    /// Adds a held lease (its lock key and owner value are in `lease`) with its tracker.
+    pub(crate) fn register(self: &Arc<Self>, lease: &Arc<RedisLease>, tracker: &TrackerHandle) -> Watched {
+        let key = lease.keys.lock.clone();
         let mut st = lock(&self.state);
         let id = st.next;
         st.next += 1;
-        st.by_key.entry(key.to_owned()).or_default().push(Entry {
+        st.by_key.entry(key.clone()).or_default().push(Entry {
             id,
-            owner: owner.to_owned(),
+            owner: lease.owner.clone(),
             tracker: tracker.clone(),
-            since: Instant::now(),
+            lease: Arc::downgrade(lease),
         });
         Watched {
             watch: self.clone(),
-            key: key.to_owned(),
+            key,
             id,
         }
     }
@@ -219,7 +209,7 @@ impl Watch {
     /// the lease left the watch meanwhile (released). A failed `GET` changes nothing: the next
     /// renewal finds out.
     async fn verify(&self, key: &str, id: u64, owner: &str, tracker: &TrackerHandle, why: &str) {
-        match crate::fence::holds(&self.conn, key, owner).await {
+        match holds(&self.conn, key, owner).await {
             Ok(true) => {}
             Ok(false) => {
                 if self.is_registered(key, id) {
@@ -243,15 +233,15 @@ impl Watch {
     }
 
     /// Reads the server's `run_id` (one `INFO server`); if it changed since the last look, the
-    /// server restarted: leases registered before that look are lost
-    /// ([`SessionExpired`](LossReason::SessionExpired)), later ones are checked with a `GET`.
-    /// A failed `INFO` changes nothing.
+    /// server restarted: every lease held here is lost
+    /// ([`SessionExpired`](LossReason::SessionExpired)) and its key given back in the
+    /// background, and keyspace notifications are turned on again. A failed `INFO` changes
+    /// nothing: then `false`.
     ///
     /// # Cancel safety
     /// Cancel safe: a dropped check leaves the last known run as it was.
-    pub(crate) async fn check_run(&self) {
+    pub(crate) async fn check_run(&self) -> bool {
         let mut run = self.run.lock().await;
-        let sent = Instant::now();
         let info = match self
             .conn
             .query::<String>(redis::cmd("INFO").arg("server"))
@@ -260,49 +250,44 @@ impl Watch {
             Ok(info) => info,
             Err(e) => {
                 tracing::debug!(error = %e, "INFO server failed; the restart check waits");
-                return;
+                return false;
             }
         };
         let Some(now) = info_field(&info, "run_id") else {
-            return;
+            return true; // a server that does not tell (a proxy): nothing to compare
         };
-        if run.id.as_deref() == Some(now) {
-            run.seen = sent;
-            return;
+        if run.as_deref() == Some(now) {
+            return true;
         }
-        let before = std::mem::replace(
-            &mut *run,
-            Run {
-                id: Some(now.to_owned()),
-                seen: sent,
-            },
-        );
-        let Some(old) = before.id else {
-            return; // the first answer: nothing to compare with
+        let Some(old) = run.replace(now.to_owned()) else {
+            return true; // the first answer: nothing to compare with
         };
-        let mut unsure = Vec::new();
-        let mut lost = 0usize;
-        {
+        let held: Vec<Weak<RedisLease>> = {
             let st = lock(&self.state);
-            for (key, v) in &st.by_key {
-                for e in v.iter().filter(|e| e.tracker.state() != LeaseState::Lost) {
-                    if e.since < before.seen {
-                        e.tracker.mark_lost(LossReason::SessionExpired);
-                        lost += 1;
-                    } else {
-                        unsure.push((key.clone(), e.id, e.owner.clone(), e.tracker.clone()));
-                    }
+            st.by_key
+                .values()
+                .flatten()
+                .filter(|e| e.tracker.state() != LeaseState::Lost)
+                .map(|e| {
+                    e.tracker.mark_lost(LossReason::SessionExpired);
+                    e.lease.clone()
+                })
+                .collect()
+        };
+        tracing::warn!(old_run_id = %old, new_run_id = %now, lost = held.len(),
+            "the redis server restarted: every lease held through this client is lost");
+        if let (false, Ok(rt)) = (held.is_empty(), tokio::runtime::Handle::try_current()) {
+            // Give back keys that survived (persistence) or that the new run granted.
+            rt.spawn(async move {
+                for lease in held.iter().filter_map(Weak::upgrade) {
+                    let _ = lease.release().await;
                 }
-            }
+            });
         }
-        tracing::warn!(old_run_id = %old, new_run_id = %now, lost, checked = unsure.len(),
-            "the redis server restarted: leases held before the restart are lost");
         if self.notifications() && !crate::server::renotify(&self.conn).await {
             self.disable_notifications();
         }
-        for (key, id, owner, tracker) in unsure {
-            self.verify(&key, id, &owner, &tracker, "restart").await;
-        }
+        true
     }
 }
 

@@ -307,6 +307,18 @@ async fn a_server_restart_loses_every_lease_held() {
         .expect("acquire after the restart");
     let at = lost_at(&fresh);
     let mut admin = server.raw().await;
+    // Turned on again right after the leases were marked lost: wait for the CONFIG SET.
+    let start = Instant::now();
+    while !config_get(&mut admin, "notify-keyspace-events")
+        .await
+        .contains('K')
+    {
+        assert!(
+            start.elapsed() < HEARD,
+            "notifications not turned on again after the restart"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     let sent = Instant::now();
     redis::cmd("DEL")
         .arg(locks.lock_key("fresh"))

@@ -217,6 +217,7 @@
 
 mod config;
 mod conn;
+mod core;
 mod error;
 mod fence;
 mod lease;

@@ -21,8 +21,10 @@ use lockkit_core::{
 
 use crate::config::{RedisConfig, TlsFiles, connect_error};
 use crate::conn::Conn;
+use crate::core::{
+    Keys, RENEW, RedisLease, Registration, SERVE_LUA, cancel_attempt, cancel_once, ttl_millis,
+};
 use crate::error::{BACKEND, bad_reply, from_redis, timed_out};
-use crate::lease::{RENEW, RedisLease, SERVE_LUA, cancel_attempt, cancel_once, ttl_millis};
 use crate::renewer::Renewer;
 use crate::waiters::{Hub, Waiting};
 
@@ -124,37 +126,6 @@ grant a held lock a second time, and so can a restart that loses the data: a wai
 lock while the old holder still reads Held until its next renewal (up to TTL/3 later). Waiters are \
 served in queue order (a waiter that stops looking drops out after WAITER_TTL). Fence counters are \
 never deleted: one small key per lock name ever used.";
-
-/// The keys of one lock name. See the crate docs, "Keys".
-#[derive(Debug, Clone)]
-pub(crate) struct Keys {
-    pub(crate) lock: String,
-    pub(crate) fence: String,
-    /// The waiters' queue, a ZSET of waiter IDs in arrival order.
-    pub(crate) queue: String,
-    /// `P:waiter:`, to which a waiter ID is appended for its liveness key.
-    pub(crate) waiter_prefix: String,
-    /// `P:cancelled:`, to which a waiter ID is appended for its tombstone.
-    cancelled: String,
-}
-
-impl Keys {
-    pub(crate) fn new(prefix: &str, name: &str) -> Self {
-        Self {
-            lock: format!("{prefix}:lock:{name}"),
-            fence: format!("{prefix}:fence:{name}"),
-            queue: format!("{prefix}:queue:{name}"),
-            waiter_prefix: format!("{prefix}:waiter:"),
-            cancelled: format!("{prefix}:cancelled:"),
-        }
-    }
-
-    /// The tombstone key of a retired waiter ID. The lock name is not in it:
-    /// `P:cancelled:ID`, a kind of its own.
-    pub(crate) fn tombstone(&self, id: &str) -> String {
-        format!("{}{id}", self.cancelled)
-    }
-}
 
 /// A lock service on one Redis server (an **efficiency** lock: see [`Guarantees`] and the crate
 /// docs).
@@ -473,7 +444,8 @@ impl RedisLock {
             if batch.is_none() {
                 tracing::warn!(lock = %name, "no Tokio runtime: the lease will not be kept alive");
             }
-            *ops.batch.lock().unwrap_or_else(|p| p.into_inner()) = batch;
+            *ops.batch.lock().unwrap_or_else(|p| p.into_inner()) =
+                batch.map(|b| Box::new(b) as Registration);
         }
         Lease::new(
             name,
@@ -893,15 +865,6 @@ impl LockBackend for RedisLock {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn keys_are_distinct_and_keep_the_name_verbatim() {
-        let k = Keys::new("app", "a:lock:b *?[x]");
-        assert_eq!(k.lock, "app:lock:a:lock:b *?[x]");
-        assert_eq!(k.fence, "app:fence:a:lock:b *?[x]");
-        assert_eq!(k.queue, "app:queue:a:lock:b *?[x]");
-        assert_ne!(Keys::new("app", "x").lock, Keys::new("app", "x ").lock);
-    }
 
     #[test]
     fn fallback_is_bounded_and_follows_the_holder_ttl() {

@@ -24,8 +24,8 @@ use lockkit_core::backend::{LeaseOps, SuspectReason, TrackerHandle};
 use lockkit_core::{LeaseState, LossReason};
 
 use crate::conn::Conn;
+use crate::core::{RedisLease, ttl_millis};
 use crate::error::{bad_reply, from_redis};
-use crate::lease::{RedisLease, ttl_millis};
 
 /// The most leases renewed by one script call: 1,000 (a call then runs about 2,000 commands on
 /// the server, around a millisecond).

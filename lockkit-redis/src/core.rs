@@ -274,9 +274,9 @@ pub(crate) async fn holds(conn: &Conn, lock_key: &str, owner: &str) -> Result<bo
     Ok(held.as_deref() == Some(owner))
 }
 
-/// A lease's place in its connection's batched renewal (a `renewer::Batched`, opaque here so
-/// that this module need not import the renewer, which imports it): dropping it stops the
-/// lease's renewal.
+/// A lease's place in its connection's batched renewal (a `renewer::Batched`) or in its
+/// client's loss notices (a `watch::Watched`), opaque here so that this module need not import
+/// the modules that import it: dropping it stops the lease's renewal, or its notices.
 pub(crate) type Registration = Box<dyn Send + Sync>;
 
 /// One grant: the lock's keys and the owner value stored in its lock key (the grant's waiter
@@ -289,6 +289,9 @@ pub(crate) struct RedisLease {
     /// The lease's place in its connection's batched renewal; `None` for a lease renewed by hand
     /// (`keepalive(false)`). Taken out at release.
     pub(crate) batch: Mutex<Option<Registration>>,
+    /// The lease's place in its client's loss notices (keyspace events, restarts). Taken out at
+    /// release, before the release's own `DEL`.
+    pub(crate) watched: Mutex<Option<Registration>>,
     pub(crate) self_renewing: bool,
 }
 

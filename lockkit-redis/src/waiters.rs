@@ -225,11 +225,6 @@ impl Hub {
         });
     }
 
-    /// Whether the connection is subscribed now.
-    pub(crate) fn is_connected(&self) -> bool {
-        lock(&self.state).conn.is_some()
-    }
-
     /// Checks that the connection still answers (one `PING`, bounded by the response timeout);
     /// drops it if not, which reopens it when it is kept up. Nothing without a connection.
     ///

@@ -30,7 +30,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
-
 use lockkit_core::backend::{LeaseOps, TrackerHandle};
 use lockkit_core::{LeaseState, LossReason};
 
@@ -62,7 +61,6 @@ struct State {
     by_key: HashMap<String, Vec<Entry>>,
     next: u64,
 }
-
 
 /// The held leases of one client, and what the server's run is.
 pub(crate) struct Watch {
@@ -157,7 +155,11 @@ impl Watch {
     }
 
     /// Adds a held lease (its lock key and owner value are in `lease`) with its tracker.
-    pub(crate) fn register(self: &Arc<Self>, lease: &Arc<RedisLease>, tracker: &TrackerHandle) -> Watched {
+    pub(crate) fn register(
+        self: &Arc<Self>,
+        lease: &Arc<RedisLease>,
+        tracker: &TrackerHandle,
+    ) -> Watched {
         let key = lease.keys.lock.clone();
         let mut st = lock(&self.state);
         let id = st.next;

@@ -595,8 +595,9 @@ async fn waiter_resubscribes_after_its_pubsub_connection_dies() {
         .query_async(&mut conn.clone())
         .await
         .expect("CLIENT KILL");
-    assert_eq!(
-        killed, 1,
+    // The holder's too: both keep one up for keyspace notifications.
+    assert!(
+        killed >= 1,
         "expected to kill the waiter's pub/sub connection"
     );
     until_subscribed("the waiter did not subscribe again").await;

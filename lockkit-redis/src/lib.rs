@@ -73,8 +73,9 @@
 //!   call marks its leases suspect and is retried after TTL/12. `keepalive(false)` leases renew
 //!   with [`Lease::renew`](lockkit_core::Lease::renew), one script each.
 //! - **Loss notices**: a lock key deleted (an admin's `DEL`), expired early (a server clock
-//!   step, a stray `PEXPIRE`) or evicted is heard of within [`LOSS_NOTICE`] (1–3 ms measured on
-//!   loopback), not only at the next renewal (up to TTL/3 later): the waiters' pub/sub
+//!   step, a stray `PEXPIRE`) or evicted is heard of within [`LOSS_NOTICE`] (200 ms; a deletion
+//!   or eviction 0.3–5 ms measured on loopback, an early expiry at the server's next expiry
+//!   cycle, up to ~100 ms), not only at the next renewal (up to TTL/3 later): the waiters' pub/sub
 //!   connection also `PSUBSCRIBE`s to the keyspace channels of the prefix's lock keys
 //!   (`__keyspace@DB__:P:lock:*`,
 //!   <https://redis.io/docs/latest/develop/use/keyspace-notifications/>), and a `del`,
@@ -191,7 +192,7 @@
 //! | FIFO waiters | yes | the release hands the lock to the first live waiter of the queue |
 //! | manual renewal | yes | `keepalive(false)` leases renew with [`Lease::renew`](lockkit_core::Lease::renew) |
 //! | expiry slack | [`EXPIRY_SLACK`] (50 ms) | a waiter wakes up to [`EXPIRY_JITTER`] after the holder's `PTTL`, then needs one round trip |
-//! | loss notice | [`LOSS_NOTICE`] (100 ms) with keyspace notifications, else none (at the next renewal) | see *Loss notices* above |
+//! | loss notice | [`LOSS_NOTICE`] (200 ms) with keyspace notifications, else none (at the next renewal) | see *Loss notices* above |
 //!
 //! **Tokens across restarts.** A server restarted without persistence (or with its data lost)
 //! forgets the fence counter. Because a missing counter starts at the server's `TIME` in

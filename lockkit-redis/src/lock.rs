@@ -313,7 +313,7 @@ impl RedisLock {
     }
 
     /// Within how long a holder hears that the server removed its lock key (deleted, expired
-    /// early, evicted): [`LOSS_NOTICE`] (100 ms) where the server sends keyspace notifications
+    /// early, evicted): [`LOSS_NOTICE`] (200 ms) where the server sends keyspace notifications
     /// (`notify-keyspace-events` with `Kgxe`, found or turned on at connect) and this client may
     /// subscribe to them; `None` otherwise (`CONFIG` renamed or refused, an ACL without the
     /// channel pattern): then a holder hears at its next renewal (the keepalive renews every

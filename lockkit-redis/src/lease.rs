@@ -1,5 +1,6 @@
 //! The [`LeaseOps`] of a Redis grant ([`RedisLease`]): renew is compare-and-pexpire and
-//! release compare-and-delete on the owner value, with the scripts of [`crate::core`].
+//! release compare-and-delete on the owner value (a release frees the lock at once, without
+//! lock-delay), with the scripts of [`crate::core`].
 
 use std::any::Any;
 use std::time::Duration;
@@ -9,26 +10,15 @@ use async_trait::async_trait;
 use lockkit_core::Result;
 use lockkit_core::backend::LeaseOps;
 
-use crate::core::{RENEW, RedisLease, compare_and_delete, holds, ttl_millis};
-use crate::error::{bad_reply, from_redis};
+use crate::core::{RedisLease, compare_and_delete, compare_and_pexpire, holds};
 
 #[async_trait]
 impl LeaseOps for RedisLease {
     async fn renew(&self, ttl: Duration) -> Result<()> {
-        let n: i64 = self
-            .conn
-            .invoke(
-                RENEW
-                    .key(&self.keys.lock)
-                    .arg(&self.owner)
-                    .arg(ttl_millis(ttl)),
-            )
-            .await
-            .map_err(from_redis)?;
-        match n {
-            1 => Ok(()),
-            0 => Err(self.not_held()),
-            _ => Err(bad_reply("renew")),
+        if compare_and_pexpire(&self.conn, &self.keys, &self.owner, ttl, self.delay).await? {
+            Ok(())
+        } else {
+            Err(self.not_held())
         }
     }
 
@@ -42,7 +32,7 @@ impl LeaseOps for RedisLease {
                 .unwrap_or_else(|p| p.into_inner())
                 .take(),
         );
-        if compare_and_delete(&self.conn, &self.keys, &self.owner).await? {
+        if compare_and_delete(&self.conn, &self.keys, &self.owner, None).await? {
             Ok(())
         } else {
             Err(self.not_held())

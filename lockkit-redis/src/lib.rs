@@ -67,6 +67,20 @@
 //!   new one). Waiters are served in FIFO order; one that stops looking (its process died)
 //!   leaves the queue after [`WAITER_TTL`], and a lock handed to it in that window is free
 //!   again after that lease's TTL.
+//! - **Lock-delay** ([`AcquireOptions::lock_delay`](lockkit_core::AcquireOptions::lock_delay)):
+//!   a grant with a delay `d` also sets the key `P:delay:N` (to its waiter ID) with `PX` TTL +
+//!   `d`, and every renewal sets it again with the lock key, so it outlives the lock key by `d`.
+//!   While it exists and the lock key does not (the holder lapsed: unrenewed, its process died,
+//!   its connection lost), the acquire script grants no one and hands the lock to no waiter: a
+//!   try-once acquire gets [`Error::Held`](lockkit_core::Error::Held), and waiters queue and are
+//!   answered the delay key's `PTTL`, so they sleep until it ends (capped as for a holder's
+//!   `PTTL`), then the first live waiter takes the lock. A release (and the cleanup of a cancelled
+//!   acquire, whose grant never reached a caller) deletes it, so the release's hand-off is
+//!   immediate; a hand-off sets it for the new holder from the delay its waiter key carries. A
+//!   kept-alive lease whose renewal was acknowledged only after its deadline is given back as
+//!   lapsed: its lock key is deleted and the delay key set to `d`. The Redis server measures the
+//!   delay from its own expiry of the lock key, so it is never shorter than `d`, and at most
+//!   [`EXPIRY_SLACK`] longer for a waiter.
 //! - **Keepalive** is batched: the leases of one [`RedisLock`] that are kept alive are renewed
 //!   together, by one script per [`RENEW_BATCH`] leases every TTL/3 (of the shortest TTL among
 //!   them), answering per lease: a lease whose key is gone is marked lost alone, and a failed
@@ -99,7 +113,7 @@
 //!   not per lease). A new `run_id` means the server restarted: every lease held through the
 //!   client is lost ([`SessionExpired`](lockkit_core::LossReason::SessionExpired): the server
 //!   run that held it ended), even if persistence brought its key back, and its key is given
-//!   back (compare-and-delete). A lease the new run granted before the client saw the new
+//!   back as lapsed (compare-and-delete; a lock-delay is kept). A lease the new run granted before the client saw the new
 //!   `run_id` is lost too: which run granted it cannot be told cheaply, and stopping early is
 //!   the safe side.
 //! - **ACL users** need the commands `EVAL`, `EVALSHA`, `SCRIPT`, `PING`, `SUBSCRIBE`,
@@ -153,7 +167,8 @@
 //! | `P:lock:N` | the holder's owner value, with the lease's TTL |
 //! | `P:fence:N` | the fence counter (the last token), no expiry |
 //! | `P:queue:N` | the waiters' queue: waiter IDs scored by arrival |
-//! | `P:waiter:ID` | a queued waiter's TTL and client channel, expires after [`WAITER_TTL`] |
+//! | `P:delay:N` | with a lock-delay: the holder's waiter ID, expiring the delay after its lock key (see *Lock-delay*) |
+//! | `P:waiter:ID` | a queued waiter's TTL, TTL + lock-delay and client channel, expires after [`WAITER_TTL`] |
 //! | `P:cancelled:ID` | tombstone of a cancelled acquire (see *Cancel safety*), expires |
 //! | `P:guard:K` | for a key `K` written through [`RedisFence`]: the lock guarding it and the highest token that wrote it, no expiry |
 //! | channel `P:client:CID` | hand-off messages for the waiters of one [`RedisLock`] |
@@ -172,7 +187,7 @@
 //!   patterns (`KEYS`, `SCAN MATCH`, `PSUBSCRIBE`) ever sees them. `*`, `?`, `[`, `:`, spaces
 //!   and any Unicode are plain bytes.
 //! - The prefix may not contain `:`, so in `P:kind:N` the first `:` ends the prefix and the
-//!   second ends the kind (`lock`, `fence` or `cancelled`); the rest is the name (or the owner
+//!   second ends the kind (`lock`, `fence`, `queue`, `delay`, `waiter` or `cancelled`); the rest is the name (or the owner
 //!   value), verbatim. The map
 //!   (prefix, kind, name) → key is therefore one-to-one: two names never share a key, a lock key
 //!   is never a fence key, and two prefixes never share a key.
@@ -191,6 +206,7 @@
 //! | tokens survive restart | yes, with the caveat below | |
 //! | FIFO waiters | yes | the release hands the lock to the first live waiter of the queue |
 //! | manual renewal | yes | `keepalive(false)` leases renew with [`Lease::renew`](lockkit_core::Lease::renew) |
+//! | lock-delay | yes | a key that outlives the lock key by the delay, deleted by a release (see *Lock-delay* above) |
 //! | expiry slack | [`EXPIRY_SLACK`] (50 ms) | a waiter wakes up to [`EXPIRY_JITTER`] after the holder's `PTTL`, then needs one round trip |
 //! | loss notice | [`LOSS_NOTICE`] (200 ms) with keyspace notifications, else none (at the next renewal) | see *Loss notices* above |
 //!

@@ -22,7 +22,8 @@ use lockkit_core::{
 use crate::config::{RedisConfig, TlsFiles, connect_error};
 use crate::conn::Conn;
 use crate::core::{
-    Keys, RENEW, RedisLease, Registration, SERVE_LUA, cancel_attempt, cancel_once, ttl_millis,
+    Keys, RedisLease, Registration, SERVE_LUA, cancel_attempt, cancel_once, compare_and_pexpire,
+    delay_px, ttl_millis,
 };
 use crate::error::{BACKEND, bad_reply, from_redis, timed_out};
 use crate::renewer::Renewer;
@@ -53,12 +54,16 @@ pub const EXPIRY_SLACK: Duration = Duration::from_millis(50);
 pub const WAITER_TTL: Duration = Duration::from_secs(3);
 
 /// The acquire script (with [`SERVE_LUA`]). `KEYS[1]` lock key, `KEYS[2]` fence counter key,
-/// `KEYS[3]` queue, `KEYS[4]` the waiter ID's tombstone key; `ARGV[1]` waiter-key prefix,
-/// `ARGV[2]` the acquire's waiter ID (also the owner value of its grant), `ARGV[3]` TTL in ms,
-/// `ARGV[4]` the client's hand-off channel (`''`: do not queue), `ARGV[5]` [`WAITER_TTL`] in ms.
+/// `KEYS[3]` queue, `KEYS[4]` lock-delay key, `KEYS[5]` the waiter ID's tombstone key; `ARGV[1]`
+/// waiter-key prefix, `ARGV[2]` the acquire's waiter ID (also the owner value of its grant),
+/// `ARGV[3]` TTL in ms, `ARGV[4]` the client's hand-off channel (`''`: do not queue), `ARGV[5]`
+/// [`WAITER_TTL`] in ms, `ARGV[6]` TTL + lock-delay in ms (`0`: no lock-delay).
 ///
 /// - A tombstone means the ID was retired and its cleanup ran first (it came on another
 ///   connection): `{2, 0, ''}`, nothing touched.
+/// - No lock key but a lock-delay key: the last holder lapsed with a lock-delay, and nobody gets
+///   the lock before the delay key expires. As for a held lock, but with the delay key's `PTTL`
+///   and no holder: `{0, PTTL, ''}`.
 /// - The lock key holds our ID (a release handed it to us): the TTL is set anew from now and
 ///   the token read back, `{1, token, ''}`.
 /// - Free lock (`SET NX PX … GET` set it to our ID, Redis 7.0+): if live waiters queue before
@@ -71,18 +76,37 @@ pub const WAITER_TTL: Duration = Duration::from_secs(3);
 ///   existing entry keeps its place) and refresh our waiter key; `{0, PTTL, holder}` (the holder's remaining TTL in ms, or -1 for a key without
 ///   expiry).
 ///
+/// A grant with a lock-delay sets the delay key to our ID with TTL + delay.
+///
 /// Lua numbers are doubles: tokens stay exact below 2^53 µs (the year 2255).
 /// See <https://redis.io/docs/latest/commands/set/> and <https://redis.io/docs/latest/commands/zadd/>.
 static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(&format!(
         r"{SERVE_LUA}
-if redis.call('EXISTS', KEYS[4]) == 1 then
+if redis.call('EXISTS', KEYS[5]) == 1 then
   return {{2, 0, ''}}
 end
 local me = ARGV[2]
+local function wait(pttl, holder)
+  if ARGV[4] ~= '' then
+    local now = redis.call('TIME')
+    redis.call('ZADD', KEYS[3], 'NX', tonumber(now[1]) * 1000000 + tonumber(now[2]), me)
+    redis.call('SET', ARGV[1] .. me, ARGV[3] .. ' ' .. ARGV[6] .. ' ' .. ARGV[4], 'PX', ARGV[5])
+  end
+  return {{0, pttl, holder}}
+end
+local function delay()
+  if ARGV[6] ~= '0' then
+    redis.call('SET', KEYS[4], me, 'PX', ARGV[6])
+  end
+end
+if redis.call('EXISTS', KEYS[1]) == 0 and redis.call('EXISTS', KEYS[4]) == 1 then
+  return wait(redis.call('PTTL', KEYS[4]), '')
+end
 local v = redis.call('SET', KEYS[1], me, 'NX', 'PX', ARGV[3], 'GET')
 if v == me then
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
+  delay()
   return {{1, tonumber(redis.call('GET', KEYS[2])) or bump(), ''}}
 end
 if not v then
@@ -93,15 +117,11 @@ if not v then
       redis.call('DEL', KEYS[1])
       return redis.error_reply('lockkit: the fence counter is not an integer')
     end
+    delay()
     return {{1, t, ''}}
   end
 end
-if ARGV[4] ~= '' then
-  local now = redis.call('TIME')
-  redis.call('ZADD', KEYS[3], 'NX', tonumber(now[1]) * 1000000 + tonumber(now[2]), me)
-  redis.call('SET', ARGV[1] .. me, ARGV[3] .. ' ' .. ARGV[4], 'PX', ARGV[5])
-end
-return {{0, redis.call('PTTL', KEYS[1]), v}}
+return wait(redis.call('PTTL', KEYS[1]), v)
 "
     ))
 });
@@ -129,8 +149,10 @@ lock while the old holder still reads Held until the client sees the server's ne
 pub/sub connection is back, or at the next keepalive tick) or its next renewal fails. A lock key \
 deleted, expired early or evicted is heard of within LOSS_NOTICE where the server sends keyspace \
 notifications (turned on at connect), else at the next renewal (up to TTL/3 later). Waiters are \
-served in queue order (a waiter that stops looking drops out after WAITER_TTL). Fence counters are \
-never deleted: one small key per lock name ever used.";
+served in queue order (a waiter that stops looking drops out after WAITER_TTL). Lock-delay: a \
+key with TTL + delay beside the lock key, so a holder that lapses keeps the lock from everyone \
+until the delay after its key expired; a release deletes it. Fence counters are never deleted: one \
+small key per lock name ever used.";
 
 /// A lock service on one Redis server (an **efficiency** lock: see [`Guarantees`] and the crate
 /// docs).
@@ -378,6 +400,7 @@ impl RedisLock {
         &self,
         call: &Call,
         ttl: Duration,
+        delay: Option<Duration>,
         route: Option<&Waiting>,
     ) -> Result<Attempt> {
         let keys = &call.keys;
@@ -397,12 +420,14 @@ impl RedisLock {
                     .key(&keys.lock)
                     .key(&keys.fence)
                     .key(&keys.queue)
+                    .key(&keys.delay)
                     .key(keys.tombstone(&me))
                     .arg(&keys.waiter_prefix)
                     .arg(&me)
                     .arg(ttl_millis(ttl))
                     .arg(channel)
-                    .arg(ttl_millis(WAITER_TTL)),
+                    .arg(ttl_millis(WAITER_TTL))
+                    .arg(delay_px(ttl, delay)),
             )
             .await
         {
@@ -478,6 +503,7 @@ impl RedisLock {
             batch: Mutex::new(None),
             watched: Mutex::new(None),
             self_renewing: opts.keepalive,
+            delay: opts.effective_lock_delay(),
         });
         let watched = self.inner.hub.watch().register(&ops, &tracker);
         *ops.watched.lock().unwrap_or_else(|p| p.into_inner()) = Some(Box::new(watched));
@@ -742,6 +768,7 @@ impl LockBackend for RedisLock {
         opts.validate()?;
         let start = Instant::now();
         let deadline = wait_deadline(opts.wait, start);
+        let delay = opts.effective_lock_delay();
         let keys = Keys::new(self.prefix(), name);
         let timeout = || Error::Timeout {
             name: name.to_owned(),
@@ -764,7 +791,7 @@ impl LockBackend for RedisLock {
                 }
             }
             let attempt = retry_transient(&opts, deadline, || {
-                self.attempt(&call, opts.ttl, route.as_ref())
+                self.attempt(&call, opts.ttl, delay, route.as_ref())
             })
             .await?;
             let pttl = match attempt {
@@ -845,13 +872,10 @@ impl LockBackend for RedisLock {
                         // now rather than hand it out suspect or lost. If that fails, the next
                         // look finds out where the lock stands.
                         let sent = Instant::now();
-                        let renewed: Result<i64> = self
-                            .inner
-                            .conn
-                            .invoke(RENEW.key(&keys.lock).arg(&me).arg(ttl_millis(opts.ttl)))
-                            .await
-                            .map_err(from_redis);
-                        if !matches!(renewed, Ok(1)) {
+                        let renewed =
+                            compare_and_pexpire(&self.inner.conn, &keys, &me, opts.ttl, delay)
+                                .await;
+                        if !matches!(renewed, Ok(true)) {
                             continue;
                         }
                         tracker = TrackerHandle::new(sent, opts.ttl);
@@ -870,6 +894,7 @@ impl LockBackend for RedisLock {
         g.safe_across_failover = false;
         g.fifo_waiters = true;
         g.manual_renewal = true;
+        g.lock_delay = true;
         g.expiry_slack = EXPIRY_SLACK;
         g.loss_notice = self.loss_notice();
         g.notes = NOTES;

@@ -23,28 +23,33 @@ use redis::Script;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use lockkit_core::backend::{LeaseOps, SuspectReason, TrackerHandle};
+use lockkit_core::backend::{SuspectReason, TrackerHandle};
 use lockkit_core::{LeaseState, LossReason};
 
 use crate::conn::Conn;
-use crate::core::{RedisLease, ttl_millis};
+use crate::core::{RedisLease, delay_px, ttl_millis};
 use crate::error::{bad_reply, from_redis};
 use crate::waiters::Hub;
 
-/// The most leases renewed by one script call: 1,000 (a call then runs about 2,000 commands on
-/// the server, around a millisecond).
+/// The most leases renewed by one script call: 1,000 (a call then runs two or three commands
+/// per lease on the server, around a millisecond).
 pub const BATCH: usize = 1000;
 
-/// Batched compare-and-pexpire. `KEYS[i]` lock keys; `ARGV[2i-1]` owner value, `ARGV[2i]` TTL in
-/// ms. Returns one integer per key: 1 if it held our value and was extended, 0 otherwise (a
-/// lapsed lock is never re-taken).
+/// Batched compare-and-pexpire. `KEYS[2i-1]` lock keys, `KEYS[2i]` their lock-delay keys;
+/// `ARGV[3i-2]` owner value, `ARGV[3i-1]` TTL in ms, `ARGV[3i]` TTL + lock-delay in ms (`0`: no
+/// delay, the delay key is not touched). Returns one integer per lease: 1 if its lock key held
+/// our value and was extended (with its delay key), 0 otherwise (a lapsed lock is never
+/// re-taken).
 static RENEW_BATCH: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
 local r = {}
-for i = 1, #KEYS do
-  if redis.call('GET', KEYS[i]) == ARGV[2 * i - 1] then
-    r[i] = redis.call('PEXPIRE', KEYS[i], ARGV[2 * i])
+for i = 1, #KEYS / 2 do
+  if redis.call('GET', KEYS[2 * i - 1]) == ARGV[3 * i - 2] then
+    if ARGV[3 * i] ~= '0' then
+      redis.call('SET', KEYS[2 * i], ARGV[3 * i - 2], 'PX', ARGV[3 * i])
+    end
+    r[i] = redis.call('PEXPIRE', KEYS[2 * i - 1], ARGV[3 * i - 1])
   else
     r[i] = 0
   end
@@ -219,8 +224,10 @@ impl Renewer {
         let mut inv = RENEW_BATCH.prepare_invoke();
         for (lease, tracker) in chunk {
             inv.key(&lease.keys.lock)
+                .key(&lease.keys.delay)
                 .arg(&lease.owner)
-                .arg(ttl_millis(tracker.ttl()));
+                .arg(ttl_millis(tracker.ttl()))
+                .arg(delay_px(tracker.ttl(), lease.delay));
         }
         let earliest = chunk
             .iter()
@@ -252,10 +259,11 @@ impl Renewer {
             if flag == 1 {
                 if !tracker.confirm(sent) {
                     // Acknowledged too late: the holder has been told it lost the lock, so give
-                    // the lock back rather than keep a lease nobody uses.
+                    // the lock back rather than keep a lease nobody uses — as lapsed, keeping
+                    // its lock-delay (the holder may still have writes in flight).
                     let lease = lease.clone();
                     tokio::spawn(async move {
-                        let _ = lease.release().await;
+                        let _ = lease.give_back_lapsed().await;
                     });
                 }
             } else if tracker.state() != LeaseState::Lost && lease.is_batched() {

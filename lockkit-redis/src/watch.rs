@@ -20,7 +20,7 @@
 //!   [`Lost`](lockkit_core::LeaseState::Lost) with
 //!   [`SessionExpired`](LossReason::SessionExpired) (the server run that held it ended; even
 //!   with persistence the restart may have dropped its last writes), and its key is given back
-//!   (compare-and-delete) in case it survived. A lease the new run granted before the client
+//!   as lapsed (compare-and-delete, keeping a lock-delay) in case it survived. A lease the new run granted before the client
 //!   saw the new `run_id` is lost too (which run granted it cannot be told apart cheaply): the
 //!   holder stops early, and the lock is free again at once.
 
@@ -30,7 +30,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
-use lockkit_core::backend::{LeaseOps, TrackerHandle};
+use lockkit_core::backend::TrackerHandle;
 use lockkit_core::{LeaseState, LossReason};
 
 use crate::conn::Conn;
@@ -280,10 +280,11 @@ impl Watch {
         tracing::warn!(old_run_id = %old, new_run_id = %now, lost = held.len(),
             "the redis server restarted: every lease held through this client is lost");
         if let (false, Ok(rt)) = (held.is_empty(), tokio::runtime::Handle::try_current()) {
-            // Give back keys that survived (persistence) or that the new run granted.
+            // Give back keys that survived (persistence) or that the new run granted, as lapsed:
+            // a lock-delay is kept (the holders may still have writes in flight).
             rt.spawn(async move {
                 for lease in held.iter().filter_map(Weak::upgrade) {
-                    let _ = lease.release().await;
+                    let _ = lease.give_back_lapsed().await;
                 }
             });
         }

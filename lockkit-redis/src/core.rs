@@ -360,9 +360,9 @@ pub(crate) async fn holds(conn: &Conn, lock_key: &str, owner: &str) -> Result<bo
     Ok(held.as_deref() == Some(owner))
 }
 
-/// A lease's place in its connection's batched renewal (a `renewer::Batched`, opaque here so
-/// that this module need not import the renewer, which imports it): dropping it stops the
-/// lease's renewal.
+/// A lease's place in its connection's batched renewal (a `renewer::Batched`) or in its
+/// client's loss notices (a `watch::Watched`), opaque here so that this module need not import
+/// the modules that import it: dropping it stops the lease's renewal, or its notices.
 pub(crate) type Registration = Box<dyn Send + Sync>;
 
 /// One grant: the lock's keys and the owner value stored in its lock key (the grant's waiter
@@ -375,6 +375,9 @@ pub(crate) struct RedisLease {
     /// The lease's place in its connection's batched renewal; `None` for a lease renewed by hand
     /// (`keepalive(false)`). Taken out at release.
     pub(crate) batch: Mutex<Option<Registration>>,
+    /// The lease's place in its client's loss notices (keyspace events, restarts). Taken out at
+    /// release, before the release's own `DEL`.
+    pub(crate) watched: Mutex<Option<Registration>>,
     pub(crate) self_renewing: bool,
     /// The grant's lock-delay ([`AcquireOptions::effective_lock_delay`](lockkit_core::AcquireOptions::effective_lock_delay)).
     pub(crate) delay: Option<Duration>,
@@ -408,6 +411,12 @@ impl RedisLease {
     /// As [`compare_and_delete`].
     pub(crate) async fn give_back_lapsed(&self) -> Result<bool> {
         drop(self.batch.lock().unwrap_or_else(|p| p.into_inner()).take());
+        drop(
+            self.watched
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .take(),
+        );
         compare_and_delete(&self.conn, &self.keys, &self.owner, self.delay).await
     }
 

@@ -23,8 +23,15 @@ impl LeaseOps for RedisLease {
     }
 
     async fn release(&self) -> Result<()> {
-        // Out of the batch first, so that no renewal of a released lease is sent.
+        // Out of the batch first, so that no renewal of a released lease is sent, and out of
+        // the loss notices, so that the release's own DEL is not taken for a loss.
         drop(self.batch.lock().unwrap_or_else(|p| p.into_inner()).take());
+        drop(
+            self.watched
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .take(),
+        );
         if compare_and_delete(&self.conn, &self.keys, &self.owner, None).await? {
             Ok(())
         } else {

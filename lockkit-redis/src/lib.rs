@@ -86,8 +86,40 @@
 //!   them), answering per lease: a lease whose key is gone is marked lost alone, and a failed
 //!   call marks its leases suspect and is retried after TTL/12. `keepalive(false)` leases renew
 //!   with [`Lease::renew`](lockkit_core::Lease::renew), one script each.
-//! - **ACL users** need the commands `EVAL`, `EVALSHA`, `SCRIPT`, `PING` and `SUBSCRIBE`,
-//!   and the keys and channels under the prefix
+//! - **Loss notices**: a lock key deleted (an admin's `DEL`), expired early (a server clock
+//!   step, a stray `PEXPIRE`) or evicted is heard of within [`LOSS_NOTICE`] (200 ms; a deletion
+//!   or eviction 0.3–5 ms measured on loopback, an early expiry at the server's next expiry
+//!   cycle, up to ~100 ms), not only at the next renewal (up to TTL/3 later): the waiters' pub/sub
+//!   connection also `PSUBSCRIBE`s to the keyspace channels of the prefix's lock keys
+//!   (`__keyspace@DB__:P:lock:*`,
+//!   <https://redis.io/docs/latest/develop/use/keyspace-notifications/>), and a `del`,
+//!   `expired` or `evicted` event for a key held through this client costs one `GET`: if the
+//!   key is no longer the lease's, the lease is lost
+//!   ([`NotHeldOnServer`](lockkit_core::LossReason::NotHeldOnServer)). Connecting reads
+//!   `notify-keyspace-events` and adds what is missing of `Kgxe` with `CONFIG SET` (keeping
+//!   the flags already set); where `CONFIG` is renamed or refused (managed services) a warning
+//!   is logged, holders hear at their next renewal, and
+//!   [`Guarantees::loss_notice`](lockkit_core::Guarantees::loss_notice) (and
+//!   [`RedisLock::loss_notice`]) is `None`. The connection is then kept up: reopened with
+//!   backoff when it drops, and `PING`ed once per keepalive tick (a silent one is replaced).
+//!   While it is down, holders hear at their next renewal.
+//! - **Server checks at connect**: a nonzero `maxmemory` with any `maxmemory-policy` but
+//!   `noeviction` can evict lock keys (the `volatile-*` policies evict keys with a TTL, which
+//!   lock keys have; read with `CONFIG GET`, or `INFO memory` without `CONFIG`): a warning, or
+//!   with [`RedisConfig::strict`] (`strict=true`) the connect fails with
+//!   [`Error::InvalidConfig`](lockkit_core::Error::InvalidConfig) naming the policy.
+//! - **Restarts**: the server's `run_id` (`INFO server`) is read at connect, when the pub/sub
+//!   connection comes back after a drop, and once per keepalive tick (one `INFO` per client,
+//!   not per lease). A new `run_id` means the server restarted: every lease held through the
+//!   client is lost ([`SessionExpired`](lockkit_core::LossReason::SessionExpired): the server
+//!   run that held it ended), even if persistence brought its key back, and its key is given
+//!   back as lapsed (compare-and-delete; a lock-delay is kept). A lease the new run granted before the client saw the new
+//!   `run_id` is lost too: which run granted it cannot be told cheaply, and stopping early is
+//!   the safe side.
+//! - **ACL users** need the commands `EVAL`, `EVALSHA`, `SCRIPT`, `PING`, `SUBSCRIBE`,
+//!   `PSUBSCRIBE` and `INFO` (and `CONFIG` for the checks above; without it they fall back as
+//!   described), and the keys and channels under the prefix (and the channel pattern
+//!   `__keyspace@DB__:P:lock:*`)
 //!   (<https://redis.io/docs/latest/operate/oss_and_stack/management/security/acl/>). Without
 //!   channel permission (Redis 7's default `acl-pubsub-default resetchannels`) locks still work:
 //!   the hand-off `PUBLISH` is best effort, and waiters poll about once a second (a warning is
@@ -176,6 +208,7 @@
 //! | manual renewal | yes | `keepalive(false)` leases renew with [`Lease::renew`](lockkit_core::Lease::renew) |
 //! | lock-delay | yes | a key that outlives the lock key by the delay, deleted by a release (see *Lock-delay* above) |
 //! | expiry slack | [`EXPIRY_SLACK`] (50 ms) | a waiter wakes up to [`EXPIRY_JITTER`] after the holder's `PTTL`, then needs one round trip |
+//! | loss notice | [`LOSS_NOTICE`] (200 ms) with keyspace notifications, else none (at the next renewal) | see *Loss notices* above |
 //!
 //! **Tokens across restarts.** A server restarted without persistence (or with its data lost)
 //! forgets the fence counter. Because a missing counter starts at the server's `TIME` in
@@ -188,11 +221,12 @@
 //! numbers are doubles), which `TIME` in µs reaches in the year 2255.
 //!
 //! A lease's TTL also stops mattering if the server restarts with its data lost: the lock is
-//! free at once, and a waiter gets it while the old holder's lease still reads
-//! [`Held`](lockkit_core::LeaseState::Held) until its next renewal (the keepalive renews at
-//! about TTL/3, so for up to TTL/3) fails with [`Error::NotHeld`](lockkit_core::Error::NotHeld)
-//! and the lease becomes lost. This is why this is an efficiency lock: two holders can overlap,
-//! and only the new holder's larger token, checked by the fenced resource, keeps data safe.
+//! free at once, and a waiter may get it while the old holder's lease still reads
+//! [`Held`](lockkit_core::LeaseState::Held) until the client sees the new `run_id` (when its
+//! pub/sub connection comes back, with backoff of up to 4 s, or at the next keepalive tick,
+//! TTL/3) or a renewal fails with [`Error::NotHeld`](lockkit_core::Error::NotHeld), and the
+//! lease becomes lost. This is why this is an efficiency lock: two holders can overlap, and only
+//! the new holder's larger token, checked by the fenced resource, keeps data safe.
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations)]
 #![deny(rustdoc::broken_intra_doc_links)]
@@ -206,7 +240,9 @@ mod fence;
 mod lease;
 mod lock;
 mod renewer;
+mod server;
 mod waiters;
+mod watch;
 
 pub use config::{
     DEFAULT_CONNECT_TIMEOUT, DEFAULT_PREFIX, DEFAULT_RESPONSE_TIMEOUT, MAX_CA_FILE_BYTES,
@@ -215,6 +251,7 @@ pub use config::{
 pub use fence::RedisFence;
 pub use lock::{EXPIRY_JITTER, EXPIRY_SLACK, MAX_WAIT_POLL, RedisLock, WAITER_TTL};
 pub use renewer::BATCH as RENEW_BATCH;
+pub use watch::LOSS_NOTICE;
 
 /// The redis crate this backend is built on, for users who need its types.
 #[doc(no_inline)]

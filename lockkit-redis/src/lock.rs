@@ -27,7 +27,9 @@ use crate::core::{
 };
 use crate::error::{BACKEND, bad_reply, from_redis, timed_out};
 use crate::renewer::Renewer;
+use crate::server;
 use crate::waiters::{Hub, Waiting};
+use crate::watch::{LOSS_NOTICE, Watch};
 
 /// The longest a waiter sleeps without looking at the lock again, when no release message
 /// arrives: about 1 s (jittered down by up to 10 %).
@@ -143,7 +145,10 @@ expires, started at the server's TIME in µs whenever it is missing, so they kee
 restarts without persistence as long as the server's wall clock never steps backwards and the lock \
 is granted fewer than once per µs on average. A failover to an asynchronously replicated replica can \
 grant a held lock a second time, and so can a restart that loses the data: a waiter may get the \
-lock while the old holder still reads Held until its next renewal (up to TTL/3 later). Waiters are \
+lock while the old holder still reads Held until the client sees the server's new run_id (when its \
+pub/sub connection is back, or at the next keepalive tick) or its next renewal fails. A lock key \
+deleted, expired early or evicted is heard of within LOSS_NOTICE where the server sends keyspace \
+notifications (turned on at connect), else at the next renewal (up to TTL/3 later). Waiters are \
 served in queue order (a waiter that stops looking drops out after WAITER_TTL). Lock-delay: a \
 key with TTL + delay beside the lock key, so a holder that lapses keeps the lock from everyone \
 until the delay after its key expired; a release deletes it. Fence counters are never deleted: one \
@@ -300,14 +305,49 @@ impl RedisLock {
             Err(_) => return Err(timed_out("connecting to redis", ct)),
         };
         let conn = Conn::new(client.clone(), manager, conn);
+        let facts = match tokio::time::timeout(ct, server::inspect(&conn, config.strict)).await {
+            Ok(r) => r?,
+            Err(_) => return Err(timed_out("checking the server's configuration", ct)),
+        };
+        let watch = Watch::new(
+            conn.clone(),
+            config.db_number(),
+            &config.prefix,
+            facts.notifications,
+            facts.run_id,
+        );
+        let hub = Hub::new(client, &config.prefix, ct, rt, watch);
+        if hub.watch().notifications() {
+            // Subscribed before the first lease exists; if this fails, it is retried in the
+            // background (or, refused, notifications are off: see `loss_notice`).
+            if let Err(e) = hub.keep_up().await {
+                tracing::debug!(error = %e, "the pub/sub connection for loss notices is not up yet");
+            }
+        }
         Ok(Self {
             inner: Arc::new(Inner {
-                renewer: Renewer::new(conn.clone()),
+                renewer: Renewer::new(conn.clone(), hub.clone()),
                 conn,
-                hub: Hub::new(client, &config.prefix, ct, rt),
+                hub,
                 config,
             }),
         })
+    }
+
+    /// Within how long a holder hears that the server removed its lock key (deleted, expired
+    /// early, evicted): [`LOSS_NOTICE`] (200 ms) where the server sends keyspace notifications
+    /// (`notify-keyspace-events` with `Kgxe`, found or turned on at connect) and this client may
+    /// subscribe to them; `None` otherwise (`CONFIG` renamed or refused, an ACL without the
+    /// channel pattern): then a holder hears at its next renewal (the keepalive renews every
+    /// TTL/3) or [`check`](lockkit_core::Lease::check). Also
+    /// [`Guarantees::loss_notice`]. While the pub/sub connection is down (until it is
+    /// reopened, with backoff) holders hear at their next renewal too.
+    pub fn loss_notice(&self) -> Option<Duration> {
+        self.inner
+            .hub
+            .watch()
+            .notifications()
+            .then_some(LOSS_NOTICE)
     }
 
     /// The key prefix of this client.
@@ -461,9 +501,12 @@ impl RedisLock {
             keys,
             owner,
             batch: Mutex::new(None),
+            watched: Mutex::new(None),
             self_renewing: opts.keepalive,
             delay: opts.effective_lock_delay(),
         });
+        let watched = self.inner.hub.watch().register(&ops, &tracker);
+        *ops.watched.lock().unwrap_or_else(|p| p.into_inner()) = Some(Box::new(watched));
         if opts.keepalive {
             // Registered once the lease exists: the renewer drops entries whose lease is gone.
             let batch = self.inner.renewer.register(Arc::downgrade(&ops), &tracker);
@@ -853,6 +896,7 @@ impl LockBackend for RedisLock {
         g.manual_renewal = true;
         g.lock_delay = true;
         g.expiry_slack = EXPIRY_SLACK;
+        g.loss_notice = self.loss_notice();
         g.notes = NOTES;
         g
     }

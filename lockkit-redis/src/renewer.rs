@@ -9,6 +9,9 @@
 //! per lease, so a lease whose key is gone is marked lost alone, and a batch whose call failed
 //! marks only its own leases suspect (retried after `TTL/12`).
 //!
+//! Each tick also starts, in the background, the client's once-per-tick checks (see
+//! `waiters.rs`): a `PING` of the pub/sub connection and the server's `run_id`.
+//!
 //! The task runs while leases are registered and ends with the last one.
 
 use std::collections::HashMap;
@@ -26,6 +29,7 @@ use lockkit_core::{LeaseState, LossReason};
 use crate::conn::Conn;
 use crate::core::{RedisLease, delay_px, ttl_millis};
 use crate::error::{bad_reply, from_redis};
+use crate::waiters::Hub;
 
 /// The most leases renewed by one script call: 1,000 (a call then runs two or three commands
 /// per lease on the server, around a millisecond).
@@ -74,6 +78,8 @@ struct State {
 /// The renewer of one connection.
 pub(crate) struct Renewer {
     conn: Conn,
+    /// The client's pub/sub side, checked once per tick.
+    hub: Arc<Hub>,
     state: Mutex<State>,
     /// Wakes the task when a lease with a shorter TTL than the current tick arrives.
     notify: Notify,
@@ -104,9 +110,10 @@ impl Drop for Batched {
 }
 
 impl Renewer {
-    pub(crate) fn new(conn: Conn) -> Arc<Self> {
+    pub(crate) fn new(conn: Conn, hub: Arc<Hub>) -> Arc<Self> {
         Arc::new(Self {
             conn,
+            hub,
             state: Mutex::new(State::default()),
             notify: Notify::new(),
         })
@@ -188,6 +195,7 @@ impl Renewer {
                 _ = me.notify.notified() => continue,
             }
             last = Instant::now();
+            me.hub.tick();
             retry_at = if me.renew_all().await {
                 None
             } else {

@@ -23,7 +23,7 @@ use etcd_client::{
     Client, Compare, CompareOp, DeleteOptions, EventType, GetOptions, SortOrder, SortTarget, Txn,
     TxnOp, WatchFilterType, WatchOptions,
 };
-use lockkit_core::backend::{LeaseOps, SuspectReason, TrackerHandle};
+use lockkit_core::backend::{Backoff, LeaseOps, SuspectReason, TrackerHandle};
 use lockkit_core::{Error, Instant, LeaseState, LossReason, Result, async_trait};
 use tokio::sync::{Notify, watch};
 
@@ -666,8 +666,8 @@ async fn delete_phantom(client: &Client, key: &[u8], limit: Duration) {
     let _ = tokio::time::timeout(limit, kv.txn(txn)).await;
 }
 
-/// Deletes `key` (only if its create revision is still `rev`, when given), retrying with backoff
-/// (50 ms doubling up to 2 s) until etcd confirms the delete or `shared` is lost on the client
+/// Deletes `key` (only if its create revision is still `rev`, when given), retrying with [`Backoff`]
+/// (50 ms doubling up to 2 s, with jitter) until etcd confirms the delete or `shared` is lost on the client
 /// side (then the etcd lease, no longer renewed, takes the key with it within its TTL). Never
 /// gives up while the lease lives: a key left on a lease that other locks keep alive would block
 /// its lock for as long as they do. Returns whether the delete was confirmed.
@@ -679,7 +679,7 @@ pub(crate) async fn delete_while_lease_lives(
     shared: &SharedLease,
 ) -> bool {
     let mut kv = client.kv_client();
-    let mut delay = Duration::from_millis(50);
+    let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
     let lost = shared.master.view().lost();
     tokio::pin!(lost);
     loop {
@@ -704,10 +704,9 @@ pub(crate) async fn delete_while_lease_lives(
             }
         }
         tokio::select! {
-            _ = tokio::time::sleep(delay) => {}
+            _ = tokio::time::sleep(backoff.next_delay()) => {}
             _ = &mut lost => return false,
         }
-        delay = (delay * 2).min(Duration::from_secs(2));
     }
 }
 
@@ -828,10 +827,14 @@ pub(crate) fn watch_own_key(lease: &Arc<EtcdLease>, tracker: TrackerHandle) {
     rt.spawn(async move {
         let watch = async {
             let mut from = rev + 1;
-            let mut pause = Duration::from_millis(50);
+            let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
             loop {
                 match watch_for_delete(&client, &key, from).await {
                     WatchEnd::Deleted => return true,
+                    // The stream had been set up, so etcd was reachable: back off from the
+                    // first step again.
+                    WatchEnd::Broken { opened: true } => backoff.reset(),
+                    WatchEnd::Broken { opened: false } => {}
                     WatchEnd::Compacted => {
                         if let Ok(resp) = client.kv_client().get(key.clone(), None).await {
                             let ours = resp
@@ -844,10 +847,8 @@ pub(crate) fn watch_own_key(lease: &Arc<EtcdLease>, tracker: TrackerHandle) {
                             from = resp.header().map_or(from, |h| h.revision() + 1);
                         }
                     }
-                    WatchEnd::Broken => {}
                 }
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(Duration::from_secs(1));
+                tokio::time::sleep(backoff.next_delay()).await;
             }
         };
         tokio::select! {
@@ -870,7 +871,10 @@ pub(crate) fn watch_own_key(lease: &Arc<EtcdLease>, tracker: TrackerHandle) {
 enum WatchEnd {
     Deleted,
     Compacted,
-    Broken,
+    /// The stream could not be set up (`opened: false`) or ended after it was.
+    Broken {
+        opened: bool,
+    },
 }
 
 /// One watch stream on `key` from revision `from`, deletes only, until the key is deleted or
@@ -880,7 +884,7 @@ async fn watch_for_delete(client: &Client, key: &[u8], from: i64) -> WatchEnd {
         .with_start_revision(from)
         .with_filters([WatchFilterType::NoPut]);
     let Ok(mut stream) = client.watch_client().watch(key.to_vec(), Some(opts)).await else {
-        return WatchEnd::Broken;
+        return WatchEnd::Broken { opened: false };
     };
     loop {
         match stream.message().await {
@@ -896,11 +900,11 @@ async fn watch_for_delete(client: &Client, key: &[u8], from: i64) -> WatchEnd {
                     return if resp.compact_revision() > 0 {
                         WatchEnd::Compacted
                     } else {
-                        WatchEnd::Broken
+                        WatchEnd::Broken { opened: true }
                     };
                 }
             }
-            Ok(None) | Err(_) => return WatchEnd::Broken,
+            Ok(None) | Err(_) => return WatchEnd::Broken { opened: true },
         }
     }
 }

@@ -27,7 +27,7 @@ use etcd_client::{
     SortTarget, Txn, TxnOp, TxnOpResponse, WatchFilterType, WatchOptions,
 };
 use lockkit_core::backend::{
-    LockBackend, TrackerHandle, retry_transient, validate_name, wait_deadline,
+    Backoff, LockBackend, TrackerHandle, retry_transient, validate_name, wait_deadline,
 };
 use lockkit_core::{
     AcquireOptions, Error, FencingToken, Guarantees, HolderInfo, Instant, Lease, LeaseState,
@@ -421,7 +421,8 @@ impl EtcdLock {
         opts: &AcquireOptions,
     ) -> Result<()> {
         let mut failures = 0usize;
-        let mut delay = opts.retry.map(|r| r.min_delay).unwrap_or_default();
+        let policy = opts.retry.unwrap_or_default();
+        let mut backoff = Backoff::new(policy.min_delay, policy.max_delay);
         loop {
             let recheck = (opts.ttl / 2).clamp(RECHECK_MIN, RECHECK_MAX);
             match self
@@ -429,15 +430,19 @@ impl EtcdLock {
                 .await
             {
                 Ok(Turn::Mine) => return Ok(()),
-                Ok(Turn::Again) => failures = 0,
+                Ok(Turn::Again) => {
+                    // A round that reached etcd: the next outage starts from the first step.
+                    failures = 0;
+                    backoff.reset();
+                }
                 Err(e) if e.is_retryable() => {
                     failures += 1;
-                    let Some(policy) = opts.retry.filter(|p| failures <= p.max_retries) else {
+                    if opts.retry.is_none_or(|p| failures > p.max_retries) {
                         return Err(e);
-                    };
+                    }
+                    let delay = backoff.next_delay();
                     tracing::debug!(error = %e, ?delay, "etcd unavailable while waiting; retrying");
                     tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(policy.max_delay);
                 }
                 Err(e) => return Err(e),
             }
@@ -721,7 +726,7 @@ impl Drop for RevokeOnDrop {
         let (client, limit) = (self.client.clone(), self.limit);
         rt.spawn(async move {
             let mut lc = client.lease_client();
-            let mut delay = Duration::from_millis(50);
+            let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
             loop {
                 match timed(limit, "a lease revoke", lc.revoke(shared.id)).await {
                     Ok(_) => break,
@@ -731,11 +736,11 @@ impl Drop for RevokeOnDrop {
                         tracing::debug!(error = %e, "revoking a private etcd lease failed; retrying");
                     }
                 }
+                let delay = backoff.next_delay();
                 if Instant::now() + delay >= shared.master.valid_until() {
                     break;
                 }
                 tokio::time::sleep(delay).await;
-                delay = (delay * 2).min(Duration::from_secs(2));
             }
             shared.mark_lost(LossReason::Released);
         });

@@ -36,11 +36,12 @@ use lockkit_core::{
 use tokio::sync::watch;
 
 use crate::config::EtcdConfig;
-use crate::error::{self, BACKEND, from_client, is_lease_not_found};
-use crate::lease::{
-    Binding, EtcdLease, Reservation, SharedLease, TaskCtx, delete_while_lease_lives, holder_read,
-    keepalive_task, timed, ttl_secs, with_retries,
+use crate::core::{
+    Reservation, SharedLease, TaskCtx, delete_while_lease_lives, holder_read, keepalive_task,
+    timed, ttl_secs, with_retries,
 };
+use crate::error::{self, BACKEND, from_client, is_lease_not_found};
+use crate::lease::{Binding, EtcdLease};
 
 /// The least time a timed acquire gets (capped by the request timeout), even with a shorter
 /// wait: enough for the round trips of a free lock.
@@ -940,17 +941,5 @@ impl LockBackend for EtcdLock {
             .map(Duration::from_secs),
         };
         Ok(Some(HolderInfo::new(token, remaining)))
-    }
-}
-
-impl SharedLease {
-    /// The first reservation on a freshly granted session lease.
-    pub(crate) fn reserve_shared(self: &Arc<Self>) -> Reservation {
-        match self.try_reserve() {
-            Some(r) => r,
-            // Lost already (the grant took longer than the TTL): hand out a reservation anyway;
-            // the acquire will find the lease lost and retry with a new one.
-            None => self.reserve_private(),
-        }
     }
 }

@@ -20,7 +20,8 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use etcd_client::{
-    Client, Compare, CompareOp, DeleteOptions, GetOptions, SortOrder, SortTarget, Txn, TxnOp,
+    Client, Compare, CompareOp, DeleteOptions, GetOptions, PutOptions, SortOrder, SortTarget, Txn,
+    TxnOp,
 };
 use lockkit_core::backend::{Backoff, SuspectReason, TrackerHandle};
 use lockkit_core::{Error, Instant, LeaseState, LossReason, Result};
@@ -100,6 +101,136 @@ where
 pub(crate) fn ttl_secs(ttl: Duration) -> i64 {
     let secs = ttl.as_secs() + u64::from(ttl.subsec_nanos() > 0);
     i64::try_from(secs.max(1)).unwrap_or(i64::MAX)
+}
+
+/// How much longer than its lock's etcd lease a lock-delay marker's lease lives, on top of the
+/// delay: the leader's expiry sweep (every 0.5 s) may free the lock's lease late and the
+/// marker's on time, and each keepalive tick renews the marker's lease before the lock's (up to
+/// 1 s before it is answered).
+pub(crate) const MARKER_MARGIN: Duration = Duration::from_millis(1500);
+
+/// The TTL (whole seconds) of the lease for lock-delay markers next to a lock lease the server
+/// granted `granted_secs` for: the marker outlives the lock's key by at least `delay`.
+pub(crate) fn marker_ttl_secs(granted_secs: i64, delay: Duration) -> i64 {
+    granted_secs.saturating_add(ttl_secs(delay.saturating_add(MARKER_MARGIN)))
+}
+
+/// `{prefix}/./delay/{name}`, the lock-delay marker of lock `name`, from its `{prefix}/{name}/`
+/// (`.` is never a lock name, so no lock's prefix covers it; the fence's guard records live
+/// under `{prefix}/./fence/` alike).
+pub(crate) fn marker_key(name_prefix: &[u8], name: &str) -> Vec<u8> {
+    let prefix_len = name_prefix.len().saturating_sub(name.len() + 1);
+    let mut key = name_prefix[..prefix_len].to_vec();
+    key.extend_from_slice(b"./delay/");
+    key.extend_from_slice(name.as_bytes());
+    key
+}
+
+/// The lock-delay marker of one grant with a delay: its key ([`marker_key`]), a value no other
+/// grant writes (the holder key and a sequence number of its lease, so every compare on the
+/// value names this grant), the etcd lease it is attached to while the lock is held (a
+/// companion of the lock's lease, kept alive with it, whose TTL is [`marker_ttl_secs`]), and the
+/// delay.
+#[derive(Clone)]
+pub(crate) struct Marker {
+    pub(crate) key: Vec<u8>,
+    pub(crate) value: Vec<u8>,
+    pub(crate) lease: i64,
+    pub(crate) delay: Duration,
+}
+
+impl Marker {
+    /// Whether a marker read with `value` is this grant's own.
+    pub(crate) fn is_own(&self, value: &[u8]) -> bool {
+        value == self.value.as_slice()
+    }
+
+    /// A transaction op that creates this marker on its lease.
+    pub(crate) fn put(&self) -> TxnOp {
+        TxnOp::put(
+            self.key.clone(),
+            self.value.clone(),
+            Some(PutOptions::new().with_lease(self.lease)),
+        )
+    }
+
+    /// A transaction op that deletes the marker if it is this grant's (a nested transaction:
+    /// etcd ≥ 3.3).
+    pub(crate) fn delete_own(&self) -> TxnOp {
+        TxnOp::txn(
+            Txn::new()
+                .when([Compare::value(
+                    self.key.clone(),
+                    CompareOp::Equal,
+                    self.value.clone(),
+                )])
+                .and_then([TxnOp::delete(self.key.clone(), None::<DeleteOptions>)]),
+        )
+    }
+}
+
+/// The ops that delete a lock key and, with it, the grant's own lock-delay marker (a release:
+/// the lock is free at once).
+pub(crate) fn delete_key_ops(key: &[u8], marker: Option<&Marker>) -> Vec<TxnOp> {
+    let mut ops = vec![TxnOp::delete(key.to_vec(), None::<DeleteOptions>)];
+    ops.extend(marker.map(Marker::delete_own));
+    ops
+}
+
+/// The lock of a grant with a delay was freed without a release while its client lives (an
+/// admin deleted its key or revoked its lease, or a leaked lock reached its deadline), but its
+/// marker sits on a companion lease that other locks keep alive: moves the marker to a lease of
+/// its own that nobody renews, with a TTL of the delay (rounded up to whole seconds), granted
+/// after the lock was freed — so the delay counts from when this client heard of it, longer
+/// than from the moment etcd freed the lock, never shorter. Retried with [`Backoff`] while
+/// `shared` lives; once it is lost (no longer renewed), the companion lease ends the marker by
+/// itself, [`MARKER_MARGIN`] + the delay after the lock's lease.
+pub(crate) async fn detach_marker(
+    client: &Client,
+    marker: &Marker,
+    limit: Duration,
+    shared: &SharedLease,
+) {
+    let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
+    loop {
+        if shared.master.state() == LeaseState::Lost {
+            return;
+        }
+        let mut lc = client.lease_client();
+        let result = async {
+            let own = timed(
+                limit,
+                "a lease grant",
+                lc.grant(ttl_secs(marker.delay), None),
+            )
+            .await?;
+            let moved = Marker {
+                lease: own.id(),
+                ..marker.clone()
+            };
+            let txn = Txn::new()
+                .when([Compare::value(
+                    marker.key.clone(),
+                    CompareOp::Equal,
+                    marker.value.clone(),
+                )])
+                .and_then([moved.put()]);
+            let mut kv = client.kv_client();
+            let resp = timed(limit, "a marker move", kv.txn(txn)).await?;
+            if !resp.succeeded() {
+                // Gone already (or never put): the lease is of no use.
+                let _ = timed(limit, "a lease revoke", lc.revoke(own.id())).await;
+            }
+            Ok::<_, Error>(())
+        };
+        match result.await {
+            Ok(()) => return,
+            Err(e) => {
+                tracing::debug!(error = %e, "moving a lock-delay marker failed; retrying");
+            }
+        }
+        tokio::time::sleep(backoff.next_delay()).await;
+    }
 }
 
 /// The answer to one keepalive.
@@ -300,6 +431,15 @@ struct SharedState {
     /// unanswered, so etcd may still apply it late and create a key nobody owns. The keepalive
     /// task deletes any that exist, every tick, until the lease retires.
     burnt: Vec<Vec<u8>>,
+    /// Lock-delay markers that a request which went unanswered may still create (with a key of
+    /// `burnt`): deleted every tick, like those keys.
+    burnt_markers: Vec<Marker>,
+    /// Companion leases for lock-delay markers, by TTL in seconds ([`marker_ttl_secs`]): renewed
+    /// just before this lease at every tick, revoked with it when it retires idle, and left to
+    /// expire (so the delay runs) when it is lost.
+    companions: HashMap<i64, i64>,
+    /// Numbers the markers of this lease's grants ([`Marker::value`]).
+    marker_seq: u64,
     /// No new acquire may join (a lock was leaked, or a cleanup failed).
     no_reuse: bool,
     /// Do not revoke when retiring (a leaked lock must stay until its TTL runs out).
@@ -389,6 +529,86 @@ impl SharedLease {
         }
     }
 
+    /// One more user of a lease that has not retired (a task that must finish before the lease
+    /// may be revoked as idle), even if it takes no newcomers.
+    pub(crate) fn pin(self: &Arc<Self>) -> Option<Reservation> {
+        let mut st = self.st();
+        if st.retired {
+            return None;
+        }
+        st.users += 1;
+        st.idle_since = None;
+        Some(Reservation {
+            shared: self.clone(),
+        })
+    }
+
+    /// The marker of a new grant of `key` with lock-delay `delay`, on this lease's companion
+    /// lease for that delay (granted on first use: one more round trip).
+    ///
+    /// # Errors
+    /// As a lease grant ([`Error::Unavailable`] if etcd did not answer within `limit`).
+    pub(crate) async fn marker(
+        &self,
+        client: &Client,
+        marker_key: Vec<u8>,
+        key: &[u8],
+        delay: Duration,
+        limit: Duration,
+    ) -> Result<Marker> {
+        let secs = marker_ttl_secs(self.granted_secs, delay);
+        let found = self.st().companions.get(&secs).copied();
+        let lease = match found {
+            Some(id) => id,
+            None => {
+                let mut lc = client.lease_client();
+                let resp = timed(limit, "a lease grant", lc.grant(secs, None)).await?;
+                if resp.ttl() <= 0 {
+                    return Err(error::protocol(format!(
+                        "etcd refused a lease: {}",
+                        resp.error()
+                    )));
+                }
+                let mut st = self.st();
+                let id = *st.companions.entry(secs).or_insert(resp.id());
+                drop(st);
+                if id != resp.id() {
+                    // Another acquire granted one meanwhile.
+                    let other = resp.id();
+                    tokio::spawn(async move {
+                        let _ = timed(limit, "a lease revoke", lc.revoke(other)).await;
+                    });
+                }
+                id
+            }
+        };
+        let mut value = key.to_vec();
+        let seq = {
+            let mut st = self.st();
+            st.marker_seq += 1;
+            st.marker_seq
+        };
+        value.extend_from_slice(format!("#{seq}").as_bytes());
+        Ok(Marker {
+            key: marker_key,
+            value,
+            lease,
+            delay,
+        })
+    }
+
+    /// The companion leases (ids) of this lease.
+    pub(crate) fn companions(&self) -> Vec<i64> {
+        self.st().companions.values().copied().collect()
+    }
+
+    /// Companion lease `id` is gone on the server (revoked by hand): stop renewing it. Markers
+    /// on it are gone too, so the locks that put them have no lock-delay any more.
+    pub(crate) fn drop_companion(&self, id: i64) {
+        tracing::warn!(lease = %format_args!("{id:x}"), "etcd lease of lock-delay markers is gone (revoked?): those locks have no lock-delay any more");
+        self.st().companions.retain(|_, v| *v != id);
+    }
+
     /// A tracker for a lock granted on this lease, confirmed by the keepalive from now on.
     /// `None` if the lease is already lost on the client side.
     ///
@@ -427,13 +647,17 @@ impl SharedLease {
     /// applied: the slot is never reused, the key is swept by the keepalive task, and the lease
     /// takes no new acquires (it retires, and its revoke deletes the key, once its locks are
     /// done).
-    pub(crate) fn burn_slot(&self, key: Vec<u8>) {
-        self.st().burnt.push(key);
+    pub(crate) fn burn_slot(&self, key: Vec<u8>, marker: Option<Marker>) {
+        let mut st = self.st();
+        st.burnt.push(key);
+        st.burnt_markers.extend(marker);
+        drop(st);
         self.close_to_newcomers();
     }
 
-    pub(crate) fn burnt_keys(&self) -> Vec<Vec<u8>> {
-        self.st().burnt.clone()
+    pub(crate) fn burnt_keys(&self) -> (Vec<Vec<u8>>, Vec<Marker>) {
+        let st = self.st();
+        (st.burnt.clone(), st.burnt_markers.clone())
     }
 
     /// Stops confirming lock `id`; returns its tracker (its deadline no longer moves).
@@ -563,12 +787,20 @@ pub(crate) async fn keepalive_task(shared: Arc<SharedLease>, mut ctx: TaskCtx) {
                         .is_some_and(|t| t.checked_add(linger).is_some_and(|end| now >= end)));
             if idle || lost {
                 st.retired = true;
-                Some(!st.no_revoke && !ctx.paused.load(Ordering::SeqCst))
+                let revoke = !st.no_revoke && !ctx.paused.load(Ordering::SeqCst);
+                // A lost lease's companions run out by themselves, so the lock-delay of its
+                // locks runs; an idle lease has no marker left on them.
+                let companions = if revoke && !lost {
+                    st.companions.values().copied().collect()
+                } else {
+                    Vec::new()
+                };
+                Some((revoke, companions))
             } else {
                 None
             }
         };
-        if let Some(revoke) = retire {
+        if let Some((revoke, companions)) = retire {
             if lost {
                 // Each lock's tracker reports the loss, naming the lock.
                 tracing::debug!(lease = %format_args!("{:x}", shared.id), "etcd lease lost: keepalive not acknowledged before the deadline");
@@ -582,10 +814,12 @@ pub(crate) async fn keepalive_task(shared: Arc<SharedLease>, mut ctx: TaskCtx) {
             }
             if revoke {
                 let mut lc = ctx.client.lease_client();
-                if let Err(e) =
-                    timed(ctx.request_timeout, "a lease revoke", lc.revoke(shared.id)).await
-                {
-                    tracing::debug!(error = %e, "revoking an idle etcd lease failed; its TTL will end it");
+                for id in std::iter::once(shared.id).chain(companions) {
+                    if let Err(e) =
+                        timed(ctx.request_timeout, "a lease revoke", lc.revoke(id)).await
+                    {
+                        tracing::debug!(error = %e, "revoking an idle etcd lease failed; its TTL will end it");
+                    }
                 }
             }
             shared.master.mark_lost(LossReason::Released);
@@ -611,8 +845,18 @@ pub(crate) async fn keepalive_task(shared: Arc<SharedLease>, mut ctx: TaskCtx) {
                 shared.mark_suspect(SuspectReason::RenewalFailed);
             }
         };
-        let (sent, answer) =
-            keep_alive_hedged(&ctx.client, shared.id, until, attempt_limit, on_failure).await;
+        // Companion leases (of lock-delay markers) first: the lock's lease is renewed only
+        // right after them, so a marker always outlives its lock's key by its delay.
+        let (sent, answer, terms) =
+            match renew_companions(&ctx.client, &shared, until, attempt_limit).await {
+                Ok(terms) => {
+                    let (sent, answer) =
+                        keep_alive_hedged(&ctx.client, shared.id, until, attempt_limit, on_failure)
+                            .await;
+                    (sent, answer, terms)
+                }
+                Err(e) => (now, Err(e), Vec::new()),
+            };
         let answer = match answer {
             Ok(KeepAlive::Alive { term }) => {
                 let left = shared
@@ -621,7 +865,12 @@ pub(crate) async fn keepalive_task(shared: Arc<SharedLease>, mut ctx: TaskCtx) {
                     .saturating_duration_since(Instant::now())
                     .min(ctx.request_timeout);
                 match linearizable_term(&ctx.client, &ctx.probe_key, left, attempt_limit).await {
-                    Ok(current) if renewal_counts(term, current) => Ok(KeepAlive::Alive { term }),
+                    Ok(current)
+                        if renewal_counts(term, current)
+                            && terms.iter().all(|t| renewal_counts(*t, current)) =>
+                    {
+                        Ok(KeepAlive::Alive { term })
+                    }
                     Ok(current) => Err(stale_term(term, current)),
                     Err(e) => Err(e),
                 }
@@ -635,8 +884,14 @@ pub(crate) async fn keepalive_task(shared: Arc<SharedLease>, mut ctx: TaskCtx) {
                     continue;
                 }
                 next = sent + interval;
-                for key in shared.burnt_keys() {
+                let (keys, markers) = shared.burnt_keys();
+                for key in keys {
                     delete_phantom(&ctx.client, &key, attempt_limit).await;
+                }
+                for marker in markers {
+                    let txn = Txn::new().and_then([marker.delete_own()]);
+                    let mut kv = ctx.client.kv_client();
+                    let _ = tokio::time::timeout(attempt_limit, kv.txn(txn)).await;
                 }
             }
             Ok(KeepAlive::Gone) => {
@@ -651,6 +906,31 @@ pub(crate) async fn keepalive_task(shared: Arc<SharedLease>, mut ctx: TaskCtx) {
             }
         }
     }
+}
+
+/// Renews the companion leases of `shared` (lock-delay markers; usually none), hedged like the
+/// lease itself until `until`. Returns the raft terms of the answers (each must pass the term
+/// check, as the lease's own). A companion etcd says is gone is dropped.
+///
+/// # Errors
+/// The first failed renewal's error: the caller does not renew the lock lease then.
+pub(crate) async fn renew_companions(
+    client: &Client,
+    shared: &SharedLease,
+    until: Instant,
+    hedge_every: Duration,
+) -> Result<Vec<u64>> {
+    let mut terms = Vec::new();
+    for id in shared.companions() {
+        match keep_alive_hedged(client, id, until, hedge_every, |_| {})
+            .await
+            .1?
+        {
+            KeepAlive::Alive { term } => terms.push(term),
+            KeepAlive::Gone => shared.drop_companion(id),
+        }
+    }
+    Ok(terms)
 }
 
 /// Deletes `key` if it exists, with a compare on the create revision just read (one read, and
@@ -675,7 +955,8 @@ async fn delete_phantom(client: &Client, key: &[u8], limit: Duration) {
     let _ = tokio::time::timeout(limit, kv.txn(txn)).await;
 }
 
-/// Deletes `key` (only if its create revision is still `rev`, when given), retrying with [`Backoff`]
+/// Deletes `key` (only if its create revision is still `rev`, when given) and, in the same
+/// transaction, the grant's own lock-delay `marker` (this is a release, not a failure), retrying with [`Backoff`]
 /// (50 ms doubling up to 2 s, with jitter) until etcd confirms the delete or `shared` is lost on the client
 /// side (then the etcd lease, no longer renewed, takes the key with it within its TTL). Never
 /// gives up while the lease lives: a key left on a lease that other locks keep alive would block
@@ -684,6 +965,7 @@ pub(crate) async fn delete_while_lease_lives(
     client: &Client,
     key: &[u8],
     rev: Option<i64>,
+    marker: Option<&Marker>,
     limit: Duration,
     shared: &SharedLease,
 ) -> bool {
@@ -695,7 +977,7 @@ pub(crate) async fn delete_while_lease_lives(
         if shared.master.state() == LeaseState::Lost {
             return false;
         }
-        let del = TxnOp::delete(key.to_vec(), None::<DeleteOptions>);
+        let del = delete_key_ops(key, marker);
         let txn = match rev {
             Some(rev) => Txn::new()
                 .when([Compare::create_revision(
@@ -703,8 +985,8 @@ pub(crate) async fn delete_while_lease_lives(
                     CompareOp::Equal,
                     rev,
                 )])
-                .and_then([del]),
-            None => Txn::new().and_then([del]),
+                .and_then(del),
+            None => Txn::new().and_then(del),
         };
         match timed(limit, "a key delete", kv.txn(txn)).await {
             Ok(_) => return true,

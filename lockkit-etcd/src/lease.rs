@@ -12,8 +12,9 @@ use lockkit_core::backend::{Backoff, LeaseOps, TrackerHandle};
 use lockkit_core::{Error, Instant, LossReason, Result, async_trait};
 
 use crate::core::{
-    KeepAlive, Reservation, delete_while_lease_lives, keep_alive_hedged, keepalive_attempt_limit,
-    renewal_counts, stale_term, timed, with_retries,
+    KeepAlive, Marker, Reservation, delete_key_ops, delete_while_lease_lives, detach_marker,
+    keep_alive_hedged, keepalive_attempt_limit, renew_companions, renewal_counts, stale_term,
+    timed, with_retries,
 };
 /// How a granted lock's key is attached.
 pub(crate) enum Binding {
@@ -47,6 +48,11 @@ pub struct EtcdLease {
     /// A release was tried (so a drop without a completed release is a failure to clean up,
     /// not a deliberate leak).
     pub(crate) release_attempted: AtomicBool,
+    /// The lock-delay marker of a grant with a delay.
+    pub(crate) marker: Option<Marker>,
+    /// The key is gone without a release: a dedicated lease's companion (of the marker) is no
+    /// longer renewed, so the delay runs.
+    pub(crate) marker_frozen: AtomicBool,
 }
 
 impl fmt::Debug for EtcdLease {
@@ -91,6 +97,30 @@ impl EtcdLease {
         Error::NotHeld {
             name: self.name.clone(),
         }
+    }
+
+    /// The key was deleted without a release (an admin's delete or lease revoke): from now on
+    /// the lock-delay marker (if any) runs out. A marker on a dedicated lease's companion stops
+    /// being renewed; one on a session lease's companion, which other locks keep alive, moves
+    /// to a lease of its own with the delay as TTL ([`detach_marker`]).
+    fn start_delay(&self) {
+        let Some(marker) = self.marker.clone() else {
+            return;
+        };
+        if self.marker_frozen.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let Binding::Shared { reservation, .. } = &self.binding else {
+            return;
+        };
+        let (Some(pin), Ok(rt)) = (
+            reservation.shared.pin(),
+            tokio::runtime::Handle::try_current(),
+        ) else {
+            return;
+        };
+        let (client, limit) = (self.client.clone(), self.request_timeout);
+        rt.spawn(async move { detach_marker(&client, &marker, limit, &pin.shared).await });
     }
 
     /// One linearizable read: does our key still exist with our create revision? Also returns
@@ -167,6 +197,9 @@ pub(crate) fn watch_own_key(lease: &Arc<EtcdLease>, tracker: TrackerHandle) {
                 if deleted && ours {
                     tracing::debug!(key = %String::from_utf8_lossy(&key), "etcd deleted the lock's key (lease revoked or key deleted)");
                     tracker.mark_lost(LossReason::NotHeldOnServer);
+                    if let Some(lease) = weak.upgrade() {
+                        lease.start_delay();
+                    }
                 }
             }
         }
@@ -252,6 +285,25 @@ impl LeaseOps for EtcdLease {
             .checked_add(self.request_timeout)
             .unwrap_or_else(Instant::now);
         let hedge_every = keepalive_attempt_limit(ttl, self.request_timeout);
+        // Companion leases of lock-delay markers first, as the keepalive task does: the
+        // marker outlives the key by the delay.
+        let terms = match &self.binding {
+            Binding::Shared { reservation, .. } => {
+                renew_companions(&self.client, &reservation.shared, until, hedge_every).await?
+            }
+            Binding::Dedicated => match &self.marker {
+                Some(m) if !self.marker_frozen.load(Ordering::SeqCst) => {
+                    match keep_alive_hedged(&self.client, m.lease, until, hedge_every, |_| {})
+                        .await
+                        .1?
+                    {
+                        KeepAlive::Alive { term } => vec![term],
+                        KeepAlive::Gone => Vec::new(),
+                    }
+                }
+                _ => Vec::new(),
+            },
+        };
         let (sent, answer) =
             keep_alive_hedged(&self.client, self.lease_id, until, hedge_every, |_| {}).await;
         let term = match answer? {
@@ -264,8 +316,14 @@ impl LeaseOps for EtcdLease {
             KeepAlive::Alive { term } => term,
         };
         let (exists, current) = self.key_exists().await?;
-        if !renewal_counts(term, current) {
-            return Err(stale_term(term, current));
+        if let Some(stale) = std::iter::once(term)
+            .chain(terms)
+            .find(|t| !renewal_counts(*t, current))
+        {
+            return Err(stale_term(stale, current));
+        }
+        if !exists && matches!(self.binding, Binding::Dedicated) {
+            self.marker_frozen.store(true, Ordering::SeqCst);
         }
         if let Binding::Shared { reservation, .. } = &self.binding {
             reservation.shared.confirm(sent);
@@ -297,12 +355,28 @@ impl LeaseOps for EtcdLease {
         let kv = self.client.kv_client();
         self.release_attempted.store(true, Ordering::SeqCst);
         let attempts = std::sync::atomic::AtomicUsize::new(0);
+        // With a lock-delay marker, one transaction deletes the key and (if the key was still
+        // ours) the marker: the lock is free at once.
+        let txn = self.marker.as_ref().map(|m| {
+            Txn::new()
+                .when([Compare::create_revision(
+                    self.key.clone(),
+                    CompareOp::Equal,
+                    self.create_revision,
+                )])
+                .and_then(delete_key_ops(&self.key, Some(m)))
+        });
         let attempt = || {
             attempts.fetch_add(1, Ordering::SeqCst);
-            let (mut kv, key) = (kv.clone(), self.key.clone());
-            async move { kv.delete(key, None).await }
+            let (mut kv, key, txn) = (kv.clone(), self.key.clone(), txn.clone());
+            async move {
+                match txn {
+                    Some(txn) => kv.txn(txn).await.map(|r| r.succeeded()),
+                    None => kv.delete(key, None).await.map(|r| r.deleted() > 0),
+                }
+            }
         };
-        let resp = match with_retries(self.request_timeout, "a lock release", attempt).await {
+        let deleted = match with_retries(self.request_timeout, "a lock release", attempt).await {
             Ok(r) => r,
             Err(e) => {
                 // The key may outlive this call. Stop reusing the lease, so that it retires (and
@@ -316,7 +390,9 @@ impl LeaseOps for EtcdLease {
         self.released.store(true, Ordering::SeqCst);
         if let Binding::Shared { reservation, .. } = &self.binding {
             if self.create_uncertain {
-                reservation.shared.burn_slot(self.key.clone());
+                reservation
+                    .shared
+                    .burn_slot(self.key.clone(), self.marker.clone());
             } else if attempts.load(Ordering::SeqCst) == 1 {
                 reservation.shared.free_slot(&self.name, self.slot);
             }
@@ -325,12 +401,20 @@ impl LeaseOps for EtcdLease {
         if let Binding::Dedicated = self.binding {
             let client = self.client.clone();
             let (id, limit) = (self.lease_id, self.request_timeout);
+            // The marker's companion too, unless the lock was lost first (its delay runs).
+            let companion = self
+                .marker
+                .as_ref()
+                .filter(|_| deleted && !self.marker_frozen.load(Ordering::SeqCst))
+                .map(|m| m.lease);
             tokio::spawn(async move {
                 let mut lc = client.lease_client();
-                let _ = timed(limit, "a lease revoke", lc.revoke(id)).await;
+                for id in std::iter::once(id).chain(companion) {
+                    let _ = timed(limit, "a lease revoke", lc.revoke(id)).await;
+                }
             });
         }
-        if resp.deleted() > 0 {
+        if deleted {
             Ok(())
         } else {
             Err(self.not_held())
@@ -380,14 +464,21 @@ impl Drop for EtcdLease {
         let client = self.client.clone();
         let (key, rev, limit) = (self.key.clone(), self.create_revision, self.request_timeout);
         let (name, slot, uncertain) = (self.name.clone(), self.slot, self.create_uncertain);
+        let marker = self.marker.clone();
         rt.spawn(async move {
             if let Some(at) = start_at {
                 tokio::time::sleep_until(at).await;
             }
             let shared = &reservation.shared;
-            if delete_while_lease_lives(&client, &key, Some(rev), limit, shared).await {
+            // After a failed release, the key and the marker go together (a release); a leaked
+            // lock lapses at its deadline, so its marker then runs out the delay.
+            let with_key = if attempted { marker.as_ref() } else { None };
+            if delete_while_lease_lives(&client, &key, Some(rev), with_key, limit, shared).await {
+                if !attempted && let Some(m) = &marker {
+                    detach_marker(&client, m, limit, shared).await;
+                }
                 if uncertain {
-                    shared.burn_slot(key);
+                    shared.burn_slot(key, marker);
                 } else {
                     shared.free_slot(&name, slot);
                 }

@@ -15,17 +15,18 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use etcd_client::{
-    Client, Compare, CompareOp, DeleteOptions, GetOptions, PutOptions, SortOrder, SortTarget, Txn,
-    TxnOp,
+    Client, Compare, CompareOp, DeleteOptions, EventType, GetOptions, PutOptions, SortOrder,
+    SortTarget, Txn, TxnOp, WatchFilterType, WatchOptions, WatchRequestSender, WatchResponse,
+    WatchResponseStream,
 };
 use lockkit_core::backend::{Backoff, SuspectReason, TrackerHandle};
 use lockkit_core::{Error, Instant, LeaseState, LossReason, Result};
-use tokio::sync::{Notify, watch};
+use tokio::sync::{Notify, mpsc, oneshot, watch};
 
 use crate::error::{self, BACKEND, from_client};
 
@@ -998,5 +999,250 @@ pub(crate) async fn delete_while_lease_lives(
             _ = tokio::time::sleep(backoff.next_delay()) => {}
             _ = &mut lost => return false,
         }
+    }
+}
+
+/// One watch stream per client for the deletes of every granted lock's own key, so that
+/// thousands of held locks cost the server one stream (one watcher per key on it, filtered to
+/// deletes: an event only when a lock's key is deleted), not a stream each.
+///
+/// Each lock registers its key with its create revision ([`KeyWatch::watch`]); its watcher
+/// starts at the revision after the creation, so a delete that happened before it was set up is
+/// still reported. Watch IDs are ours (`WatchCreateRequest.watch_id`, etcd ≥ 3.4), so the
+/// answers need no matching. The task keeps a stream open only while some key is watched; after
+/// a broken stream it opens a new one (with [`Backoff`]) and sets up every watcher again from
+/// the same revisions; a watcher whose revision was compacted is replaced after one read tells
+/// whether the key is still ours.
+#[derive(Clone)]
+pub(crate) struct KeyWatch {
+    tx: mpsc::UnboundedSender<WatchCmd>,
+    next_id: Arc<AtomicI64>,
+}
+
+impl fmt::Debug for KeyWatch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KeyWatch").finish_non_exhaustive()
+    }
+}
+
+enum WatchCmd {
+    Add {
+        id: i64,
+        key: Vec<u8>,
+        rev: i64,
+        deleted: oneshot::Sender<()>,
+    },
+    Remove {
+        id: i64,
+    },
+}
+
+/// One lock's watcher on the [`KeyWatch`]: `deleted` fires when etcd deleted the key (or, after
+/// a compaction, the key is no longer the one with our create revision). Dropping it cancels the
+/// watcher.
+pub(crate) struct KeyWatched {
+    id: i64,
+    tx: mpsc::UnboundedSender<WatchCmd>,
+    pub(crate) deleted: oneshot::Receiver<()>,
+}
+
+impl Drop for KeyWatched {
+    fn drop(&mut self) {
+        let _ = self.tx.send(WatchCmd::Remove { id: self.id });
+    }
+}
+
+impl KeyWatch {
+    /// Starts the task (on the current runtime). It ends once this handle and every
+    /// [`KeyWatched`] are dropped.
+    pub(crate) fn spawn(client: Arc<Client>, limit: Duration) -> Self {
+        let (tx, rx) = mpsc::unbounded_channel();
+        tokio::spawn(key_watch_task(client, rx, limit));
+        Self {
+            tx,
+            next_id: Arc::new(AtomicI64::new(1)),
+        }
+    }
+
+    /// Watches `key` (created at revision `rev`) for its delete.
+    pub(crate) fn watch(&self, key: Vec<u8>, rev: i64) -> KeyWatched {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (deleted_tx, deleted) = oneshot::channel();
+        let _ = self.tx.send(WatchCmd::Add {
+            id,
+            key,
+            rev,
+            deleted: deleted_tx,
+        });
+        KeyWatched {
+            id,
+            tx: self.tx.clone(),
+            deleted,
+        }
+    }
+}
+
+struct Watched {
+    key: Vec<u8>,
+    /// The key's create revision.
+    rev: i64,
+    /// The revision the watcher starts at.
+    from: i64,
+    deleted: oneshot::Sender<()>,
+}
+
+fn watcher_opts(id: i64, from: i64) -> WatchOptions {
+    WatchOptions::new()
+        .with_start_revision(from)
+        .with_filters([WatchFilterType::NoPut])
+        .with_watch_id(id)
+}
+
+/// Opens a watch stream with a watcher for every entry.
+async fn open_watch_stream(
+    client: &Client,
+    entries: &HashMap<i64, Watched>,
+) -> std::result::Result<(WatchRequestSender, WatchResponseStream), etcd_client::Error> {
+    let mut all = entries.iter();
+    let Some((id, first)) = all.next() else {
+        return Err(etcd_client::Error::WatchError("nothing to watch".into()));
+    };
+    let stream = client
+        .watch_client()
+        .watch(first.key.clone(), Some(watcher_opts(*id, first.from)))
+        .await?;
+    let (mut tx, rx) = stream.split();
+    for (id, w) in all {
+        tx.watch(w.key.clone(), Some(watcher_opts(*id, w.from)))
+            .await?;
+    }
+    Ok((tx, rx))
+}
+
+async fn next_watch_message(
+    stream: &mut Option<(WatchRequestSender, WatchResponseStream)>,
+) -> std::result::Result<Option<WatchResponse>, etcd_client::Error> {
+    match stream {
+        Some((_, rx)) => rx.message().await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn key_watch_task(
+    client: Arc<Client>,
+    mut cmds: mpsc::UnboundedReceiver<WatchCmd>,
+    limit: Duration,
+) {
+    let mut entries: HashMap<i64, Watched> = HashMap::new();
+    let mut stream: Option<(WatchRequestSender, WatchResponseStream)> = None;
+    let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
+    let mut retry_at = Instant::now();
+    loop {
+        if stream.is_none() && !entries.is_empty() && Instant::now() >= retry_at {
+            match tokio::time::timeout(limit, open_watch_stream(&client, &entries)).await {
+                Ok(Ok(s)) => stream = Some(s),
+                _ => retry_at = Instant::now() + backoff.next_delay(),
+            }
+        }
+        let reconnecting = stream.is_none() && !entries.is_empty();
+        tokio::select! {
+            cmd = cmds.recv() => match cmd {
+                None => return,
+                Some(WatchCmd::Add { id, key, rev, deleted }) => {
+                    let from = rev + 1;
+                    if let Some((tx, _)) = &mut stream
+                        && tx.watch(key.clone(), Some(watcher_opts(id, from))).await.is_err()
+                    {
+                        stream = None;
+                    }
+                    entries.insert(id, Watched { key, rev, from, deleted });
+                }
+                Some(WatchCmd::Remove { id }) => {
+                    if entries.remove(&id).is_some()
+                        && let Some((tx, _)) = &mut stream
+                        && tx.cancel(id).await.is_err()
+                    {
+                        stream = None;
+                    }
+                    if entries.is_empty() {
+                        // Nothing to watch: close the stream.
+                        stream = None;
+                    }
+                }
+            },
+            msg = next_watch_message(&mut stream) => match msg {
+                Ok(Some(resp)) => {
+                    backoff.reset();
+                    if !on_watch_response(&client, &mut entries, &mut stream, resp, limit).await {
+                        stream = None;
+                        retry_at = Instant::now() + backoff.next_delay();
+                    }
+                }
+                Ok(None) | Err(_) => {
+                    tracing::debug!("etcd watch stream of held locks ended; opening another");
+                    stream = None;
+                    retry_at = Instant::now() + backoff.next_delay();
+                }
+            },
+            _ = tokio::time::sleep_until(retry_at), if reconnecting => {}
+        }
+    }
+}
+
+/// Handles one answer on the key watch stream. Returns `false` if the stream should be opened
+/// again.
+async fn on_watch_response(
+    client: &Client,
+    entries: &mut HashMap<i64, Watched>,
+    stream: &mut Option<(WatchRequestSender, WatchResponseStream)>,
+    resp: WatchResponse,
+    limit: Duration,
+) -> bool {
+    let id = resp.watch_id();
+    if resp
+        .events()
+        .iter()
+        .any(|e| e.event_type() == EventType::Delete)
+    {
+        if let Some(w) = entries.remove(&id) {
+            let _ = w.deleted.send(());
+        }
+        if let Some((tx, _)) = stream {
+            return tx.cancel(id).await.is_ok();
+        }
+        return true;
+    }
+    if !resp.canceled() {
+        return true;
+    }
+    let Some(w) = entries.get_mut(&id) else {
+        return true;
+    };
+    if resp.compact_revision() <= 0 {
+        // Cancelled by the server for another reason (no leader, …): start over.
+        return false;
+    }
+    // Compacted past our start: is the key still ours?
+    let read = tokio::time::timeout(limit, client.kv_client().get(w.key.clone(), None)).await;
+    let Ok(Ok(found)) = read else {
+        return false;
+    };
+    let ours = found
+        .kvs()
+        .first()
+        .is_some_and(|kv| kv.create_revision() == w.rev);
+    if !ours {
+        if let Some(w) = entries.remove(&id) {
+            let _ = w.deleted.send(());
+        }
+        return true;
+    }
+    w.from = found.header().map_or(w.from, |h| h.revision() + 1);
+    match stream {
+        Some((tx, _)) => tx
+            .watch(w.key.clone(), Some(watcher_opts(id, w.from)))
+            .await
+            .is_ok(),
+        None => true,
     }
 }

@@ -7,14 +7,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use etcd_client::{Client, Compare, CompareOp, EventType, Txn, WatchFilterType, WatchOptions};
-use lockkit_core::backend::{Backoff, LeaseOps, TrackerHandle};
+use etcd_client::{Client, Compare, CompareOp, Txn};
+use lockkit_core::backend::{LeaseOps, TrackerHandle};
 use lockkit_core::{Error, Instant, LossReason, Result, async_trait};
 
 use crate::core::{
-    KeepAlive, Marker, Reservation, delete_key_ops, delete_while_lease_lives, detach_marker,
-    keep_alive_hedged, keepalive_attempt_limit, renew_companions, renewal_counts, stale_term,
-    timed, with_retries,
+    KeepAlive, KeyWatch, Marker, Reservation, delete_key_ops, delete_while_lease_lives,
+    detach_marker, keep_alive_hedged, keepalive_attempt_limit, renew_companions, renewal_counts,
+    stale_term, timed, with_retries,
 };
 /// How a granted lock's key is attached.
 pub(crate) enum Binding {
@@ -141,60 +141,30 @@ impl EtcdLease {
     }
 }
 
-/// Watches a granted lock's own key and marks its tracker lost as soon as etcd deletes the key
-/// while the holder did not release it: an admin's `etcdctl lease revoke` (etcd deletes every
-/// key of the lease, in one revision) or `etcdctl del`. Without it the holder would learn of
-/// it only at its next keepalive (up to TTL/3 later) or at its deadline.
-///
-/// The watch starts at the revision after the key's creation, so a delete that happened before
-/// the watch was set up is still reported; one watch on one key (filtered to deletes) costs the
-/// server an event only when this key is deleted. The task ends with the lease (its tracker
-/// lost for any reason) and reconnects after a broken stream from the same revision; if that
-/// revision was compacted, one read tells whether the key is still ours.
-pub(crate) fn watch_own_key(lease: &Arc<EtcdLease>, tracker: TrackerHandle) {
+/// Watches a granted lock's own key (a watcher on the client's one [`KeyWatch`] stream) and
+/// marks its tracker lost as soon as etcd deletes the key while the holder did not release it:
+/// an admin's `etcdctl lease revoke` (etcd deletes every key of the lease, in one revision) or
+/// `etcdctl del`. Without it the holder would learn of it only at its next keepalive (up to
+/// TTL/3 later) or at its deadline. The watcher is cancelled when the lease ends (its tracker
+/// lost for any reason).
+pub(crate) fn watch_own_key(lease: &Arc<EtcdLease>, tracker: TrackerHandle, keys: &KeyWatch) {
     let Ok(rt) = tokio::runtime::Handle::try_current() else {
         return;
     };
     let weak = Arc::downgrade(lease);
-    let client = lease.client.clone();
-    let (key, rev) = (lease.key.clone(), lease.create_revision);
+    let key = lease.key.clone();
+    let mut watched = keys.watch(key.clone(), lease.create_revision);
     let ended = tracker.view().lost();
     rt.spawn(async move {
-        let watch = async {
-            let mut from = rev + 1;
-            let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
-            loop {
-                match watch_for_delete(&client, &key, from).await {
-                    WatchEnd::Deleted => return true,
-                    // The stream had been set up, so etcd was reachable: back off from the
-                    // first step again.
-                    WatchEnd::Broken { opened: true } => backoff.reset(),
-                    WatchEnd::Broken { opened: false } => {}
-                    WatchEnd::Compacted => {
-                        if let Ok(resp) = client.kv_client().get(key.clone(), None).await {
-                            let ours = resp
-                                .kvs()
-                                .first()
-                                .is_some_and(|kv| kv.create_revision() == rev);
-                            if !ours {
-                                return true;
-                            }
-                            from = resp.header().map_or(from, |h| h.revision() + 1);
-                        }
-                    }
-                }
-                tokio::time::sleep(backoff.next_delay()).await;
-            }
-        };
         tokio::select! {
             _ = ended => {}
-            deleted = watch => {
+            deleted = &mut watched.deleted => {
                 // Our own release (or the drop's cleanup) deletes the key too: only a delete
                 // nobody on this side asked for is a loss.
                 let ours = weak
                     .upgrade()
                     .is_some_and(|l| !l.release_attempted.load(Ordering::SeqCst));
-                if deleted && ours {
+                if deleted.is_ok() && ours {
                     tracing::debug!(key = %String::from_utf8_lossy(&key), "etcd deleted the lock's key (lease revoked or key deleted)");
                     tracker.mark_lost(LossReason::NotHeldOnServer);
                     if let Some(lease) = weak.upgrade() {
@@ -204,47 +174,6 @@ pub(crate) fn watch_own_key(lease: &Arc<EtcdLease>, tracker: TrackerHandle) {
             }
         }
     });
-}
-
-enum WatchEnd {
-    Deleted,
-    Compacted,
-    /// The stream could not be set up (`opened: false`) or ended after it was.
-    Broken {
-        opened: bool,
-    },
-}
-
-/// One watch stream on `key` from revision `from`, deletes only, until the key is deleted or
-/// the stream ends.
-async fn watch_for_delete(client: &Client, key: &[u8], from: i64) -> WatchEnd {
-    let opts = WatchOptions::new()
-        .with_start_revision(from)
-        .with_filters([WatchFilterType::NoPut]);
-    let Ok(mut stream) = client.watch_client().watch(key.to_vec(), Some(opts)).await else {
-        return WatchEnd::Broken { opened: false };
-    };
-    loop {
-        match stream.message().await {
-            Ok(Some(resp)) => {
-                if resp
-                    .events()
-                    .iter()
-                    .any(|e| e.event_type() == EventType::Delete)
-                {
-                    return WatchEnd::Deleted;
-                }
-                if resp.canceled() {
-                    return if resp.compact_revision() > 0 {
-                        WatchEnd::Compacted
-                    } else {
-                        WatchEnd::Broken { opened: true }
-                    };
-                }
-            }
-            Ok(None) | Err(_) => return WatchEnd::Broken { opened: true },
-        }
-    }
 }
 
 #[async_trait]

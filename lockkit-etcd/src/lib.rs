@@ -61,6 +61,12 @@
 //!   compare-and-delete by construction, as in etcd's own `concurrency.Mutex.Unlock`.
 //! - Dropping an acquire at any point deletes its key in the background; a timed-out acquire
 //!   deletes it before returning.
+//! - A granted lock's own key is watched for its delete (an admin's `etcdctl del` or
+//!   `lease revoke`): the holder turns Lost within milliseconds
+//!   ([`Guarantees::loss_notice`](lockkit_core::Guarantees::loss_notice): 500 ms while the
+//!   member serving the watch answers; else the next keepalive, within TTL/3, or the deadline
+//!   tells it). All the keys a client holds are watched on **one** watch stream (one watcher per
+//!   key, filtered to deletes, with watch IDs of our own), so many held locks cost one stream.
 //!
 //! See <https://etcd.io/docs/v3.4/dev-guide/api_concurrency_reference_v3/> and
 //! <https://etcd.io/docs/v3.4/learning/api/>.

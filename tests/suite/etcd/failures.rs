@@ -1047,3 +1047,37 @@ async fn many_held_locks_share_one_watch_stream() {
     assert_eq!(manual.state(), LeaseState::Held);
     manual.release().await.unwrap();
 }
+
+/// The client's key watch stream reopens after the member restarts and sets its watchers up
+/// again from their keys' revisions: an admin's delete of a held key right after the restart
+/// is still heard from the watch (long before the next keepalive, TTL/3 = 10 s later).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn key_watch_reconnects_after_a_member_restart() {
+    let data = support::fresh_data_dir();
+    let (cp, pp) = (free_port(), free_port());
+    let mut m = support::start_single(data.path(), cp, pp).await;
+    let url = format!("etcd://{}", m.endpoint());
+    let a = EtcdLock::connect(&url).await.unwrap();
+    let ttl = Duration::from_secs(30);
+    let gone = a.try_acquire("gone", ttl).await.unwrap();
+    let kept = a.try_acquire("kept", ttl).await.unwrap();
+    m.proc.kill();
+    let m = support::start_single(data.path(), cp, pp).await;
+    let admin = Client::connect([m.endpoint()], None).await.unwrap();
+    let t = Instant::now();
+    admin
+        .kv_client()
+        .delete(etcd_of(&gone).key().to_vec(), None)
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(5), gone.lost())
+        .await
+        .expect("the delete after a restart was not heard from the watch");
+    eprintln!("etcd: delete after a restart -> Lost in {:?}", t.elapsed());
+    assert_eq!(
+        gone.loss_reason(),
+        Some(lockkit::LossReason::NotHeldOnServer)
+    );
+    assert_ne!(kept.state(), LeaseState::Lost);
+    kept.release().await.unwrap();
+}

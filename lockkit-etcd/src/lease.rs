@@ -251,8 +251,9 @@ impl LeaseOps for EtcdLease {
         {
             return Err(stale_term(stale, current));
         }
-        if !exists && matches!(self.binding, Binding::Dedicated) {
-            self.marker_frozen.store(true, Ordering::SeqCst);
+        if !exists {
+            // Gone without a release (the key watch may not have told us yet).
+            self.start_delay();
         }
         if let Binding::Shared { reservation, .. } = &self.binding {
             reservation.shared.confirm(sent);
@@ -317,11 +318,16 @@ impl LeaseOps for EtcdLease {
             }
         };
         self.released.store(true, Ordering::SeqCst);
+        if !deleted {
+            // The key was gone already: a failure, whose delay runs (if the key watch has not
+            // started it yet).
+            self.start_delay();
+        }
         if let Binding::Shared { reservation, .. } = &self.binding {
             if self.create_uncertain {
-                reservation
-                    .shared
-                    .burn_slot(self.key.clone(), self.marker.clone());
+                // A released grant's marker may be swept with its key; a lapsed one's runs out.
+                let marker = self.marker.clone().filter(|_| deleted);
+                reservation.shared.burn_slot(self.key.clone(), marker);
             } else if attempts.load(Ordering::SeqCst) == 1 {
                 reservation.shared.free_slot(&self.name, self.slot);
             }
@@ -407,7 +413,7 @@ impl Drop for EtcdLease {
                     detach_marker(&client, m, limit, shared).await;
                 }
                 if uncertain {
-                    shared.burn_slot(key, marker);
+                    shared.burn_slot(key, marker.filter(|_| attempted));
                 } else {
                     shared.free_slot(&name, slot);
                 }

@@ -1098,33 +1098,32 @@ fn watcher_opts(id: i64, from: i64) -> WatchOptions {
         .with_watch_id(id)
 }
 
-/// Opens a watch stream with a watcher for every entry.
-async fn open_watch_stream(
-    client: &Client,
-    entries: &HashMap<i64, Watched>,
-) -> std::result::Result<(WatchRequestSender, WatchResponseStream), etcd_client::Error> {
-    let mut all = entries.iter();
-    let Some((id, first)) = all.next() else {
-        return Err(etcd_client::Error::WatchError("nothing to watch".into()));
-    };
-    let stream = client
-        .watch_client()
-        .watch(first.key.clone(), Some(watcher_opts(*id, first.from)))
-        .await?;
-    let (mut tx, rx) = stream.split();
-    for (id, w) in all {
-        tx.watch(w.key.clone(), Some(watcher_opts(*id, w.from)))
-            .await?;
-    }
-    Ok((tx, rx))
+/// A request waiting to be sent on the key watch stream. Requests are queued and sent one at a
+/// time between reads of the answers: sending thousands of creates without reading would fill
+/// the server's answer buffer, and the server stops reading requests then.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum WatchReq {
+    Create(i64),
+    Cancel(i64),
 }
 
 async fn next_watch_message(
-    stream: &mut Option<(WatchRequestSender, WatchResponseStream)>,
+    rx: &mut Option<WatchResponseStream>,
 ) -> std::result::Result<Option<WatchResponse>, etcd_client::Error> {
-    match stream {
-        Some((_, rx)) => rx.message().await,
+    match rx {
+        Some(rx) => rx.message().await,
         None => std::future::pending().await,
+    }
+}
+
+async fn send_watch_req(
+    tx: &mut Option<WatchRequestSender>,
+    req: Option<(WatchReq, Option<WatchOptions>, Vec<u8>)>,
+) -> std::result::Result<(), etcd_client::Error> {
+    match (tx, req) {
+        (Some(tx), Some((WatchReq::Create(_), opts, key))) => tx.watch(key, opts).await,
+        (Some(tx), Some((WatchReq::Cancel(id), _, _))) => tx.cancel(id).await,
+        _ => std::future::pending().await,
     }
 }
 
@@ -1134,67 +1133,116 @@ async fn key_watch_task(
     limit: Duration,
 ) {
     let mut entries: HashMap<i64, Watched> = HashMap::new();
-    let mut stream: Option<(WatchRequestSender, WatchResponseStream)> = None;
+    let mut tx: Option<WatchRequestSender> = None;
+    let mut rx: Option<WatchResponseStream> = None;
+    let mut pending: std::collections::VecDeque<WatchReq> = Default::default();
     let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
     let mut retry_at = Instant::now();
     loop {
-        if stream.is_none() && !entries.is_empty() && Instant::now() >= retry_at {
-            match tokio::time::timeout(limit, open_watch_stream(&client, &entries)).await {
-                Ok(Ok(s)) => stream = Some(s),
-                _ => retry_at = Instant::now() + backoff.next_delay(),
+        if rx.is_none() && !entries.is_empty() && Instant::now() >= retry_at {
+            // A new stream, opened with one watcher; the others are queued.
+            let first = entries
+                .iter()
+                .next()
+                .map(|(id, w)| (*id, w.key.clone(), w.from));
+            if let Some((id, key, from)) = first {
+                let opened = tokio::time::timeout(
+                    limit,
+                    client
+                        .watch_client()
+                        .watch(key, Some(watcher_opts(id, from))),
+                )
+                .await;
+                match opened {
+                    Ok(Ok(stream)) => {
+                        let (t, r) = stream.split();
+                        (tx, rx) = (Some(t), Some(r));
+                        pending = entries
+                            .keys()
+                            .filter(|k| **k != id)
+                            .map(|k| WatchReq::Create(*k))
+                            .collect();
+                    }
+                    _ => retry_at = Instant::now() + backoff.next_delay(),
+                }
             }
         }
-        let reconnecting = stream.is_none() && !entries.is_empty();
+        // The next request to send (a create whose key is no longer watched is dropped).
+        let req = loop {
+            match pending.front().copied() {
+                Some(WatchReq::Create(id)) => match entries.get(&id) {
+                    Some(w) => {
+                        break Some((
+                            WatchReq::Create(id),
+                            Some(watcher_opts(id, w.from)),
+                            w.key.clone(),
+                        ));
+                    }
+                    None => {
+                        pending.pop_front();
+                    }
+                },
+                Some(cancel) => break Some((cancel, None, Vec::new())),
+                None => break None,
+            }
+        };
+        let reconnecting = rx.is_none() && !entries.is_empty();
+        let mut broken = false;
         tokio::select! {
             cmd = cmds.recv() => match cmd {
                 None => return,
                 Some(WatchCmd::Add { id, key, rev, deleted }) => {
                     let from = rev + 1;
-                    if let Some((tx, _)) = &mut stream
-                        && tx.watch(key.clone(), Some(watcher_opts(id, from))).await.is_err()
-                    {
-                        stream = None;
-                    }
                     entries.insert(id, Watched { key, rev, from, deleted });
+                    if rx.is_some() {
+                        pending.push_back(WatchReq::Create(id));
+                    }
                 }
                 Some(WatchCmd::Remove { id }) => {
-                    if entries.remove(&id).is_some()
-                        && let Some((tx, _)) = &mut stream
-                        && tx.cancel(id).await.is_err()
-                    {
-                        stream = None;
+                    if entries.remove(&id).is_some() && rx.is_some() {
+                        let queued = pending.len();
+                        pending.retain(|r| *r != WatchReq::Create(id));
+                        if pending.len() == queued {
+                            pending.push_back(WatchReq::Cancel(id));
+                        }
                     }
                     if entries.is_empty() {
                         // Nothing to watch: close the stream.
-                        stream = None;
+                        (tx, rx) = (None, None);
+                        pending.clear();
                     }
                 }
             },
-            msg = next_watch_message(&mut stream) => match msg {
+            sent = send_watch_req(&mut tx, req) => {
+                pending.pop_front();
+                broken = sent.is_err();
+            },
+            msg = next_watch_message(&mut rx) => match msg {
                 Ok(Some(resp)) => {
                     backoff.reset();
-                    if !on_watch_response(&client, &mut entries, &mut stream, resp, limit).await {
-                        stream = None;
-                        retry_at = Instant::now() + backoff.next_delay();
-                    }
+                    broken = !on_watch_response(&client, &mut entries, &mut pending, resp, limit).await;
                 }
                 Ok(None) | Err(_) => {
                     tracing::debug!("etcd watch stream of held locks ended; opening another");
-                    stream = None;
-                    retry_at = Instant::now() + backoff.next_delay();
+                    broken = true;
                 }
             },
             _ = tokio::time::sleep_until(retry_at), if reconnecting => {}
         }
+        if broken {
+            (tx, rx) = (None, None);
+            pending.clear();
+            retry_at = Instant::now() + backoff.next_delay();
+        }
     }
 }
 
-/// Handles one answer on the key watch stream. Returns `false` if the stream should be opened
-/// again.
+/// Handles one answer on the key watch stream (queueing the requests it calls for). Returns
+/// `false` if the stream should be opened again.
 async fn on_watch_response(
     client: &Client,
     entries: &mut HashMap<i64, Watched>,
-    stream: &mut Option<(WatchRequestSender, WatchResponseStream)>,
+    pending: &mut std::collections::VecDeque<WatchReq>,
     resp: WatchResponse,
     limit: Duration,
 ) -> bool {
@@ -1207,9 +1255,7 @@ async fn on_watch_response(
         if let Some(w) = entries.remove(&id) {
             let _ = w.deleted.send(());
         }
-        if let Some((tx, _)) = stream {
-            return tx.cancel(id).await.is_ok();
-        }
+        pending.push_back(WatchReq::Cancel(id));
         return true;
     }
     if !resp.canceled() {
@@ -1238,11 +1284,6 @@ async fn on_watch_response(
         return true;
     }
     w.from = found.header().map_or(w.from, |h| h.revision() + 1);
-    match stream {
-        Some((tx, _)) => tx
-            .watch(w.key.clone(), Some(watcher_opts(id, w.from)))
-            .await
-            .is_ok(),
-        None => true,
-    }
+    pending.push_back(WatchReq::Create(id));
+    true
 }

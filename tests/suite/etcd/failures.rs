@@ -1049,7 +1049,7 @@ async fn many_held_locks_share_one_watch_stream() {
 }
 
 /// The client's key watch stream reopens after the member restarts and sets its watchers up
-/// again from their keys' revisions: an admin's delete of a held key right after the restart
+/// again from their keys' revisions (1,000 of them): an admin's delete of a held key right after the restart
 /// is still heard from the watch (long before the next keepalive, TTL/3 = 10 s later).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn key_watch_reconnects_after_a_member_restart() {
@@ -1059,6 +1059,11 @@ async fn key_watch_reconnects_after_a_member_restart() {
     let url = format!("etcd://{}", m.endpoint());
     let a = EtcdLock::connect(&url).await.unwrap();
     let ttl = Duration::from_secs(30);
+    // Enough watchers that the new stream's creates must be interleaved with reading answers.
+    let mut many = Vec::new();
+    for i in 0..1000 {
+        many.push(a.try_acquire(&format!("many-{i}"), ttl).await.unwrap());
+    }
     let gone = a.try_acquire("gone", ttl).await.unwrap();
     let kept = a.try_acquire("kept", ttl).await.unwrap();
     m.proc.kill();
@@ -1080,4 +1085,11 @@ async fn key_watch_reconnects_after_a_member_restart() {
     );
     assert_ne!(kept.state(), LeaseState::Lost);
     kept.release().await.unwrap();
+    let watchers = etcd_gauge(&m.endpoint(), "etcd_debugging_mvcc_watcher_total").await;
+    eprintln!(
+        "etcd: {watchers} watchers after the restart for {} held locks",
+        many.len()
+    );
+    assert!(watchers >= many.len() as f64);
+    assert!(many.iter().all(|l| l.state() != LeaseState::Lost));
 }

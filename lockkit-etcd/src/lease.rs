@@ -194,7 +194,8 @@ impl LeaseOps for EtcdLease {
         }
     }
 
-    /// One `LeaseKeepAlive` exchange of this lock's etcd lease (two round trips on one stream:
+    /// First the companion leases of lock-delay markers (of a session lease, or this lock's
+    /// own), then one `LeaseKeepAlive` exchange of this lock's etcd lease (two round trips on one stream:
     /// etcd-client keeps the first answer to itself, and the second one carries the answering
     /// member's raft term) — a session lease also confirms the other locks on it — then one
     /// linearizable read that our key still exists. The renewal counts only if that read
@@ -262,8 +263,10 @@ impl LeaseOps for EtcdLease {
     }
 
     /// Deletes this grant's key: one `DeleteRange`, as etcd's own `concurrency.Mutex.Unlock`
-    /// does; `deleted == 1` means we still held the lock. A dedicated lease is then revoked in
-    /// the background.
+    /// does; `deleted == 1` means we still held the lock. A grant with a lock-delay sends one
+    /// transaction instead, which deletes the key and its own marker if the key still has its
+    /// create revision (so the lock is free at once; a lapsed grant's marker stays). A
+    /// dedicated lease (and its marker's companion lease) is then revoked in the background.
     ///
     /// This is compare-and-delete by construction. The key's name carries the etcd lease ID
     /// and a slot number that no other request of this client touches while the slot is busy,

@@ -40,7 +40,8 @@
 //! - Each acquire puts its own key `{prefix}/{name}/{lease id hex}-{slot}`, attached to an
 //!   etcd lease. The key with the lowest create revision is the holder; the others are waiters
 //!   in FIFO order. An acquire first sends one transaction that creates the key only if no key
-//!   exists under `{prefix}/{name}/` (the uncontended case: granted in one round trip); a
+//!   exists under `{prefix}/{name}/` and no [lock-delay](#lock-delay) marker exists (the
+//!   uncontended case: granted in one round trip); a
 //!   waiting acquire that finds the name taken queues with a second transaction, which creates
 //!   its key and reads the holder (the lowest create revision). `slot` is the lowest number not
 //!   in use by another acquire of the same client, lease and name, so back-to-back acquires
@@ -100,6 +101,8 @@
 //!   deadline: its key is deleted then and its marker moved as after an admin delete.
 //! - A companion lease revoked by hand takes its markers with it; those locks keep their grant
 //!   but lose their delay (logged as a warning).
+//! - During a delay [`Lock::holder`](lockkit_core::Lock::holder) reports no holder (there is no
+//!   key), though no acquire gets the lock.
 //!
 //! ## Fencing tokens
 //! The token is the holder key's **create revision**: etcd's revision is one cluster-wide

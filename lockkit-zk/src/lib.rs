@@ -10,7 +10,7 @@
 //! use lockkit_zk::{ZkFence, ZkLock};
 //!
 //! # #[tokio::main] async fn main() -> lockkit_core::Result<()> {
-//! // zk://[user:password@]host:port[,host:port…][/chroot][?prefix=…&connect_timeout=…&tls_ca=…]
+//! // zk://[user:password@]host:port[,host:port…][/chroot][?prefix=…&sasl=digest-md5&connect_timeout=…&tls_ca=…]
 //! let locks = ZkLock::connect("zk://127.0.0.1:2181,127.0.0.1:2182/apps/billing?prefix=locks").await?;
 //! let opts = AcquireOptions::new()
 //!     .ttl(Duration::from_secs(10)) // = the ZooKeeper session timeout of this lease
@@ -81,7 +81,10 @@
 //!   the shared prefix and lock container nodes are open to everyone, so clients with other or
 //!   no credentials can queue on the same locks. ZooKeeper's `digest` scheme never refuses a
 //!   password: a wrong one is another identity, and an ACL refusing it is
-//!   [`Backend`](lockkit_core::Error::Backend) "no permission", not `Auth`.
+//!   [`Backend`](lockkit_core::Error::Backend) "no permission", not `Auth`. With
+//!   `sasl=digest-md5` ([`ZkConfig::sasl_digest_md5`]) the same `user:password` is presented by
+//!   SASL DIGEST-MD5 instead: the server checks it (JAAS `DigestLoginModule`), a wrong password
+//!   is [`Auth`](lockkit_core::Error::Auth) at connect, and the ACL identity is `sasl:user`.
 //! - Expiry granularity: the server expires sessions on tick boundaries, up to one `tickTime`
 //!   (default 2 s, [`EXPIRY_SLACK`]) after the timeout.
 //! - Tokens survive restarts only if the server's transaction log is fsynced (`forceSync=yes`,

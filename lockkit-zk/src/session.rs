@@ -99,6 +99,9 @@ impl Session {
         if let Some(auth) = cfg.digest_auth() {
             connector = connector.with_auth("digest", &auth);
         }
+        if let Some(sasl) = cfg.sasl_options() {
+            connector = connector.with_sasl(sasl);
+        }
         let tls = cfg.tls_options().await?;
         let secure = tls.is_some();
         if let Some(tls) = tls {
@@ -159,7 +162,7 @@ impl Session {
         let session = Arc::new(Session {
             id: client.session_id().0,
             ttl: negotiated,
-            creator_acl: cfg.digest_auth().is_some(),
+            creator_acl: cfg.authenticated(),
             client,
             leases: Mutex::new(HashMap::new()),
             confirmed: Mutex::new(Some(opened)),

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use lockkit_core::backend::{LeaseOps, TrackerHandle};
+use lockkit_core::backend::{Backoff, LeaseOps, TrackerHandle};
 use lockkit_core::{Error, Instant, LossReason, Result, async_trait};
 use zookeeper_client as zk;
 
@@ -87,13 +87,17 @@ pub(crate) fn watch_own_node(lease: &Arc<ZkLease>, tracker: TrackerHandle) {
     let ended = tracker.view().lost();
     rt.spawn(async move {
         let gone = async {
+            let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(1));
             loop {
                 let watcher = match session.client.check_and_watch_stat(&path).await {
-                    Ok((Some(stat), w)) if stat.czxid == czxid => w,
+                    Ok((Some(stat), w)) if stat.czxid == czxid => {
+                        backoff.reset();
+                        w
+                    }
                     Ok(_) => return true,
                     Err(_) if session.is_dead() => return false,
                     Err(_) => {
-                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        tokio::time::sleep(backoff.next_delay()).await;
                         continue;
                     }
                 };

@@ -360,7 +360,7 @@ impl ZkLock {
                 ),
                 None => {
                     let at = Instant::now();
-                    (at, synced_children(&session, dir, io_deadline).await)
+                    (at, session.synced_children(dir, io_deadline).await)
                 }
             };
             let children = children.map_err(|e| self.fail(e, name, start, opts))?;
@@ -473,7 +473,7 @@ impl ZkLock {
                 Err(e) if connection_lost(&e) => {
                     // `sync` first: a follower that lags behind the leader could otherwise list
                     // `dir` without the create, whose commit it has not applied yet.
-                    let children = synced_children(session, dir, io_deadline).await;
+                    let children = session.synced_children(dir, io_deadline).await;
                     let mine = match children {
                         Ok(c) => c.into_iter().find(|c| c.starts_with(own)),
                         Err(zk::Error::NoNode) => None,
@@ -535,26 +535,6 @@ impl ZkLock {
         }
         Ok(())
     }
-}
-
-/// `sync(dir)` then `list_children(dir)`, queued together (a session answers in order): a listing
-/// that reflects every transaction the leader committed before the `sync` reached it.
-pub(crate) async fn synced_children(
-    session: &Session,
-    dir: &str,
-    io_deadline: Option<Instant>,
-) -> Result<Vec<String>, zk::Error> {
-    session
-        .retry_loss(io_deadline, || {
-            let sync = session.client.sync(dir);
-            let list = session.client.list_children(dir);
-            async move {
-                let (synced, list) = tokio::join!(sync, list);
-                synced?;
-                list
-            }
-        })
-        .await
 }
 
 /// Closes `session` once it has been idle (used by nothing but the map) at two checks one TTL

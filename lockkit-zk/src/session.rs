@@ -31,7 +31,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
-use lockkit_core::backend::{SuspectReason, TrackerHandle};
+use lockkit_core::backend::{Backoff, SuspectReason, TrackerHandle};
 use lockkit_core::{Error, Instant, LossReason, Result};
 use tokio::task::AbortHandle;
 use zookeeper_client as zk;
@@ -316,7 +316,7 @@ impl Session {
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<T, zk::Error>>,
     {
-        let mut pause = Duration::from_millis(10);
+        let mut backoff = Backoff::new(Duration::from_millis(10), Duration::from_millis(500));
         let mut lost = false;
         loop {
             let attempt = op();
@@ -330,15 +330,35 @@ impl Session {
             match res {
                 Err(e) if connection_lost(&e) && !self.is_dead() => {
                     lost = true;
+                    let pause = backoff.next_delay();
                     if deadline.is_some_and(|d| Instant::now() + pause >= d) {
                         return (Err(e), lost);
                     }
                     tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(Duration::from_millis(500));
                 }
                 other => return (other, lost),
             }
         }
+    }
+
+    /// `sync(dir)` then `list_children(dir)`, queued together (a session answers in order): a
+    /// listing that reflects every transaction the leader committed before the `sync` reached
+    /// it.
+    pub(crate) async fn synced_children(
+        &self,
+        dir: &str,
+        io_deadline: Option<Instant>,
+    ) -> Result<Vec<String>, zk::Error> {
+        self.retry_loss(io_deadline, || {
+            let sync = self.client.sync(dir);
+            let list = self.client.list_children(dir);
+            async move {
+                let (synced, list) = tokio::join!(sync, list);
+                synced?;
+                list
+            }
+        })
+        .await
     }
 }
 
@@ -388,7 +408,7 @@ pub(crate) fn spawn_delete_own(session: Arc<Session>, dir: String, own_prefix: S
     rt.spawn(async move {
         // Requests on one session are answered in order, so this listing sees a create that was
         // sent before it; the `sync` makes a lagging follower catch up with the leader first.
-        let children = match crate::lock::synced_children(&session, &dir, None).await {
+        let children = match session.synced_children(&dir, None).await {
             Ok(c) => c,
             Err(_) => return, // no parent, or the session ended: nothing of ours remains
         };

@@ -11,7 +11,7 @@ use lockkit_core::{Error, Instant, LossReason, Result, async_trait};
 use zookeeper_client as zk;
 
 use crate::error::{connection_lost, from_zk, unavailable};
-use crate::session::{Session, spawn_delete};
+use crate::session::{Session, spawn_release};
 
 /// The ZooKeeper side of a [`Lease`](lockkit_core::Lease): the lock node it owns and the session
 /// that carries it. Reach it from a lease with
@@ -24,6 +24,9 @@ pub struct ZkLease {
     pub(crate) name: String,
     pub(crate) path: String,
     pub(crate) czxid: i64,
+    /// The lock-delay marker this grant created (see `DELAY_MARKER` in the lock module), which
+    /// only a release deletes.
+    pub(crate) marker: Option<String>,
     pub(crate) reg: u64,
     /// A release was sent: the node's deletion from then on is ours, not a loss.
     pub(crate) release_attempted: AtomicBool,
@@ -166,8 +169,10 @@ impl LeaseOps for ZkLease {
         }
     }
 
-    /// Deletes this lease's node, version-checked (`version 0`: lock nodes are never written).
-    /// The node's name holds this acquire's unique id, so no other holder's node can be hit.
+    /// Deletes this lease's node, version-checked (`version 0`: lock nodes are never written),
+    /// and in the same multi-op its lock-delay marker if it was granted with a lock-delay, so
+    /// that the next in line is granted at once. The node's name holds this acquire's unique
+    /// id, so no other holder's node can be hit.
     ///
     /// A lost connection is retried for up to one TTL (the client resends once it reconnects;
     /// after that the session has expired and the server deleted the node). A retry that finds
@@ -186,7 +191,8 @@ impl LeaseOps for ZkLease {
         let (res, retried) = self
             .session
             .retry_loss_seen(Some(deadline), || {
-                self.session.client.delete(&self.path, Some(0))
+                self.session
+                    .delete_holder(&self.path, self.marker.as_deref())
             })
             .await;
         match res {
@@ -205,7 +211,12 @@ impl LeaseOps for ZkLease {
                 Err(self.not_held())
             }
             Err(e) if connection_lost(&e) || e == zk::Error::Timeout => {
-                spawn_delete(self.session.clone(), self.path.clone(), Some(self.reg));
+                spawn_release(
+                    self.session.clone(),
+                    self.path.clone(),
+                    self.marker.clone(),
+                    Some(self.reg),
+                );
                 Err(unavailable(
                     "release not acknowledged; the lock node is deleted in the background, or \
                      with its session when that expires",

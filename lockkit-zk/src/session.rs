@@ -341,6 +341,30 @@ impl Session {
         }
     }
 
+    /// Deletes a holder's lock node `path` (version 0: lock nodes are never written) and, in the
+    /// same multi-op, its lock-delay marker `marker` if it has one: a release frees the lock
+    /// at once. A marker found gone (deleted by hand) does not stop the node's delete.
+    pub(crate) async fn delete_holder(
+        &self,
+        path: &str,
+        marker: Option<&str>,
+    ) -> Result<(), zk::Error> {
+        let Some(marker) = marker else {
+            return self.client.delete(path, Some(0)).await;
+        };
+        let mut w = self.client.new_multi_writer();
+        w.add_delete(path, Some(0))?;
+        w.add_delete(marker, None)?;
+        match w.commit().await {
+            Ok(_) => Ok(()),
+            Err(zk::MultiWriteError::OperationFailed {
+                index: 1,
+                source: zk::Error::NoNode,
+            }) => self.client.delete(path, Some(0)).await,
+            Err(e) => Err(e.into()),
+        }
+    }
+
     /// `sync(dir)` then `list_children(dir)`, queued together (a session answers in order): a
     /// listing that reflects every transaction the leader committed before the `sync` reached
     /// it.
@@ -366,12 +390,24 @@ impl Session {
 /// until the delete is acknowledged, the node is found gone, or the session ends (its ephemeral
 /// nodes then go with it). Then deregisters `lease_id`.
 pub(crate) fn spawn_delete(session: Arc<Session>, path: String, lease_id: Option<u64>) {
+    spawn_release(session, path, None, lease_id);
+}
+
+/// [`spawn_delete`] of a released holder's node together with its lock-delay `marker`
+/// ([`Session::delete_holder`]). If the session ends first, the marker stays: the lease then
+/// ended without a release as far as the next holder can tell.
+pub(crate) fn spawn_release(
+    session: Arc<Session>,
+    path: String,
+    marker: Option<String>,
+    lease_id: Option<u64>,
+) {
     let Ok(rt) = tokio::runtime::Handle::try_current() else {
         return; // no runtime: the session's end frees the node
     };
     rt.spawn(async move {
         let res = session
-            .retry_loss(None, || session.client.delete(&path, Some(0)))
+            .retry_loss(None, || session.delete_holder(&path, marker.as_deref()))
             .await;
         if let Err(e) = &res {
             if !matches!(e, zk::Error::NoNode | zk::Error::BadVersion) && !session.is_dead() {

@@ -19,7 +19,10 @@ fn sasl_url() -> String {
 /// `sasl_url()` with its password replaced by `password`.
 fn with_password(password: &str) -> String {
     let url = sasl_url();
-    assert!(url.contains(":secret@"), "LOCKKIT_ZK_SASL_URL is zk://app:secret@…");
+    assert!(
+        url.contains(":secret@"),
+        "LOCKKIT_ZK_SASL_URL is zk://app:secret@…"
+    );
     url.replace(":secret@", &format!(":{password}@"))
 }
 
@@ -89,13 +92,18 @@ async fn wrong_password_is_auth_error_at_once() {
         started.elapsed()
     );
     let shown = format!("{err} {err:?} {err:#}");
-    assert!(!shown.contains("wrong-pw-4711") && !shown.contains("secret"), "{shown}");
+    assert!(
+        !shown.contains("wrong-pw-4711") && !shown.contains("secret"),
+        "{shown}"
+    );
 }
 
 /// The server requires SASL: a client without credentials is refused with `Error::Auth`.
 #[tokio::test]
 async fn no_credentials_on_a_sasl_only_server_is_auth_error() {
-    let url = sasl_url().replace("app:secret@", "").replace("?sasl=digest-md5", "");
+    let url = sasl_url()
+        .replace("app:secret@", "")
+        .replace("?sasl=digest-md5", "");
     let res = tokio::time::timeout(Duration::from_secs(10), ZkLock::connect(&url))
         .await
         .expect("connect without credentials hung");

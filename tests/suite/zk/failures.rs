@@ -975,7 +975,8 @@ async fn try_once_during_a_lock_delay_is_held() {
     proxy.thaw();
 }
 
-/// An explicit release frees a lock granted with a lock-delay at once, and removes its marker.
+/// An explicit release (and a release on drop) frees a lock granted with a lock-delay at once,
+/// and removes its marker.
 #[tokio::test]
 async fn release_frees_a_lock_delay_lock_at_once() {
     let prefix = fresh_prefix();
@@ -1007,5 +1008,16 @@ async fn release_frees_a_lock_delay_lock_at_once() {
             .contains(&"lock-delay".to_owned()),
         "A's release left its marker"
     );
+    lease_b.release().await.expect("release");
+    // A release on drop reaches the server: free at once too.
+    drop(
+        a.acquire(&name, with_delay(TTL, Wait::No, lockkit::MAX_LOCK_DELAY))
+            .await
+            .expect("A acquires again"),
+    );
+    let lease_b = b
+        .acquire_timeout(&name, TTL, TOLERANCE * 3)
+        .await
+        .expect("B soon after A's lease was dropped (released on drop)");
     lease_b.release().await.expect("release");
 }

@@ -921,6 +921,10 @@ async fn lock_delay_after_an_expired_holder() {
         granted - vanished
     );
     assert!(lease_b.token() > lease_a.token());
+    eprintln!(
+        "zk lock-delay: granted {:?} after the expired holder's node vanished (delay {DELAY:?})",
+        granted - vanished
+    );
     // B was granted without a delay: its release leaves nothing, the next grant is immediate.
     lease_b.release().await.expect("release");
     let again = b

@@ -80,25 +80,33 @@ impl ZkLease {
 /// One watch on one node, which the server fires once, on the node's change. A watch lost with
 /// a connection is set again (zookeeper-client re-registers watches on reconnect; a session
 /// event wakes us and we set a fresh one); the session's expiry is the session monitor's to
-/// report. The task ends with the lease (its tracker lost for any reason).
+/// report. The task ends with the lease (its tracker lost for any reason). It holds the session
+/// weakly (and a clone of its client): a released lease's session must count as idle at once,
+/// not once this task has noticed the release.
 pub(crate) fn watch_own_node(lease: &Arc<ZkLease>, tracker: TrackerHandle) {
     let Ok(rt) = tokio::runtime::Handle::try_current() else {
         return;
     };
     let weak = Arc::downgrade(lease);
-    let (session, path, czxid) = (lease.session.clone(), lease.path.clone(), lease.czxid);
+    let (client, path, czxid) = (
+        lease.session.client.clone(),
+        lease.path.clone(),
+        lease.czxid,
+    );
+    let session = Arc::downgrade(&lease.session);
+    let dead = move || session.upgrade().is_none_or(|s| s.is_dead());
     let ended = tracker.view().lost();
     rt.spawn(async move {
         let gone = async {
             let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(1));
             loop {
-                let watcher = match session.client.check_and_watch_stat(&path).await {
+                let watcher = match client.check_and_watch_stat(&path).await {
                     Ok((Some(stat), w)) if stat.czxid == czxid => {
                         backoff.reset();
                         w
                     }
                     Ok(_) => return true,
-                    Err(_) if session.is_dead() => return false,
+                    Err(_) if dead() => return false,
                     Err(_) => {
                         tokio::time::sleep(backoff.next_delay()).await;
                         continue;
@@ -107,7 +115,7 @@ pub(crate) fn watch_own_node(lease: &Arc<ZkLease>, tracker: TrackerHandle) {
                 let event = watcher.changed().await;
                 match event.event_type {
                     zk::EventType::NodeDeleted => return true,
-                    _ if session.is_dead() || event.session_state.is_terminated() => return false,
+                    _ if dead() || event.session_state.is_terminated() => return false,
                     _ => {}
                 }
             }

@@ -105,7 +105,8 @@ impl ZkConfig {
     ///   [SASL DIGEST-MD5](https://cwiki.apache.org/confluence/display/ZOOKEEPER/Client-Server+mutual+authentication)
     ///   instead (against the server's JAAS `Server` section, `DigestLoginModule`): the server
     ///   checks the password and refuses a wrong one ([`Error::Auth`]); the identity in ACLs is
-    ///   `sasl:user`. Needs `user:password` in the URL.
+    ///   `sasl:user`. Needs `user:password` in the URL. A server without SASL configured,
+    ///   which would let the client on unauthenticated, is refused with [`Error::Auth`] too.
     /// - `/chroot` is ZooKeeper's chroot suffix of the connect string: every path lives under it
     ///   (it must exist).
     /// - `prefix` (default `lockkit`) is the node under which lock nodes live.

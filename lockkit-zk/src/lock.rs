@@ -118,7 +118,8 @@ impl ZkLock {
     /// # Errors
     /// - [`Error::InvalidConfig`]: invalid `cfg`, or the chroot does not exist.
     /// - [`Error::Unavailable`]: no server answered within the connect timeout.
-    /// - [`Error::Auth`]: the server refused the credentials.
+    /// - [`Error::Auth`]: the server refused the credentials, or (`sasl=digest-md5`) did not
+    ///   authenticate them (no SASL configured on the server).
     /// - [`Error::Backend`]: the credentials may not read the prefix node (its ACL, set by
     ///   an older version of this crate or by hand, does not grant them).
     ///

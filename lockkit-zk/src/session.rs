@@ -151,6 +151,9 @@ impl Session {
             Ok(Err(e)) => return Err(from_zk(e)),
             Ok(Ok(c)) => c,
         };
+        if cfg.sasl_options().is_some() {
+            check_sasl(&client, cfg.get_connect_timeout()).await?;
+        }
         let negotiated = client.session_timeout();
         if strict && negotiated != ttl {
             return Err(Error::config(format!(
@@ -383,6 +386,29 @@ impl Session {
             }
         })
         .await
+    }
+}
+
+/// A server without SASL (no JAAS `Server` section, no `SASLAuthenticationProvider`) lets a
+/// SASL client on without authenticating it: lock nodes would then fail with `InvalidACL`
+/// (creator-only ACL, no identity) and fenced writes likewise. Asks the server who this session
+/// is (`whoami`, ZooKeeper ≥ 3.7; skipped on older servers) and refuses a session without a
+/// `sasl` identity with [`Error::Auth`].
+async fn check_sasl(client: &zk::Client, timeout: Duration) -> Result<()> {
+    match tokio::time::timeout(timeout, client.list_auth_users()).await {
+        Err(_) => Err(unavailable(
+            "no answer from ZooKeeper to whoami within the connect timeout",
+        )),
+        Ok(Ok(users)) if users.iter().any(|u| u.scheme() == "sasl") => Ok(()),
+        Ok(Ok(_)) => Err(Error::Auth {
+            backend: crate::error::BACKEND,
+            source: "the ZooKeeper server did not authenticate the SASL user: it has no SASL \
+                     configured (a JAAS Server section and authProvider \
+                     SASLAuthenticationProvider)"
+                .into(),
+        }),
+        Ok(Err(zk::Error::Unimplemented)) => Ok(()),
+        Ok(Err(e)) => Err(from_zk(e)),
     }
 }
 

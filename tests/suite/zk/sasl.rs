@@ -118,3 +118,16 @@ async fn password_not_in_debug() {
     assert!(!shown.contains("secret"), "{shown}");
     assert!(shown.contains("app"), "{shown}");
 }
+
+/// SASL against a server that has no SASL configured (the plain shared server): refused with
+/// `Error::Auth` within the connect timeout, never a hang.
+#[tokio::test]
+async fn sasl_against_a_server_without_sasl_is_auth_error() {
+    let plain = server_url("LOCKKIT_ZK_URL");
+    let host = plain.strip_prefix("zk://").expect("zk://host:port");
+    let url = format!("zk://app:secret@{host}?sasl=digest-md5&connect_timeout=3s");
+    let res = tokio::time::timeout(Duration::from_secs(10), ZkLock::connect(&url))
+        .await
+        .expect("connect hung");
+    assert!(matches!(res, Err(Error::Auth { .. })), "{res:?}");
+}

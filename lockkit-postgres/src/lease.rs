@@ -10,7 +10,7 @@ use async_trait::async_trait;
 use lockkit_core::backend::{LeaseOps, TrackerHandle};
 use lockkit_core::{Error, Instant, LeaseState, Result};
 
-use crate::lock::{Conn, Inner, ttl_ms};
+use crate::core::{Conn, Inner, ttl_ms};
 
 /// The server side of one PostgreSQL lease: the dedicated connection whose session holds the
 /// advisory lock.

@@ -160,6 +160,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod config;
+mod core;
 mod error;
 mod fence;
 mod lease;
@@ -168,9 +169,10 @@ mod lock;
 pub use config::{
     DEFAULT_CONNECT_TIMEOUT, DEFAULT_PREFIX, DEFAULT_SCHEMA, MIN_CONNECT_TIMEOUT, PgConfig,
 };
+pub use core::SESSION_CHECK;
 pub use fence::PgFence;
 pub use lease::PgLease;
-pub use lock::{PgLock, SESSION_CHECK, lock_key, lock_key_in};
+pub use lock::{PgLock, lock_key, lock_key_in};
 
 /// sqlx, as used by this crate (for [`PgFence`]'s arguments and [`PgConfig::new`]'s options).
 #[doc(no_inline)]

@@ -9,7 +9,7 @@ use std::time::Duration;
 use lockkit_core::backend::TrackerHandle;
 use lockkit_core::{Error, Instant, LeaseState, LossReason, Result};
 use sha2::{Digest, Sha256};
-use sqlx::{Connection, PgConnection};
+use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
 
 use crate::config::PgConfig;
 use crate::error::{BACKEND, Msg, from_sqlx, unavailable};
@@ -18,8 +18,18 @@ use crate::error::{BACKEND, Msg, from_sqlx, unavailable};
 /// connected: `client_connection_check_interval`, in milliseconds.
 const CLIENT_CHECK_MS: &str = "250";
 
-/// How often a held lease checks, on another connection, that its session still exists.
-pub const SESSION_CHECK: Duration = Duration::from_secs(1);
+/// How often the safety net of held leases checks, on another connection, that their sessions
+/// still exist.
+///
+/// A lease hears at once (within milliseconds) that its session ended when the server closes
+/// the connection (`pg_terminate_backend`, restart, crash of the backend, idle timeout): its
+/// connection is read while idle (see [`PgLease`](crate::PgLease)). This slow check covers the
+/// one case that reading cannot see: a connection that died without a FIN or RST reaching the
+/// client (a middlebox dropped its state, a cut cable), whose session the server ends through
+/// its TCP keepalive (about 16 s) while new connections still work. Without it the holder would
+/// hear of that only at its deadline. One query per [`PgLock`](crate::PgLock) with held leases
+/// every 5 s.
+pub const SESSION_CHECK: Duration = Duration::from_secs(5);
 
 pub(crate) fn key_of(full: &str) -> i64 {
     let digest = Sha256::digest(full.as_bytes());
@@ -34,8 +44,13 @@ fn migrate_key() -> i64 {
 }
 
 /// A connection dedicated to one lease at a time, with what we know of its session state.
+///
+/// The connection is sqlx's [`PgListener`] on a pool of its own that is closed once the
+/// connection is open (it never opens another one, so a dead session is never silently
+/// replaced): it runs statements like a plain connection, and [`Conn::closed`] waits, reading
+/// the idle connection, until the server closes it.
 pub(crate) struct Conn {
-    pub(crate) conn: PgConnection,
+    pub(crate) conn: PgListener,
     /// The session's `idle_session_timeout`, in ms (0 = off).
     pub(crate) idle_ms: u64,
     /// Send time of the last statement: the server's idle timer started after it.
@@ -228,10 +243,9 @@ impl Inner {
         if opts.get_application_name().is_none() {
             opts = opts.application_name("lockkit");
         }
-        let mut conn = PgConnection::connect_with(&opts)
-            .await
-            .map_err(connect_error)?;
-        if let Some(v) = conn.server_version_num() {
+        let mut conn = connect_listener(opts).await?;
+        let db = sqlx::Acquire::acquire(&mut conn).await.map_err(from_sqlx)?;
+        if let Some(v) = db.server_version_num() {
             if v < 140_000 {
                 return Err(Error::NotSupported {
                     operation: "PostgreSQL older than 14 (idle_session_timeout is needed)",
@@ -380,6 +394,81 @@ fn pooler_detected() -> Error {
          server session, which a transaction pooler hands to other clients; connect lockkit \
          directly to PostgreSQL",
     )
+}
+
+/// Opens the connection of a [`Conn`]: a [`PgListener`] on a pool of one connection, closed
+/// right after (see [`Conn`]).
+///
+/// sqlx's pool retries a refused connection until its acquire timeout (it assumes a server
+/// starting up); lockkit reports a refused connection at once, as a plain connect does. So if
+/// the connect takes longer than a moment, a bare TCP connect tells whether the port refuses.
+async fn connect_listener(opts: PgConnectOptions) -> Result<PgListener> {
+    let tcp = opts
+        .get_socket()
+        .is_none()
+        .then(|| (opts.get_host().to_owned(), opts.get_port()));
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .min_connections(0)
+        .max_lifetime(None)
+        .idle_timeout(None)
+        .test_before_acquire(false)
+        .acquire_timeout(crate::config::MAX_CONNECT_TIMEOUT)
+        .connect_lazy_with(opts);
+    let listen = PgListener::connect_with(&pool);
+    tokio::pin!(listen);
+    let res = tokio::select! {
+        r = &mut listen => r,
+        () = tokio::time::sleep(REFUSED_PROBE_AFTER) => {
+            if let Some(addr) = &tcp {
+                if let Err(e) = tokio::net::TcpStream::connect((addr.0.as_str(), addr.1)).await {
+                    if e.kind() == std::io::ErrorKind::ConnectionRefused {
+                        return Err(from_sqlx(sqlx::Error::Io(e)));
+                    }
+                }
+            }
+            listen.await
+        }
+    };
+    let mut listener = res.map_err(connect_error)?;
+    // The pool is closed for good: PgListener never reconnects behind our back, and the
+    // connection is closed (Terminate) when the listener is dropped.
+    drop(pool.close());
+    listener.ignore_pool_close_event(true);
+    listener.eager_reconnect(false);
+    Ok(listener)
+}
+
+/// How long a connect may take before [`connect_listener`] checks whether the port refuses.
+const REFUSED_PROBE_AFTER: Duration = Duration::from_millis(100);
+
+impl Conn {
+    /// Waits, reading the idle connection, until the server closes it (or it breaks): the
+    /// session is gone. Cancel safe (sqlx reads whole messages only). Must only be awaited
+    /// while no statement is in flight on the connection.
+    pub(crate) async fn closed(&mut self) {
+        // No LISTEN was sent, so no notification comes; the FATAL ErrorResponse that
+        // precedes the close is skipped by `try_recv`, which then reads the end of the stream.
+        while let Ok(Some(_)) = self.conn.try_recv().await {}
+    }
+}
+
+impl Drop for Inner {
+    /// sqlx closes a dropped [`PgListener`] in a task it spawns, which needs a Tokio runtime:
+    /// outside one, the idle connections are leaked instead (the process is ending; the server
+    /// ends their sessions when their sockets close).
+    fn drop(&mut self) {
+        if tokio::runtime::Handle::try_current().is_err() {
+            for c in self
+                .idle
+                .get_mut()
+                .unwrap_or_else(|p| p.into_inner())
+                .drain(..)
+            {
+                std::mem::forget(c);
+            }
+        }
+    }
 }
 
 pub(crate) fn duration_ms(d: Duration) -> u64 {

@@ -27,6 +27,12 @@ const CLIENT_WAIT_GRACE: Duration = Duration::from_secs(2);
 /// exists (see `Inner::watched`).
 pub(crate) const WAIT_CHECK: Duration = Duration::from_secs(3);
 
+/// [`Guarantees::loss_notice`]: the holder reads the server's close of its idle connection (after
+/// `pg_terminate_backend`, a shutdown or restart, a crash of its backend) within milliseconds;
+/// 100 ms leaves room for a loaded client. A connection that dies without a FIN or RST reaching
+/// the client is caught by the [`SESSION_CHECK`](crate::SESSION_CHECK) safety net instead.
+const LOSS_NOTICE: Duration = Duration::from_millis(100);
+
 /// The advisory lock key of lock `name` under `prefix`.
 ///
 /// The key is the first 8 bytes of the SHA-256 digest of the UTF-8 bytes of `"{prefix}/{name}"`,
@@ -595,14 +601,16 @@ impl LockBackend for PgLock {
         g.fifo_waiters = true;
         g.manual_renewal = true;
         g.expiry_slack = Duration::from_millis(100);
+        g.loss_notice = Some(LOSS_NOTICE);
         g.notes = "one PostgreSQL 14+ server: a lease is a session advisory lock on a dedicated \
                    connection that idle_session_timeout (= TTL) ends unless renewed; tokens are \
                    committed (synchronous_commit=on) in {schema}.fence; a session ended by a \
                    server restart or pg_terminate_backend frees the lock at once, and the \
-                   holder is told within SESSION_CHECK (1 s) + 2 x connect timeout of the \
-                   server being reachable again (another client may hold the lock meanwhile: \
-                   fence writes); advisory locks are not replicated, so a failover to a \
-                   standby may grant a held lock again";
+                   holder reads the server's close on its idle connection within milliseconds \
+                   (a connection that dies silently: within SESSION_CHECK (5 s) + connect \
+                   timeout, by a check on another connection); another client may hold the \
+                   lock meanwhile: fence writes; advisory locks are not replicated, so a \
+                   failover to a standby may grant a held lock again";
         g
     }
 }

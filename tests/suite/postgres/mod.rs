@@ -4,6 +4,7 @@
 
 mod failures;
 mod fence;
+mod loss;
 mod review;
 mod server;
 mod slow_grants;

@@ -61,8 +61,14 @@ pub(crate) struct Conn {
 
 /// SQL texts with lockkit's schema filled in.
 pub(crate) struct Sql {
+    /// Try-acquire: `pg_try_advisory_lock` and, if granted and no lock-delay is pending, the
+    /// token bump and the delay row, in one statement (see [`grant_sql`]).
     pub(crate) grant_try: String,
-    pub(crate) bump: String,
+    /// The same for a session that already holds the advisory lock (after a wait).
+    pub(crate) grant_held: String,
+    /// Release of a lease with a lock-delay: deletes its delay row, then unlocks, in one
+    /// statement.
+    pub(crate) release_delay: String,
     pub(crate) name_of: String,
     /// Whether key `$1` is held (`pg_locks`), with its fence token and stored name.
     pub(crate) holder: String,
@@ -70,36 +76,71 @@ pub(crate) struct Sql {
     pub(crate) migrate: String,
 }
 
+/// The grant statement: `$1` key, `$2` full name, `$3` the acquire's own lock-delay in ms (0 =
+/// none); `lock` is the SQL that takes (or has taken) the advisory lock. Returns
+/// `(locked, token, wait_ms)`.
+///
+/// Only the session holding the advisory lock touches the key's rows, so the statement runs in
+/// lock order. With the lock it reads the key's delay row (`FOR UPDATE`: a release deleting
+/// it is waited for, so the row a releasing holder deletes is never seen):
+/// - no row, or the delay has passed since `free_since`: granted. The token is bumped (no row
+///   if another name is stored under the key: a hash collision), and the row is deleted, or
+///   replaced by this acquire's own delay (`free_since` NULL: the lock is held).
+/// - a row whose delay has not passed (a holder with a lock-delay ended without a release):
+///   not granted; `free_since` is set to now if it was NULL (the first acquirer that finds the
+///   lock free starts the delay, on the server's clock) and `wait_ms` is what is left of it.
+///   The caller keeps or gives back the advisory lock.
+///
+/// The autocommit statement commits the token and the rows when it returns, never a
+/// transaction that might roll back. Every CTE is materialized or data-modifying, so each runs
+/// exactly once.
+fn grant_sql(q: &str, lock: &str) -> String {
+    format!(
+        "WITH l AS MATERIALIZED (SELECT {lock} AS ok), \
+         r AS MATERIALIZED (SELECT d.delay_ms, d.free_since FROM {q}.delay d, l \
+                            WHERE l.ok AND d.key = $1 FOR UPDATE OF d), \
+         w AS MATERIALIZED (SELECT coalesce((SELECT CASE WHEN r.free_since IS NULL \
+                              THEN r.delay_ms \
+                              ELSE ceil(r.delay_ms \
+                                - extract(epoch FROM now() - r.free_since) * 1000)::bigint \
+                              END FROM r), 0) AS wait_ms), \
+         g AS MATERIALIZED (SELECT l.ok AND w.wait_ms <= 0 AS ok FROM l, w), \
+         s AS (UPDATE {q}.delay d SET free_since = now() FROM l, w \
+               WHERE l.ok AND w.wait_ms > 0 AND d.key = $1 AND d.free_since IS NULL), \
+         x AS (DELETE FROM {q}.delay d USING g WHERE g.ok AND $3::bigint = 0 AND d.key = $1), \
+         i AS (INSERT INTO {q}.delay AS d (key, name, delay_ms) \
+               SELECT $1, $2, $3::bigint FROM g WHERE g.ok AND $3::bigint > 0 \
+                 AND NOT EXISTS (SELECT 1 FROM {q}.fence f WHERE f.key = $1 AND f.name <> $2) \
+               ON CONFLICT (key) DO UPDATE \
+                 SET name = excluded.name, delay_ms = excluded.delay_ms, free_since = NULL), \
+         b AS (INSERT INTO {q}.fence AS f (key, name, token) SELECT $1, $2, 1 FROM g WHERE g.ok \
+               ON CONFLICT (key) DO UPDATE SET token = f.token + 1 \
+               WHERE f.name = excluded.name \
+               RETURNING f.token) \
+         SELECT l.ok, (SELECT token FROM b), w.wait_ms FROM l, w"
+    )
+}
+
 impl Sql {
     pub(crate) fn new(schema: &str) -> Self {
         // validate_schema allows only [a-z_][a-z0-9_]*, so quoting changes nothing but lets
         // reserved words (`select`, `user`) through.
         let q = quote_ident(schema);
-        // The bump of the name's token, run only by the session that holds the lock: tokens of
-        // one name follow lock order. It returns no row if another name is stored under the key
-        // (a hash collision).
-        let bump = format!(
-            "INSERT INTO {q}.fence AS f (key, name, token) VALUES ($1, $2, 1) \
-             ON CONFLICT (key) DO UPDATE SET token = f.token + 1 \
-             WHERE f.name = excluded.name \
-             RETURNING f.token"
-        );
         Self {
-            // A try-acquire takes the lock and, only if it was granted, bumps the token in the
-            // same implicit transaction, which commits when the statement ends (autocommit): a
-            // returned token is committed, and a granted lock always comes with a fresh token.
-            // The CTE `l` is referenced twice, so it is evaluated exactly once. It never waits,
-            // so it holds its snapshot and its lock on the fence table only for an instant.
-            grant_try: format!(
-                "WITH l AS MATERIALIZED (SELECT pg_try_advisory_lock($1) AS ok), \
-                 b AS (INSERT INTO {q}.fence AS f (key, name, token) \
-                       SELECT $1, $2, 1 FROM l WHERE l.ok \
-                       ON CONFLICT (key) DO UPDATE SET token = f.token + 1 \
-                       WHERE f.name = excluded.name \
-                       RETURNING f.token) \
-                 SELECT l.ok, (SELECT token FROM b) FROM l"
+            // A try-acquire never waits, so it holds its snapshot and its row locks only for
+            // an instant.
+            grant_try: grant_sql(&q, "pg_try_advisory_lock($1)"),
+            grant_held: grant_sql(&q, "true"),
+            // `count(*)` makes the DELETE run to completion before the unlock: the next
+            // holder's grant then waits for this statement to commit (its `FOR UPDATE`) and
+            // finds no row. Only a session that holds the lock deletes the row.
+            release_delay: format!(
+                "WITH x AS (DELETE FROM {q}.delay d WHERE d.key = $1 AND EXISTS ( \
+                   SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted \
+                     AND pid = pg_backend_pid() AND classid = (($1 >> 32) & 4294967295)::oid \
+                     AND objid = ($1 & 4294967295)::oid AND objsubid = 1) RETURNING 1) \
+                 SELECT pg_advisory_unlock($1) FROM (SELECT count(*) FROM x) n"
             ),
-            bump,
             name_of: format!("SELECT name FROM {q}.fence WHERE key = $1"),
             holder: format!(
                 "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted \
@@ -110,8 +151,8 @@ impl Sql {
                  (SELECT name FROM {q}.fence WHERE key = $1)"
             ),
             table_exists: format!(
-                "SELECT to_regclass('{}.fence') IS NOT NULL",
-                q.replace('\'', "''")
+                "SELECT to_regclass('{s}.fence') IS NOT NULL AND to_regclass('{s}.delay') IS NOT NULL",
+                s = q.replace('\'', "''")
             ),
             migrate: format!(
                 "BEGIN; \
@@ -123,6 +164,13 @@ impl Sql {
                    token bigint NOT NULL CHECK (token > 0)); \
                  COMMENT ON TABLE {q}.fence IS \
                    'lockkit: last fencing token granted per advisory lock key (name = prefix/name)'; \
+                 CREATE TABLE IF NOT EXISTS {q}.delay ( \
+                   key bigint PRIMARY KEY, \
+                   name text NOT NULL, \
+                   delay_ms bigint NOT NULL CHECK (delay_ms > 0), \
+                   free_since timestamptz); \
+                 COMMENT ON TABLE {q}.delay IS \
+                   'lockkit: lock-delay of the holder of an advisory lock key; free_since: when an acquirer first found the lock free without a release'; \
                  COMMIT;",
                 mk = migrate_key()
             ),

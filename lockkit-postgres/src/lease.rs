@@ -19,8 +19,9 @@ use crate::core::{Conn, Inner, ttl_ms};
 /// - **Renew** runs one statement on that connection, which restarts the session's
 ///   `idle_session_timeout` (= TTL) and checks the session is the one that was granted the lock
 ///   (same `pg_backend_pid()`).
-/// - **Release** runs `pg_advisory_unlock(key)`; the connection, now holding nothing, is kept for
-///   later acquires.
+/// - **Release** runs `pg_advisory_unlock(key)` (a lease granted with a lock-delay first
+///   deletes its row in `{schema}.delay`, in the same statement); the connection, now holding
+///   nothing, is kept for later acquires.
 /// - **Close watch.** Between statements, a task of the lease reads its idle connection
 ///   (sqlx's `PgListener::try_recv`, with nothing listened to): when the server ends the session
 ///   (`pg_terminate_backend`, server shutdown or restart, crash of the backend, idle timeout) it
@@ -51,6 +52,8 @@ pub struct PgLease {
     renew_dropped: AtomicBool,
     /// Id in the `PgLock`'s session watch.
     watch: u64,
+    /// Whether the grant recorded a lock-delay row, which the release deletes.
+    lock_delay: bool,
 }
 
 /// The lease's connection, shared between the lease's calls and its close watch
@@ -171,6 +174,7 @@ impl PgLease {
         key: i64,
         tracker: TrackerHandle,
         conn: Conn,
+        lock_delay: bool,
     ) -> Self {
         let watch = inner.watch(conn.pid, tracker.clone());
         let pid = conn.pid;
@@ -197,6 +201,7 @@ impl PgLease {
             session,
             renew_dropped: AtomicBool::new(false),
             watch,
+            lock_delay,
         }
     }
 
@@ -372,7 +377,13 @@ impl LeaseOps for PgLease {
             return Err(self.not_held());
         }
         let sent = Instant::now();
-        let unlock = sqlx::query_scalar::<_, bool>("SELECT pg_advisory_unlock($1)")
+        // With a lock-delay, the delay row goes in the same statement, before the unlock.
+        let sql = if self.lock_delay {
+            self.inner.sql.release_delay.as_str()
+        } else {
+            "SELECT pg_advisory_unlock($1)"
+        };
+        let unlock = sqlx::query_scalar::<_, bool>(sql)
             .bind(self.key)
             .fetch_one(&mut c.conn);
         let Ok(res) = tokio::time::timeout_at(self.tracker.valid_until(), unlock).await else {

@@ -87,7 +87,8 @@
 //!   server restart, broken connection), renew and release return
 //!   [`Error::NotHeld`](lockkit_core::Error::NotHeld) and the lease is lost; the lock is never
 //!   re-taken.
-//! - **Release** is `pg_advisory_unlock(key)`.
+//! - **Release** is `pg_advisory_unlock(key)` (with a lock-delay, in the statement that first
+//!   deletes the delay row: see [Lock-delay](#lock-delay)).
 //! - **Waiting** happens in the server's lock queue: `SELECT pg_advisory_lock(key)` with
 //!   [`lock_timeout`](https://www.postgresql.org/docs/current/runtime-config-client.html#GUC-LOCK-TIMEOUT)
 //!   set to the time left; no polling. The waiting statement touches no table (the token is
@@ -130,6 +131,22 @@
 //! and server restarts (as long as the server's `fsync` is on and its WAL survives). Tokens of
 //! one name are granted in lock order, because only the lock holder bumps.
 //!
+//! ## Lock-delay
+//! A session-level advisory lock is freed by the server the moment its session ends, so a
+//! lock-delay ([`AcquireOptions::lock_delay`](lockkit_core::AcquireOptions::lock_delay)) is
+//! kept in lockkit's table `{schema}.delay`: a grant with a delay writes `(key, name,
+//! delay_ms)` in the grant statement, and the release deletes the row in the statement that
+//! unlocks (before the unlock). A later grant (with or without a delay of its own) that gets
+//! the advisory lock and finds a row was preceded by a holder that ended without a release: it
+//! records `free_since = coalesce(free_since, now())` (the first acquirer that saw the lock free
+//! starts the delay; the server cannot tell when the dead session ended, so the delay may come
+//! out longer, never shorter) and computes what is left on the server's clock. A waiting
+//! acquire keeps the advisory lock (its place at the head of the queue) and sleeps that long,
+//! then is granted; a try-once gives the advisory lock back and returns
+//! [`Error::Held`](lockkit_core::Error::Held). No polling. Once the delay is over, the grant
+//! deletes the row (or replaces it with its own delay). A holder whose row was never seen by
+//! anyone leaves it until the next grant, which is one row per name at most.
+//!
 //! ## Lock keys
 //! Names map to the advisory key space by [`lock_key`]: the first 8 bytes of SHA-256 of
 //! `"{prefix}/{name}"` (with the schema mixed in for a schema other than `lockkit`, see
@@ -149,6 +166,7 @@
 //! |---|---|
 //! | kind | correctness lock, on one server |
 //! | lease expiry | idle_session_timeout = TTL, ms precision, slack ≤ 100 ms |
+//! | lock-delay | yes: a row in `{schema}.delay`, counted from when the next acquirer first saw the lock free (server clock) |
 //! | session ended by restart / kill | holder told within milliseconds (reads the close); a silently dead connection within [`SESSION_CHECK`] (5 s) + check |
 //! | tokens | durable, strictly increasing per name, survive server restarts |
 //! | waiters | FIFO (PostgreSQL's lock queue) |
@@ -158,7 +176,7 @@
 //! TLS: `sslmode=require` (encrypted), `verify-ca` or `verify-full` (certificate checked against
 //! the system roots or `sslrootcert=…`), through sqlx's rustls support.
 //!
-//! Requires PostgreSQL 14 or newer, a role that may create lockkit's schema and table once
+//! Requires PostgreSQL 14 or newer, a role that may create lockkit's schema and tables once
 //! (or run [`PgLock::migrate`] from one that can), and one server connection per held lease
 //! plus up to 8 idle ones per [`PgLock`].
 #![forbid(unsafe_code)]

@@ -346,7 +346,8 @@ impl LeaseOps for PgLease {
     ///
     /// # Errors
     /// [`Error::NotHeld`] if the session is gone or did not hold the lock, if the lease is
-    /// already lost on the client side (the connection is closed at once, without a request),
+    /// already lost on the client side other than by being dropped (the connection is closed at
+    /// once, without a request, and a lock-delay applies),
     /// or if the server did not answer before the lease's deadline (the connection is closed,
     /// so the server frees the lock when it sees the close or after the TTL).
     ///
@@ -372,7 +373,12 @@ impl LeaseOps for PgLease {
             return Err(self.not_held());
         };
         drop(guard);
-        if self.tracker.state() == LeaseState::Lost {
+        // A lease dropped with release-on-drop is Lost (Dropped) on the client side only: its
+        // release is still a release (no lock-delay), and unlocking is safe, since only this
+        // session can hold the lock.
+        if self.tracker.state() == LeaseState::Lost
+            && self.tracker.view().loss_reason() != Some(LossReason::Dropped)
+        {
             // Closing the connection (dropping `c`) ends the session, if it still exists.
             return Err(self.not_held());
         }

@@ -143,3 +143,28 @@ async fn try_once_during_the_delay_is_held() {
     assert!(next.token() > lease.token());
     next.release().await.unwrap();
 }
+
+/// A lease dropped with release-on-drop (the default) is released, not abandoned: no
+/// lock-delay, the row is gone, and the next try-once is granted as soon as the background
+/// release is done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_on_drop_is_a_release() {
+    let url = with_prefix(&base_url(), &fresh_prefix());
+    let (a, b) = (
+        PgLock::connect(&url).await.unwrap(),
+        PgLock::connect(&url).await.unwrap(),
+    );
+    let key = a.key("dropped");
+    drop(a.acquire("dropped", with_delay(Wait::No)).await.unwrap());
+    super::wait_no_advisory_lock(&base_url(), key, Duration::from_secs(2)).await;
+    assert_eq!(
+        delay_rows(key).await,
+        0,
+        "the release on drop left the delay row"
+    );
+    let next = b
+        .acquire("dropped", AcquireOptions::new().ttl(TTL).wait(Wait::No))
+        .await
+        .expect("a lock released on drop is free at once");
+    next.release().await.unwrap();
+}

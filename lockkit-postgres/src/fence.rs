@@ -96,7 +96,7 @@ impl PgFence {
         }
         // Folding to lower case is what PostgreSQL does with unquoted names; quoting then lets
         // reserved words (`user`, `order`) through.
-        let q = |p: &str| crate::lock::quote_ident(&p.to_ascii_lowercase());
+        let q = |p: &str| crate::core::quote_ident(&p.to_ascii_lowercase());
         Ok(Self {
             table: table.to_owned(),
             table_sql: parts.iter().map(|p| q(p)).collect::<Vec<_>>().join("."),

@@ -1,9 +1,8 @@
 //! [`PgLock`]: acquiring advisory locks as leases, with tokens from lockkit's fence table.
 
-use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -11,19 +10,14 @@ use lockkit_core::backend::{
     LockBackend, TrackerHandle, retry_transient, validate_name, wait_deadline,
 };
 use lockkit_core::{
-    AcquireOptions, Error, FencingToken, Guarantees, HolderInfo, Instant, Lease, LeaseState,
-    LockKind, LossReason, Result, Wait,
+    AcquireOptions, Error, FencingToken, Guarantees, HolderInfo, Instant, Lease, LockKind, Result,
+    Wait,
 };
-use sha2::{Digest, Sha256};
-use sqlx::{Connection, PgConnection};
 
 use crate::config::PgConfig;
+use crate::core::{Conn, Inner, Sql, Watch, duration_ms, key_of, ttl_ms};
 use crate::error::{BACKEND, Msg, backend, from_sqlx, sqlstate, unavailable};
 use crate::lease::PgLease;
-
-/// How often a backend that is busy (waiting in a lock queue) checks that its client is still
-/// connected: `client_connection_check_interval`, in milliseconds.
-const CLIENT_CHECK_MS: &str = "250";
 
 /// Extra time the client waits for the server's `lock_timeout` to fire before it gives up on
 /// its own and closes the connection.
@@ -33,8 +27,11 @@ const CLIENT_WAIT_GRACE: Duration = Duration::from_secs(2);
 /// exists (see `Inner::watched`).
 pub(crate) const WAIT_CHECK: Duration = Duration::from_secs(3);
 
-/// How often a held lease checks, on another connection, that its session still exists.
-pub const SESSION_CHECK: Duration = Duration::from_secs(1);
+/// [`Guarantees::loss_notice`]: the holder reads the server's close of its idle connection (after
+/// `pg_terminate_backend`, a shutdown or restart, a crash of its backend) within milliseconds;
+/// 100 ms leaves room for a loaded client. A connection that dies without a FIN or RST reaching
+/// the client is caught by the [`SESSION_CHECK`](crate::SESSION_CHECK) safety net instead.
+const LOSS_NOTICE: Duration = Duration::from_millis(100);
 
 /// The advisory lock key of lock `name` under `prefix`.
 ///
@@ -94,265 +91,7 @@ fn full_name(prefix: &str, name: &str) -> String {
     format!("{prefix}/{name}")
 }
 
-fn key_of(full: &str) -> i64 {
-    let digest = Sha256::digest(full.as_bytes());
-    let mut first = [0u8; 8];
-    first.copy_from_slice(&digest[..8]);
-    i64::from_be_bytes(first)
-}
-
-/// The key `migrate()` serializes on; `\0` cannot appear in a prefix, so no lock name maps here.
-fn migrate_key() -> i64 {
-    key_of("\0lockkit-migrate")
-}
-
-/// A connection dedicated to one lease at a time, with what we know of its session state.
-pub(crate) struct Conn {
-    pub(crate) conn: PgConnection,
-    /// The session's `idle_session_timeout`, in ms (0 = off).
-    pub(crate) idle_ms: u64,
-    /// Send time of the last statement: the server's idle timer started after it.
-    pub(crate) last_sent: Instant,
-    /// `pg_backend_pid()` of the session.
-    pub(crate) pid: i32,
-}
-
-/// SQL texts with lockkit's schema filled in.
-struct Sql {
-    grant_try: String,
-    bump: String,
-    name_of: String,
-    /// Whether key `$1` is held (`pg_locks`), with its fence token and stored name.
-    holder: String,
-    table_exists: String,
-    migrate: String,
-}
-
-impl Sql {
-    fn new(schema: &str) -> Self {
-        // validate_schema allows only [a-z_][a-z0-9_]*, so quoting changes nothing but lets
-        // reserved words (`select`, `user`) through.
-        let q = quote_ident(schema);
-        // The bump of the name's token, run only by the session that holds the lock: tokens of
-        // one name follow lock order. It returns no row if another name is stored under the key
-        // (a hash collision).
-        let bump = format!(
-            "INSERT INTO {q}.fence AS f (key, name, token) VALUES ($1, $2, 1) \
-             ON CONFLICT (key) DO UPDATE SET token = f.token + 1 \
-             WHERE f.name = excluded.name \
-             RETURNING f.token"
-        );
-        Self {
-            // A try-acquire takes the lock and, only if it was granted, bumps the token in the
-            // same implicit transaction, which commits when the statement ends (autocommit): a
-            // returned token is committed, and a granted lock always comes with a fresh token.
-            // The CTE `l` is referenced twice, so it is evaluated exactly once. It never waits,
-            // so it holds its snapshot and its lock on the fence table only for an instant.
-            grant_try: format!(
-                "WITH l AS MATERIALIZED (SELECT pg_try_advisory_lock($1) AS ok), \
-                 b AS (INSERT INTO {q}.fence AS f (key, name, token) \
-                       SELECT $1, $2, 1 FROM l WHERE l.ok \
-                       ON CONFLICT (key) DO UPDATE SET token = f.token + 1 \
-                       WHERE f.name = excluded.name \
-                       RETURNING f.token) \
-                 SELECT l.ok, (SELECT token FROM b) FROM l"
-            ),
-            bump,
-            name_of: format!("SELECT name FROM {q}.fence WHERE key = $1"),
-            holder: format!(
-                "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted \
-                   AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
-                   AND classid = (($1 >> 32) & 4294967295)::oid \
-                   AND objid = ($1 & 4294967295)::oid AND objsubid = 1), \
-                 (SELECT token FROM {q}.fence WHERE key = $1), \
-                 (SELECT name FROM {q}.fence WHERE key = $1)"
-            ),
-            table_exists: format!(
-                "SELECT to_regclass('{}.fence') IS NOT NULL",
-                q.replace('\'', "''")
-            ),
-            migrate: format!(
-                "BEGIN; \
-                 SELECT pg_advisory_xact_lock({mk}); \
-                 CREATE SCHEMA IF NOT EXISTS {q}; \
-                 CREATE TABLE IF NOT EXISTS {q}.fence ( \
-                   key bigint PRIMARY KEY, \
-                   name text NOT NULL, \
-                   token bigint NOT NULL CHECK (token > 0)); \
-                 COMMENT ON TABLE {q}.fence IS \
-                   'lockkit: last fencing token granted per advisory lock key (name = prefix/name)'; \
-                 COMMIT;",
-                mk = migrate_key()
-            ),
-        }
-    }
-}
-
-/// `ident` as a quoted SQL identifier (`"…"`, inner quotes doubled).
-pub(crate) fn quote_ident(ident: &str) -> String {
-    format!("\"{}\"", ident.replace('"', "\"\""))
-}
-
-pub(crate) struct Inner {
-    pub(crate) config: PgConfig,
-    sql: Sql,
-    idle: Mutex<Vec<Conn>>,
-    watch: Mutex<Watch>,
-}
-
-/// The held leases of one [`PgLock`] whose sessions the watch task checks.
-#[derive(Default)]
-pub(crate) struct Watch {
-    next_id: u64,
-    leases: HashMap<u64, (i32, TrackerHandle)>,
-    /// Whether the watch task runs (it ends when no lease is left).
-    running: bool,
-}
-
-/// The session watch of one [`PgLock`]: every [`SESSION_CHECK`], one query for all its held
-/// leases; a lease whose session no longer exists is marked lost. Ends when no lease is left
-/// or the `PgLock` (and its leases) are gone.
-async fn watch_loop(inner: Weak<Inner>) {
-    loop {
-        tokio::time::sleep(SESSION_CHECK).await;
-        let Some(inner) = inner.upgrade() else {
-            return;
-        };
-        let watched: Vec<(u64, i32, TrackerHandle)> = {
-            let mut w = inner.watch_list();
-            w.leases.retain(|_, (_, t)| t.state() != LeaseState::Lost);
-            if w.leases.is_empty() {
-                w.running = false;
-                return;
-            }
-            w.leases
-                .iter()
-                .map(|(id, (pid, t))| (*id, *pid, t.clone()))
-                .collect()
-        };
-        let pids: Vec<i32> = watched.iter().map(|(_, pid, _)| *pid).collect();
-        let Some(gone) = inner.sessions_gone(&pids).await else {
-            continue;
-        };
-        for (id, pid, tracker) in watched {
-            if gone.contains(&pid) {
-                // The tracker reports the loss, naming the lock.
-                tracing::debug!(
-                    backend_pid = pid,
-                    "the lease's server session ended; lease lost"
-                );
-                tracker.mark_lost(LossReason::SessionExpired);
-                inner.unwatch(id);
-            }
-        }
-    }
-}
-
 impl Inner {
-    fn idle(&self) -> MutexGuard<'_, Vec<Conn>> {
-        // The list is consistent after every statement; recover from a poisoned lock.
-        self.idle.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// An idle connection that is not about to be ended by its idle timeout.
-    fn take_idle(&self) -> Option<Conn> {
-        let mut idle = self.idle();
-        while let Some(c) = idle.pop() {
-            let life = Duration::from_millis(c.idle_ms);
-            if c.idle_ms == 0 || c.last_sent.elapsed() < life / 2 {
-                return Some(c);
-            }
-        }
-        None
-    }
-
-    /// Keeps a connection that holds no lock for a later acquire.
-    pub(crate) fn put_idle(&self, c: Conn) {
-        let mut idle = self.idle();
-        if idle.len() < self.config.max_idle {
-            idle.push(c);
-        }
-    }
-
-    /// Opens a new dedicated connection and checks it talks to a PostgreSQL session of its own,
-    /// all within the connect timeout.
-    async fn open(&self) -> Result<Conn> {
-        let t = self.config.connect_timeout;
-        tokio::time::timeout(t, self.open_untimed())
-            .await
-            .map_err(|_| unavailable(Msg(format!("connecting timed out after {t:?}"))))?
-    }
-
-    async fn open_untimed(&self) -> Result<Conn> {
-        let probe = format!("{:016x}", rand::random::<u64>());
-        let mut opts = self.config.connect.clone().options([
-            ("statement_timeout", "0"),
-            ("lock_timeout", "0"),
-            ("idle_in_transaction_session_timeout", "0"),
-            ("idle_session_timeout", "0"),
-            ("synchronous_commit", "on"),
-            ("client_connection_check_interval", CLIENT_CHECK_MS),
-            ("tcp_keepalives_idle", "10"),
-            ("tcp_keepalives_interval", "2"),
-            ("tcp_keepalives_count", "3"),
-            ("tcp_user_timeout", "10000"),
-            ("lockkit.session", probe.as_str()),
-        ]);
-        if opts.get_application_name().is_none() {
-            opts = opts.application_name("lockkit");
-        }
-        let mut conn = PgConnection::connect_with(&opts)
-            .await
-            .map_err(connect_error)?;
-        if let Some(v) = conn.server_version_num() {
-            if v < 140_000 {
-                return Err(Error::NotSupported {
-                    operation: "PostgreSQL older than 14 (idle_session_timeout is needed)",
-                    backend: BACKEND,
-                });
-            }
-        }
-        let sent = Instant::now();
-        let (seen, pid): (Option<String>, i32) =
-            sqlx::query_as("SELECT current_setting('lockkit.session', true), pg_backend_pid()")
-                .fetch_one(&mut conn)
-                .await
-                .map_err(from_sqlx)?;
-        if seen.as_deref() != Some(probe.as_str()) {
-            return Err(pooler_detected());
-        }
-        Ok(Conn {
-            conn,
-            idle_ms: 0,
-            last_sent: sent,
-            pid,
-        })
-    }
-
-    async fn checkout(&self) -> Result<(Conn, bool)> {
-        match self.take_idle() {
-            Some(c) => Ok((c, true)),
-            None => Ok((self.open().await?, false)),
-        }
-    }
-
-    async fn table_exists(&self, c: &mut Conn) -> Result<bool> {
-        c.last_sent = Instant::now();
-        sqlx::query_scalar(&self.sql.table_exists)
-            .fetch_one(&mut c.conn)
-            .await
-            .map_err(from_sqlx)
-    }
-
-    async fn migrate_on(&self, c: &mut Conn) -> Result<()> {
-        c.last_sent = Instant::now();
-        // No arguments: sqlx sends it as one simple-protocol query, statements in order.
-        sqlx::Executor::execute(&mut c.conn, self.sql.migrate.as_str())
-            .await
-            .map_err(from_sqlx)?;
-        Ok(())
-    }
-
     /// One acquire attempt: on a cached connection, or a fresh one if the cached one turns out
     /// dead. Every error path drops the connection it used (closing it frees anything it held),
     /// except the outcomes known to leave nothing held (`Held`, a key collision after its
@@ -426,14 +165,6 @@ impl Inner {
         }
     }
 
-    /// Whether the session `pid` still exists on the server, asked on another connection
-    /// within the connect timeout. `false` also when the server cannot be asked.
-    async fn session_alive(&self, pid: i32) -> bool {
-        self.sessions_gone(&[pid])
-            .await
-            .is_some_and(|g| g.is_empty())
-    }
-
     /// Whether a session of this database holds the advisory lock `key`, and the token and
     /// name the fence table stores for it: `None` if not held. One statement on a cached or
     /// new connection, within the connect timeout. `pg_locks` shows a single-`bigint` key as
@@ -462,67 +193,6 @@ impl Inner {
         })
     }
 
-    /// Which of the sessions `pids` no longer exist on the server (one query on another
-    /// connection, within the connect timeout); `None` if the server could not be asked.
-    async fn sessions_gone(&self, pids: &[i32]) -> Option<Vec<i32>> {
-        let query = "SELECT p FROM unnest($1::int4[]) AS p \
-                     WHERE NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.pid = p)";
-        let check = async {
-            let (mut c, reused) = self.checkout().await?;
-            c.last_sent = Instant::now();
-            let res = sqlx::query_scalar(query)
-                .bind(pids)
-                .fetch_all(&mut c.conn)
-                .await;
-            let gone: Vec<i32> = match res {
-                Ok(g) => g,
-                Err(_) if reused => {
-                    // A dead cached connection (the server restarted): so are the others.
-                    self.idle().clear();
-                    c = self.open().await?;
-                    c.last_sent = Instant::now();
-                    sqlx::query_scalar(query)
-                        .bind(pids)
-                        .fetch_all(&mut c.conn)
-                        .await
-                        .map_err(from_sqlx)?
-                }
-                Err(e) => return Err(from_sqlx(e)),
-            };
-            self.put_idle(c);
-            Ok::<_, Error>(gone)
-        };
-        match tokio::time::timeout(self.config.connect_timeout, check).await {
-            Ok(Ok(gone)) => Some(gone),
-            _ => None,
-        }
-    }
-
-    fn watch_list(&self) -> MutexGuard<'_, Watch> {
-        self.watch.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Starts watching the session `pid` of a held lease (see [`SESSION_CHECK`]): the lease is
-    /// marked lost when the session no longer exists. Returns the id for [`unwatch`](Self::unwatch).
-    pub(crate) fn watch(self: &Arc<Self>, pid: i32, tracker: TrackerHandle) -> u64 {
-        let mut w = self.watch_list();
-        w.next_id += 1;
-        let id = w.next_id;
-        w.leases.insert(id, (pid, tracker));
-        if !w.running {
-            if let Ok(rt) = tokio::runtime::Handle::try_current() {
-                w.running = true;
-                rt.spawn(watch_loop(Arc::downgrade(self)));
-            }
-        }
-        id
-    }
-
-    /// Stops watching lease `id`.
-    pub(crate) fn unwatch(&self, id: u64) {
-        self.watch_list().leases.remove(&id);
-    }
-
     async fn try_once(&self, c: &mut Conn, req: &Request<'_>) -> Result<Outcome> {
         // The idle timeout must be in place before the lock can be granted: if the reply is
         // lost (or this future dropped and the close never reaches the server), the session
@@ -538,15 +208,24 @@ impl Inner {
             c.idle_ms = ttl_ms;
         }
         let sent = Instant::now();
-        let (ok, token): (bool, Option<i64>) = sqlx::query_as(&self.sql.grant_try)
+        let (ok, token, wait_ms): (bool, Option<i64>, i64) = sqlx::query_as(&self.sql.grant_try)
             .bind(req.key)
             .bind(req.full)
+            .bind(req.delay_ms())
             .fetch_one(&mut c.conn)
             .await
             .map_err(from_sqlx)?;
         c.last_sent = sent;
         match (ok, token) {
             (true, Some(t)) => return Ok(Outcome::Granted { token: t, sent }),
+            // A holder with a lock-delay ended without a release, and the delay is not over.
+            (true, None) if wait_ms > 0 => {
+                if req.opts.wait == Wait::No {
+                    self.unlock(c, req).await?;
+                    return Ok(Outcome::Held);
+                }
+                return self.sit_out_delay(c, req, wait_ms).await;
+            }
             (true, None) => return self.collision(c, req).await,
             (false, _) => {}
         }
@@ -603,17 +282,98 @@ impl Inner {
         // If this future is dropped or the bump fails, the caller drops the connection, which
         // ends the session and frees the lock.
         let sent = Instant::now();
-        let token: Option<i64> = sqlx::query_scalar(&self.sql.bump)
-            .bind(req.key)
-            .bind(req.full)
-            .fetch_optional(&mut c.conn)
+        let (token, wait_ms) = self
+            .grant_held(c, req)
             .await
             .map_err(|e| unavailable(Msg(format!("session lost right after the grant: {e}"))))?;
         c.last_sent = sent;
         match token {
             Some(token) => Ok(Outcome::Granted { token, sent }),
+            None if wait_ms > 0 => self.sit_out_delay(c, req, wait_ms).await,
             None => self.collision(c, req).await,
         }
+    }
+
+    /// The grant statement on a session that holds the advisory lock: `(token, wait_ms)`.
+    async fn grant_held(
+        &self,
+        c: &mut Conn,
+        req: &Request<'_>,
+    ) -> std::result::Result<(Option<i64>, i64), sqlx::Error> {
+        let (_, token, wait_ms): (bool, Option<i64>, i64) = sqlx::query_as(&self.sql.grant_held)
+            .bind(req.key)
+            .bind(req.full)
+            .bind(req.delay_ms())
+            .fetch_one(&mut c.conn)
+            .await?;
+        Ok((token, wait_ms))
+    }
+
+    /// Holds the advisory lock (so the queue behind it stays in order) while the lock-delay of
+    /// a holder that ended without a release runs out: sleeps the `wait_ms` the server computed
+    /// (from the `free_since` it recorded, on its own clock), then runs the grant again. No
+    /// polling: one sleep, and another only if the server still counts time left. The
+    /// session's idle timeout is lengthened for the sleep and set back to the TTL before the
+    /// grant. A deadline that comes first ends the wait with `Timeout`; the caller then drops
+    /// the connection, which gives the lock back, and `free_since` stays for the next acquirer.
+    async fn sit_out_delay(
+        &self,
+        c: &mut Conn,
+        req: &Request<'_>,
+        mut wait_ms: i64,
+    ) -> Result<Outcome> {
+        let ttl_ms = ttl_ms(req.opts.ttl);
+        loop {
+            let left = Duration::from_millis(u64::try_from(wait_ms).unwrap_or(0));
+            if let Some(d) = req.deadline {
+                if Instant::now() + left > d {
+                    tokio::time::sleep_until(d).await;
+                    return Ok(Outcome::Timeout { reusable: false });
+                }
+            }
+            tracing::debug!(lock = %req.name, wait = ?left,
+                "the last holder ended without a release: waiting out its lock-delay");
+            self.set_idle_timeout(c, ttl_ms.saturating_add(duration_ms(left)))
+                .await?;
+            tokio::time::sleep(left).await;
+            self.set_idle_timeout(c, ttl_ms).await?;
+            let sent = Instant::now();
+            let (token, left_ms) = self.grant_held(c, req).await.map_err(from_sqlx)?;
+            c.last_sent = sent;
+            match token {
+                Some(token) => return Ok(Outcome::Granted { token, sent }),
+                None if left_ms > 0 => wait_ms = left_ms,
+                None => return self.collision(c, req).await,
+            }
+        }
+    }
+
+    async fn set_idle_timeout(&self, c: &mut Conn, ms: u64) -> Result<()> {
+        c.last_sent = Instant::now();
+        sqlx::query("SELECT set_config('idle_session_timeout', $1, false)")
+            .bind(ms.to_string())
+            .execute(&mut c.conn)
+            .await
+            .map_err(from_sqlx)?;
+        c.idle_ms = ms;
+        Ok(())
+    }
+
+    /// Gives back the advisory lock this session took (a try-once that found a lock-delay
+    /// pending).
+    async fn unlock(&self, c: &mut Conn, req: &Request<'_>) -> Result<()> {
+        c.last_sent = Instant::now();
+        let unlocked: bool = sqlx::query_scalar("SELECT pg_advisory_unlock($1)")
+            .bind(req.key)
+            .fetch_one(&mut c.conn)
+            .await
+            .map_err(from_sqlx)?;
+        if !unlocked {
+            return Err(backend(Msg(
+                "advisory unlock during a lock-delay failed".into()
+            )));
+        }
+        Ok(())
     }
 
     /// Runs `wait` (a statement waiting in the server's lock queue on session `pid`), checking
@@ -669,47 +429,6 @@ fn collision_error(req: &Request<'_>, stored: Option<&str>) -> Error {
     )))
 }
 
-fn connect_error(e: sqlx::Error) -> Error {
-    if let sqlx::Error::Database(db) = &e {
-        if db.message().contains("unsupported startup parameter") {
-            return pooler_detected();
-        }
-    }
-    if let Some(f) = lockkit_core::backend::tls_failure(&e) {
-        return f.into_error(BACKEND, e.into());
-    }
-    if let sqlx::Error::Tls(tls) = &e {
-        if tls.to_string().contains("does not support TLS") {
-            return Error::config_with(
-                "the server does not accept TLS connections, and sslmode (require, verify-ca, \
-                 verify-full, or implied by tls_ca/tls_cert) demands TLS",
-                e,
-            );
-        }
-        // A TLS file sqlx could not read or parse (tls_ca, tls_cert, tls_key).
-        return Error::config_with("cannot use the TLS files (tls_ca, tls_cert, tls_key)", e);
-    }
-    from_sqlx(e)
-}
-
-fn pooler_detected() -> Error {
-    Error::config(
-        "the server did not keep this connection's session settings: a connection pooler \
-         (such as PgBouncer) sits between lockkit and PostgreSQL. Advisory locks belong to a \
-         server session, which a transaction pooler hands to other clients; connect lockkit \
-         directly to PostgreSQL",
-    )
-}
-
-fn duration_ms(d: Duration) -> u64 {
-    let ms = d.as_nanos().div_ceil(1_000_000);
-    u64::try_from(ms).unwrap_or(u64::MAX).max(1)
-}
-
-pub(crate) fn ttl_ms(ttl: Duration) -> u64 {
-    duration_ms(ttl)
-}
-
 struct Request<'a> {
     name: &'a str,
     full: &'a str,
@@ -727,6 +446,13 @@ enum Outcome {
 }
 
 impl Request<'_> {
+    /// The acquire's own lock-delay in ms, 0 for none (at most `MAX_LOCK_DELAY`, so it fits).
+    fn delay_ms(&self) -> i64 {
+        self.opts
+            .effective_lock_delay()
+            .map_or(0, |d| i64::try_from(duration_ms(d)).unwrap_or(i64::MAX))
+    }
+
     fn timeout(&self) -> Error {
         Error::Timeout {
             name: self.name.to_owned(),
@@ -833,9 +559,17 @@ impl PgLock {
     ///     name  text   NOT NULL,           -- "{prefix}/{name}", to detect key collisions
     ///     token bigint NOT NULL CHECK (token > 0)  -- the last fencing token granted
     /// );
+    /// CREATE TABLE IF NOT EXISTS lockkit.delay (  -- lock-delays (AcquireOptions::lock_delay)
+    ///     key        bigint PRIMARY KEY,   -- lock_key(prefix, name)
+    ///     name       text   NOT NULL,      -- "{prefix}/{name}"
+    ///     delay_ms   bigint NOT NULL CHECK (delay_ms > 0),  -- the holder's lock-delay
+    ///     free_since timestamptz           -- when an acquirer first found the lock free
+    /// );
     /// ```
     ///
-    /// [`connect`](Self::connect) runs it when the table is missing, unless `auto_migrate=false`.
+    /// [`connect`](Self::connect) runs it when a table is missing (so a schema made by an older
+    /// lockkit gets the delay table on the first connect), unless `auto_migrate=false`: then
+    /// run it after upgrading, as every grant reads the delay table.
     ///
     /// # Errors
     /// [`Error::Backend`] if the role may not create the schema or table; connection errors as
@@ -883,6 +617,10 @@ impl LockBackend for PgLock {
     /// connection counts against the wait: a timed acquire returns [`Error::Timeout`] at its
     /// deadline; a try-once gets the connect timeout in all, retries included.
     ///
+    /// If the last holder had a lock-delay and ended without a release, the grant waits until
+    /// that delay has passed since the lock was first seen free (holding the advisory lock; a
+    /// try-once returns [`Error::Held`] instead): see the crate docs' Lock-delay section.
+    ///
     /// # Errors
     /// As [`Lock::acquire`](lockkit_core::Lock::acquire); [`Error::Backend`] also reports an advisory lock key collision
     /// between two names (see [`lock_key`]).
@@ -928,6 +666,7 @@ impl LockBackend for PgLock {
             req.key,
             tracker.clone(),
             granted.conn,
+            opts.effective_lock_delay().is_some(),
         ));
         Ok(Lease::new(
             name,
@@ -972,20 +711,25 @@ impl LockBackend for PgLock {
         g.fifo_waiters = true;
         g.manual_renewal = true;
         g.expiry_slack = Duration::from_millis(100);
+        g.loss_notice = Some(LOSS_NOTICE);
+        g.lock_delay = true;
         g.notes = "one PostgreSQL 14+ server: a lease is a session advisory lock on a dedicated \
                    connection that idle_session_timeout (= TTL) ends unless renewed; tokens are \
                    committed (synchronous_commit=on) in {schema}.fence; a session ended by a \
                    server restart or pg_terminate_backend frees the lock at once, and the \
-                   holder is told within SESSION_CHECK (1 s) + 2 x connect timeout of the \
-                   server being reachable again (another client may hold the lock meanwhile: \
-                   fence writes); advisory locks are not replicated, so a failover to a \
-                   standby may grant a held lock again";
+                   holder reads the server's close on its idle connection within milliseconds \
+                   (a connection that dies silently: within SESSION_CHECK (5 s) + connect \
+                   timeout, by a check on another connection); another client may hold the \
+                   lock meanwhile: fence writes; advisory locks are not replicated, so a \
+                   failover to a standby may grant a held lock again";
         g
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use sha2::{Digest, Sha256};
+
     use super::*;
 
     #[test]

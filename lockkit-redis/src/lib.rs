@@ -246,7 +246,7 @@ mod watch;
 
 pub use config::{
     DEFAULT_CONNECT_TIMEOUT, DEFAULT_PREFIX, DEFAULT_RESPONSE_TIMEOUT, MAX_CA_FILE_BYTES,
-    MAX_PREFIX_BYTES, RedisConfig, validate_prefix,
+    MAX_PREFIX_BYTES, Notifications, RedisConfig, validate_prefix,
 };
 pub use fence::RedisFence;
 pub use lock::{EXPIRY_JITTER, EXPIRY_SLACK, MAX_WAIT_POLL, RedisLock, WAITER_TTL};

@@ -305,7 +305,12 @@ impl RedisLock {
             Err(_) => return Err(timed_out("connecting to redis", ct)),
         };
         let conn = Conn::new(client.clone(), manager, conn);
-        let facts = match tokio::time::timeout(ct, server::inspect(&conn, config.strict)).await {
+        let facts = match tokio::time::timeout(
+            ct,
+            server::inspect(&conn, config.strict, config.notifications),
+        )
+        .await
+        {
             Ok(r) => r?,
             Err(_) => return Err(timed_out("checking the server's configuration", ct)),
         };
@@ -314,6 +319,7 @@ impl RedisLock {
             config.db_number(),
             &config.prefix,
             facts.notifications,
+            config.notifications,
             facts.run_id,
         );
         let hub = Hub::new(client, &config.prefix, ct, rt, watch);

@@ -19,6 +19,7 @@ use std::collections::HashMap;
 
 use lockkit_core::{Error, Result};
 
+use crate::config::Notifications;
 use crate::conn::Conn;
 use crate::error::from_redis;
 
@@ -42,7 +43,7 @@ pub(crate) struct Facts {
 /// [`Error::InvalidConfig`] with `strict` when the server may evict lock keys or its policy
 /// cannot be read; [`Error::Unavailable`] (and others) when `INFO` fails for another reason
 /// than being refused.
-pub(crate) async fn inspect(conn: &Conn, strict: bool) -> Result<Facts> {
+pub(crate) async fn inspect(conn: &Conn, strict: bool, mode: Notifications) -> Result<Facts> {
     let config = conn
         .query::<HashMap<String, String>>(
             redis::cmd("CONFIG")
@@ -64,7 +65,15 @@ pub(crate) async fn inspect(conn: &Conn, strict: bool) -> Result<Facts> {
         });
     check_eviction(conn, config.as_ref(), strict).await?;
     let notifications = match &config {
-        Some(c) => enable_notifications(conn, &c.flags).await,
+        _ if mode == Notifications::Off => false,
+        Some(c) => enable_notifications(conn, &c.flags, mode).await,
+        None if mode == Notifications::Use => {
+            tracing::info!(
+                "the redis server refuses CONFIG: lockkit cannot tell whether it sends keyspace \
+                 notifications, so a holder hears that its lock key was lost at its next renewal"
+            );
+            false
+        }
         None => {
             tracing::warn!(
                 "the redis server refuses CONFIG (renamed or not permitted): lockkit cannot \
@@ -152,7 +161,7 @@ fn evicting_policy<'a>(maxmemory: &str, policy: &'a str) -> Option<&'a str> {
 
 /// After a restart (the server forgot a `CONFIG SET` made at runtime): turns the keyspace
 /// notifications on again. Whether they are on.
-pub(crate) async fn renotify(conn: &Conn) -> bool {
+pub(crate) async fn renotify(conn: &Conn, mode: Notifications) -> bool {
     let flags = conn
         .query::<HashMap<String, String>>(
             redis::cmd("CONFIG")
@@ -163,7 +172,7 @@ pub(crate) async fn renotify(conn: &Conn) -> bool {
         .ok()
         .and_then(|mut m| m.remove("notify-keyspace-events"));
     match flags {
-        Some(f) => enable_notifications(conn, &f).await,
+        Some(f) => enable_notifications(conn, &f, mode).await,
         None => {
             tracing::warn!(
                 "after its restart the redis server refuses CONFIG: keyspace notifications are \
@@ -175,11 +184,18 @@ pub(crate) async fn renotify(conn: &Conn) -> bool {
 }
 
 /// Makes sure `notify-keyspace-events` (now `current`) holds [`NEEDED`], adding what is
-/// missing with `CONFIG SET`. Whether notifications are on now.
-async fn enable_notifications(conn: &Conn, current: &str) -> bool {
+/// missing with `CONFIG SET` if `mode` allows it. Whether notifications are on now.
+async fn enable_notifications(conn: &Conn, current: &str, mode: Notifications) -> bool {
     let Some(merged) = merged_flags(current) else {
         return true;
     };
+    if mode != Notifications::Set {
+        tracing::info!(current = %current,
+            "the redis server does not send the keyspace notifications lockkit needs \
+             (notify-keyspace-events \"Kgxe\") and notifications=use forbids turning them on: a \
+             holder hears that its lock key was lost at its next renewal (within TTL/3)");
+        return false;
+    }
     match conn
         .query::<()>(
             redis::cmd("CONFIG")

@@ -33,6 +33,7 @@ use std::time::Duration;
 use lockkit_core::backend::TrackerHandle;
 use lockkit_core::{LeaseState, LossReason};
 
+use crate::config::Notifications;
 use crate::conn::Conn;
 use crate::core::{RedisLease, holds};
 use crate::server::info_field;
@@ -69,6 +70,8 @@ pub(crate) struct Watch {
     /// Whether the server sends keyspace notifications of lock-key losses and the pub/sub
     /// connection may subscribe to them.
     notifications: AtomicBool,
+    /// Whether notifications may be turned on again after a server restart.
+    mode: Notifications,
     /// The keyspace channel of lock key `K` is `channel_prefix + K`: `__keyspace@DB__:`.
     channel_prefix: String,
     /// The `PSUBSCRIBE` pattern of the prefix's lock keys.
@@ -125,6 +128,7 @@ impl Watch {
         db: i64,
         prefix: &str,
         notifications: bool,
+        mode: Notifications,
         run_id: Option<String>,
     ) -> Arc<Self> {
         let channel_prefix = format!("__keyspace@{db}__:");
@@ -132,6 +136,7 @@ impl Watch {
         Arc::new(Self {
             conn,
             notifications: AtomicBool::new(notifications),
+            mode,
             channel_prefix,
             pattern,
             state: Mutex::new(State::default()),
@@ -288,7 +293,7 @@ impl Watch {
                 }
             });
         }
-        if self.notifications() && !crate::server::renotify(&self.conn).await {
+        if self.notifications() && !crate::server::renotify(&self.conn, self.mode).await {
             self.disable_notifications();
         }
         true

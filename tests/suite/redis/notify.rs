@@ -307,6 +307,63 @@ async fn without_config_locks_work_and_declare_no_loss_notice() {
     }
 }
 
+/// `notifications=use` never reconfigures the server: without the flags it connects with no
+/// loss notice and leaves `notify-keyspace-events` as it was; with them already set (by the
+/// operator) it uses them. `notifications=off` uses none even where the server sends them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn notifications_use_and_off_leave_the_server_setting_alone() {
+    let server = PrivateRedis::start_with(None, &["--notify-keyspace-events", "El"]).await;
+    let mut admin = server.raw().await;
+    let url = with_prefix(&server.url(), &fresh_prefix());
+    let using = RedisLock::connect(&format!("{url}&notifications=use"))
+        .await
+        .expect("connect");
+    assert_eq!(using.guarantees().loss_notice, None);
+    assert_eq!(config_get(&mut admin, "notify-keyspace-events").await, "lE");
+    let off = RedisLock::connect(&format!("{url}&notifications=off"))
+        .await
+        .expect("connect");
+    assert_eq!(off.guarantees().loss_notice, None);
+    assert_eq!(config_get(&mut admin, "notify-keyspace-events").await, "lE");
+
+    // The operator turns them on: `use` now hears an admin DEL at once, `off` still does not.
+    redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("notify-keyspace-events")
+        .arg("KEA")
+        .query_async::<()>(&mut admin)
+        .await
+        .expect("CONFIG SET");
+    let using = RedisLock::connect(&format!("{url}&notifications=use"))
+        .await
+        .expect("connect");
+    assert_eq!(using.guarantees().loss_notice, Some(LOSS_NOTICE));
+    let off = RedisLock::connect(&format!("{url}&notifications=off"))
+        .await
+        .expect("connect");
+    assert_eq!(off.guarantees().loss_notice, None);
+    let lease = using.acquire("use-del", opts(true)).await.expect("acquire");
+    let at = lost_at(&lease);
+    let sent = Instant::now();
+    let _: i64 = redis::cmd("DEL")
+        .arg(using.lock_key("use-del"))
+        .query_async(&mut admin)
+        .await
+        .expect("DEL");
+    let took = heard(&lease, at, sent).await;
+    assert!(took < DELETE_HEARD, "DEL heard after {took:?}");
+    let kept = off.acquire("off-del", opts(true)).await.expect("acquire");
+    let _: i64 = redis::cmd("DEL")
+        .arg(off.lock_key("off-del"))
+        .query_async(&mut admin)
+        .await
+        .expect("DEL");
+    // Off: no notification reaches it; `check` (a server round trip) is what finds the loss.
+    assert_eq!(kept.state(), LeaseState::Held);
+    assert!(matches!(kept.check().await, Err(Error::NotHeld { .. })));
+    assert_eq!(kept.state(), LeaseState::Lost);
+}
+
 /// A server restarted (with its data lost) while leases are held: every lease held through the
 /// client is lost, kept-alive or not, long before a renewal could find out; a lease granted by
 /// the new server is not.

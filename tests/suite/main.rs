@@ -9,7 +9,12 @@ mod common;
 mod memory;
 mod observability;
 /// TLS needs a network backend.
-#[cfg(any(feature = "etcd", feature = "postgres", feature = "redis", feature = "zk"))]
+#[cfg(any(
+    feature = "etcd",
+    feature = "postgres",
+    feature = "redis",
+    feature = "zk"
+))]
 mod tls;
 mod urls;
 

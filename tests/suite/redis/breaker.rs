@@ -194,3 +194,69 @@ async fn fifty_clients_contend_for_twenty_seconds() {
     eprintln!("grants {n}, others {:?}", stats.lock().unwrap());
     assert!(n > 0);
 }
+
+/// A kept-alive lease with a lock-delay whose renewals reach the server but whose replies do
+/// not come back (the holder is cut off one way): the client marks it lost at its deadline
+/// while the server still holds it (each renewal moved the key's expiry). When the lost lease
+/// is then dropped (as `lockkit hold`/`run` do on a lost lease), its release on drop must not
+/// free the lock without the lock-delay: the holder failed, and may have writes in flight.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_a_lease_lost_to_its_deadline_keeps_the_lock_delay() {
+    let server = PrivateRedis::start(None).await;
+    let proxy = Proxy::start_local(server.port).await;
+    let prefix = fresh_prefix();
+    let holder = RedisLock::connect(&format!("redis://127.0.0.1:{}?prefix={prefix}", proxy.port))
+        .await
+        .expect("connect through the proxy");
+    let other = RedisLock::connect(&format!(
+        "redis://127.0.0.1:{}?prefix={prefix}",
+        server.port
+    ))
+    .await
+    .expect("connect directly");
+    let mut conn = server.raw().await;
+    let (ttl, delay) = (Duration::from_secs(3), Duration::from_secs(20));
+    let lease = holder
+        .acquire(
+            "drop-lost",
+            AcquireOptions::new()
+                .ttl(ttl)
+                .lock_delay(delay)
+                .wait(Wait::No),
+        )
+        .await
+        .expect("acquire");
+    proxy.hold_replies(true);
+    lease.lost().await;
+    assert!(
+        super::exists(&mut conn, &holder.lock_key("drop-lost")).await,
+        "the server still holds the lease its renewals extended"
+    );
+    let delay_key = format!("{prefix}:delay:drop-lost");
+    assert!(
+        super::exists(&mut conn, &delay_key).await,
+        "the delay key is set"
+    );
+    proxy.hold_replies(false);
+    drop(lease);
+    // The lock key goes: by the release on drop, or at the end of the last renewal's TTL.
+    super::await_exists(
+        &mut conn,
+        &holder.lock_key("drop-lost"),
+        false,
+        Duration::from_secs(5),
+    )
+    .await;
+    match other
+        .acquire("drop-lost", AcquireOptions::new().wait(Wait::No))
+        .await
+    {
+        Err(Error::Held { .. }) => {}
+        Ok(l) => panic!(
+            "granted (token {}) right after the holder lost its lease: the release on drop of \
+             the lost lease deleted its {delay:?} lock-delay",
+            l.token()
+        ),
+        Err(e) => panic!("try-once during the delay: {e:?}"),
+    }
+}

@@ -197,3 +197,40 @@ async fn a_lagging_observer_gets_missed_then_ordered_terms() {
     }
     assert!(saw_missed, "3000 unread changes and no Missed");
 }
+
+/// The memory lock (not a slot): a lease with a lock-delay that nobody renews is lost on the
+/// client at its deadline (TTL minus the drift margin), a little before the table frees it.
+/// Dropped at that moment (release on drop on, as `lockkit run` drops a lost lease), its
+/// release on drop must not free the lock without the delay: the holder failed to renew.
+#[tokio::test(start_paused = true)]
+async fn dropping_a_lost_memory_lease_keeps_the_lock_delay() {
+    use lockkit_core::{Lock, LockExt};
+    let m = MemoryLock::new();
+    let (ttl, delay) = (Duration::from_secs(10), Duration::from_secs(30));
+    let lease = m
+        .acquire(
+            "lost-drop",
+            AcquireOptions::new()
+                .ttl(ttl)
+                .keepalive(false)
+                .lock_delay(delay)
+                .wait(Wait::No),
+        )
+        .await
+        .expect("acquire");
+    lease.lost().await;
+    assert_eq!(lease.state(), LeaseState::Lost);
+    drop(lease);
+    for _ in 0..10 {
+        tokio::task::yield_now().await; // the release on drop
+    }
+    match m.try_acquire("lost-drop", ttl).await {
+        Err(Error::Held { .. }) => {}
+        Ok(l) => panic!(
+            "granted (token {}) right after the holder's lease was lost: the release on drop \
+             of a lost lease skipped its {delay:?} lock-delay",
+            l.token()
+        ),
+        Err(e) => panic!("{e:?}"),
+    }
+}

@@ -147,8 +147,7 @@ async fn fifty_clients_contend_for_twenty_seconds() {
                         *stats.lock().unwrap().entry("held").or_default() += 1;
                         continue;
                     }
-                    Err(Error::Timeout { waited, .. }) if kind == 1 => {
-                        let _ = waited;
+                    Err(Error::Timeout { .. }) if kind == 1 => {
                         *stats.lock().unwrap().entry("short_timeout").or_default() += 1;
                         continue;
                     }
@@ -259,4 +258,75 @@ async fn dropping_a_lease_lost_to_its_deadline_keeps_the_lock_delay() {
         ),
         Err(e) => panic!("try-once during the delay: {e:?}"),
     }
+}
+
+/// A waiter during a lock-delay sleeps until the delay ends (or at most every
+/// `MAX_WAIT_POLL`, ≈1 s, to keep its place): nothing can be handed over during a delay, so a
+/// short TTL of its own is no reason to look more often. Counted on a private server: the
+/// acquire scripts a waiter with a 200 ms TTL runs during a 5 s delay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_with_a_short_ttl_does_not_poll_through_a_lock_delay() {
+    let server = PrivateRedis::start(None).await;
+    let prefix = fresh_prefix();
+    let url = format!("redis://127.0.0.1:{}?prefix={prefix}", server.port);
+    let holder = RedisLock::connect(&url).await.expect("connect");
+    let waiter = RedisLock::connect(&url).await.expect("connect");
+    let mut conn = server.raw().await;
+    let (ttl, delay) = (Duration::from_millis(200), Duration::from_secs(5));
+    drop(
+        holder
+            .acquire(
+                "poll",
+                AcquireOptions::new()
+                    .ttl(ttl)
+                    .lock_delay(delay)
+                    .keepalive(false)
+                    .release_on_drop(false)
+                    .wait(Wait::No),
+            )
+            .await
+            .expect("acquire"),
+    );
+    super::await_exists(
+        &mut conn,
+        &holder.lock_key("poll"),
+        false,
+        Duration::from_secs(5),
+    )
+    .await;
+    let () = lockkit::redis::redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query_async(&mut conn)
+        .await
+        .expect("CONFIG RESETSTAT");
+    let lease = waiter
+        .acquire(
+            "poll",
+            AcquireOptions::new()
+                .ttl(ttl)
+                .wait(Wait::Timeout(Duration::from_secs(20))),
+        )
+        .await
+        .expect("granted after the delay");
+    let info: String = lockkit::redis::redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut conn)
+        .await
+        .expect("INFO");
+    let calls = |cmd: &str| -> u64 {
+        info.lines()
+            .find_map(|l| l.strip_prefix(&format!("cmdstat_{cmd}:calls=")))
+            .and_then(|r| r.split(',').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
+    };
+    let scripts = calls("evalsha") + calls("eval");
+    lease.release().await.expect("release");
+    // 5 s at one look per ≈1 s, plus the first look, the look once subscribed and the grant.
+    assert!(
+        scripts <= 10,
+        "{scripts} acquire scripts by one waiter during a {delay:?} lock-delay: it polled at \
+         its TTL / 4 ({:?}) instead of sleeping until the delay's end",
+        ttl / 4
+    );
 }

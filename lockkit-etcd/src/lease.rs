@@ -103,6 +103,84 @@ impl EtcdLease {
     /// the lock-delay marker (if any) runs out. A marker on a dedicated lease's companion stops
     /// being renewed; one on a session lease's companion, which other locks keep alive, moves
     /// to a lease of its own with the delay as TTL ([`detach_marker`]).
+    /// Deletes this grant's key (compare-and-delete), with its lock-delay marker unless
+    /// `lapsed` ([`LeaseOps::relinquish`]: the marker then runs out, counting the delay). See
+    /// [`LeaseOps::release`] below for the rules.
+    async fn give_back(&self, lapsed: bool) -> Result<()> {
+        let kv = self.client.kv_client();
+        self.release_attempted.store(true, Ordering::SeqCst);
+        let attempts = std::sync::atomic::AtomicUsize::new(0);
+        // With a lock-delay marker, one transaction deletes the key and (if the key was still
+        // ours) the marker: the lock is free at once.
+        let txn = self.marker.as_ref().map(|m| {
+            Txn::new()
+                .when([Compare::create_revision(
+                    self.key.clone(),
+                    CompareOp::Equal,
+                    self.create_revision,
+                )])
+                .and_then(delete_key_ops(&self.key, Some(m).filter(|_| !lapsed)))
+        });
+        let attempt = || {
+            attempts.fetch_add(1, Ordering::SeqCst);
+            let (mut kv, key, txn) = (kv.clone(), self.key.clone(), txn.clone());
+            async move {
+                match txn {
+                    Some(txn) => kv.txn(txn).await.map(|r| r.succeeded()),
+                    None => kv.delete(key, None).await.map(|r| r.deleted() > 0),
+                }
+            }
+        };
+        let deleted = match with_retries(self.request_timeout, "a lock release", attempt).await {
+            Ok(r) => r,
+            Err(e) => {
+                // The key may outlive this call. Stop reusing the lease, so that it retires (and
+                // is revoked, taking the key with it) once its other locks are done.
+                if let Binding::Shared { reservation, .. } = &self.binding {
+                    reservation.shared.close_to_newcomers();
+                }
+                return Err(e);
+            }
+        };
+        self.released.store(true, Ordering::SeqCst);
+        if !deleted || lapsed {
+            // The key was gone already (a failure), or it is given up as lapsed: its delay runs
+            // (if the key watch has not started it yet).
+            self.start_delay();
+        }
+        if let Binding::Shared { reservation, .. } = &self.binding {
+            if self.create_uncertain {
+                // A released grant's marker may be swept with its key; a lapsed one's runs out.
+                let marker = self.marker.clone().filter(|_| deleted && !lapsed);
+                reservation.shared.burn_slot(self.key.clone(), marker);
+            } else if attempts.load(Ordering::SeqCst) == 1 {
+                reservation.shared.free_slot(&self.name, self.slot);
+            }
+            // Else an earlier delete attempt may still be applied: the slot stays busy.
+        }
+        if let Binding::Dedicated = self.binding {
+            let client = self.client.clone();
+            let (id, limit) = (self.lease_id, self.request_timeout);
+            // The marker's companion too, unless the lock was lost first (its delay runs).
+            let companion = self
+                .marker
+                .as_ref()
+                .filter(|_| deleted && !self.marker_frozen.load(Ordering::SeqCst))
+                .map(|m| m.lease);
+            tokio::spawn(async move {
+                let mut lc = client.lease_client();
+                for id in std::iter::once(id).chain(companion) {
+                    let _ = timed(limit, "a lease revoke", lc.revoke(id)).await;
+                }
+            });
+        }
+        if deleted {
+            Ok(())
+        } else {
+            Err(self.not_held())
+        }
+    }
+
     fn start_delay(&self) {
         let Some(marker) = self.marker.clone() else {
             return;
@@ -285,78 +363,12 @@ impl LeaseOps for EtcdLease {
     /// If the future is dropped, the delete may or may not have happened; the lease's drop
     /// deletes the key in the background (or its TTL ends it).
     async fn release(&self) -> Result<()> {
-        let kv = self.client.kv_client();
-        self.release_attempted.store(true, Ordering::SeqCst);
-        let attempts = std::sync::atomic::AtomicUsize::new(0);
-        // With a lock-delay marker, one transaction deletes the key and (if the key was still
-        // ours) the marker: the lock is free at once.
-        let txn = self.marker.as_ref().map(|m| {
-            Txn::new()
-                .when([Compare::create_revision(
-                    self.key.clone(),
-                    CompareOp::Equal,
-                    self.create_revision,
-                )])
-                .and_then(delete_key_ops(&self.key, Some(m)))
-        });
-        let attempt = || {
-            attempts.fetch_add(1, Ordering::SeqCst);
-            let (mut kv, key, txn) = (kv.clone(), self.key.clone(), txn.clone());
-            async move {
-                match txn {
-                    Some(txn) => kv.txn(txn).await.map(|r| r.succeeded()),
-                    None => kv.delete(key, None).await.map(|r| r.deleted() > 0),
-                }
-            }
-        };
-        let deleted = match with_retries(self.request_timeout, "a lock release", attempt).await {
-            Ok(r) => r,
-            Err(e) => {
-                // The key may outlive this call. Stop reusing the lease, so that it retires (and
-                // is revoked, taking the key with it) once its other locks are done.
-                if let Binding::Shared { reservation, .. } = &self.binding {
-                    reservation.shared.close_to_newcomers();
-                }
-                return Err(e);
-            }
-        };
-        self.released.store(true, Ordering::SeqCst);
-        if !deleted {
-            // The key was gone already: a failure, whose delay runs (if the key watch has not
-            // started it yet).
-            self.start_delay();
-        }
-        if let Binding::Shared { reservation, .. } = &self.binding {
-            if self.create_uncertain {
-                // A released grant's marker may be swept with its key; a lapsed one's runs out.
-                let marker = self.marker.clone().filter(|_| deleted);
-                reservation.shared.burn_slot(self.key.clone(), marker);
-            } else if attempts.load(Ordering::SeqCst) == 1 {
-                reservation.shared.free_slot(&self.name, self.slot);
-            }
-            // Else an earlier delete attempt may still be applied: the slot stays busy.
-        }
-        if let Binding::Dedicated = self.binding {
-            let client = self.client.clone();
-            let (id, limit) = (self.lease_id, self.request_timeout);
-            // The marker's companion too, unless the lock was lost first (its delay runs).
-            let companion = self
-                .marker
-                .as_ref()
-                .filter(|_| deleted && !self.marker_frozen.load(Ordering::SeqCst))
-                .map(|m| m.lease);
-            tokio::spawn(async move {
-                let mut lc = client.lease_client();
-                for id in std::iter::once(id).chain(companion) {
-                    let _ = timed(limit, "a lease revoke", lc.revoke(id)).await;
-                }
-            });
-        }
-        if deleted {
-            Ok(())
-        } else {
-            Err(self.not_held())
-        }
+        self.give_back(false).await
+    }
+
+    /// Deletes the key but leaves the lock-delay marker to run out (a lapse, not a release).
+    async fn relinquish(&self) -> Result<()> {
+        self.give_back(true).await
     }
 
     fn self_renewing(&self) -> bool {

@@ -39,6 +39,14 @@ impl LeaseOps for RedisLease {
         }
     }
 
+    async fn relinquish(&self) -> Result<()> {
+        if self.give_back_lapsed().await? {
+            Ok(())
+        } else {
+            Err(self.not_held())
+        }
+    }
+
     async fn check(&self) -> Result<()> {
         holds(&self.conn, &self.keys.lock, &self.owner)
             .await?

@@ -54,7 +54,7 @@ impl Backoff {
     pub fn next_delay(&mut self) -> Duration {
         // Without a retry limit the iterator never ends; `max * 2` covers the jitter bound should
         // a future backon end it anyway.
-        self.current.next().unwrap_or(self.max * 2)
+        self.current.next().unwrap_or(self.max.saturating_mul(2))
     }
 
     /// Starts again from the first step (after a success).

@@ -800,7 +800,7 @@ impl LockBackend for RedisLock {
                 self.attempt(&call, opts.ttl, delay, route.as_ref())
             })
             .await?;
-            let pttl = match attempt {
+            let (pttl, in_delay) = match attempt {
                 Attempt::Granted {
                     token,
                     owner,
@@ -818,7 +818,8 @@ impl LockBackend for RedisLock {
                             continue;
                         }
                     }
-                    pttl
+                    // No holder: a lapsed holder's lock-delay runs (nothing can be handed over).
+                    (pttl, holder.is_empty())
                 }
             };
             if opts.wait == Wait::No {
@@ -836,8 +837,9 @@ impl LockBackend for RedisLock {
                 subscribing = Some(Box::pin(async move { hub.ensure().await }));
             }
             let mut poll = fallback_delay(pttl);
-            if route.is_some() {
-                // A handed-over lease counts from our last look: keep it recent.
+            if route.is_some() && !in_delay {
+                // A handed-over lease counts from our last look: keep it recent (during a
+                // lock-delay there is no holder to hand it over).
                 poll = poll.min(opts.ttl / 4);
             }
             let woken = tokio::select! {

@@ -50,6 +50,53 @@ impl Drop for ZkLease {
 }
 
 impl ZkLease {
+    /// Deletes this lease's node as [`LeaseOps::release`] documents, with its lock-delay marker
+    /// unless `lapsed` ([`LeaseOps::relinquish`]).
+    async fn give_back(&self, lapsed: bool) -> Result<()> {
+        let marker = self.marker.clone().filter(|_| !lapsed);
+        self.release_attempted.store(true, Ordering::SeqCst);
+        if self.session.is_dead() {
+            self.session.deregister(self.reg);
+            return Err(self.not_held());
+        }
+        let deadline = Instant::now() + self.session.ttl;
+        let (res, retried) = self
+            .session
+            .retry_loss_seen(Some(deadline), || {
+                self.session.delete_holder(&self.path, marker.as_deref())
+            })
+            .await;
+        match res {
+            Ok(()) => {
+                self.session.deregister(self.reg);
+                Ok(())
+            }
+            // An earlier attempt whose reply was lost deleted the node: the answer came on this
+            // (live) session, whose ephemeral node nothing else deletes.
+            Err(zk::Error::NoNode) if retried => {
+                self.session.deregister(self.reg);
+                Ok(())
+            }
+            Err(zk::Error::NoNode | zk::Error::BadVersion | zk::Error::SessionExpired) => {
+                self.session.deregister(self.reg);
+                Err(self.not_held())
+            }
+            Err(e) if connection_lost(&e) || e == zk::Error::Timeout => {
+                spawn_release(
+                    self.session.clone(),
+                    self.path.clone(),
+                    marker.clone(),
+                    Some(self.reg),
+                );
+                Err(unavailable(
+                    "release not acknowledged; the lock node is deleted in the background, or \
+                     with its session when that expires",
+                ))
+            }
+            Err(e) => Err(from_zk(e)),
+        }
+    }
+
     /// The lock node's path (below the chroot, if any).
     pub fn node_path(&self) -> &str {
         &self.path
@@ -190,48 +237,13 @@ impl LeaseOps for ZkLease {
     /// session ends, the lease stays registered with its session until then, and this returns
     /// [`Error::Unavailable`].
     async fn release(&self) -> Result<()> {
-        self.release_attempted.store(true, Ordering::SeqCst);
-        if self.session.is_dead() {
-            self.session.deregister(self.reg);
-            return Err(self.not_held());
-        }
-        let deadline = Instant::now() + self.session.ttl;
-        let (res, retried) = self
-            .session
-            .retry_loss_seen(Some(deadline), || {
-                self.session
-                    .delete_holder(&self.path, self.marker.as_deref())
-            })
-            .await;
-        match res {
-            Ok(()) => {
-                self.session.deregister(self.reg);
-                Ok(())
-            }
-            // An earlier attempt whose reply was lost deleted the node: the answer came on this
-            // (live) session, whose ephemeral node nothing else deletes.
-            Err(zk::Error::NoNode) if retried => {
-                self.session.deregister(self.reg);
-                Ok(())
-            }
-            Err(zk::Error::NoNode | zk::Error::BadVersion | zk::Error::SessionExpired) => {
-                self.session.deregister(self.reg);
-                Err(self.not_held())
-            }
-            Err(e) if connection_lost(&e) || e == zk::Error::Timeout => {
-                spawn_release(
-                    self.session.clone(),
-                    self.path.clone(),
-                    self.marker.clone(),
-                    Some(self.reg),
-                );
-                Err(unavailable(
-                    "release not acknowledged; the lock node is deleted in the background, or \
-                     with its session when that expires",
-                ))
-            }
-            Err(e) => Err(from_zk(e)),
-        }
+        self.give_back(false).await
+    }
+
+    /// Deletes the node but leaves the lock-delay marker: the next in line finds it with its
+    /// holder gone and waits the delay (a lapse, not a release).
+    async fn relinquish(&self) -> Result<()> {
+        self.give_back(true).await
     }
 
     fn self_renewing(&self) -> bool {

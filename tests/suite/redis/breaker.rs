@@ -281,6 +281,9 @@ async fn dropping_a_lease_lost_to_its_deadline_keeps_the_lock_delay() {
         .await
         .expect("acquire");
     proxy.hold_replies(true);
+    // A renewal that reaches the server (its reply is held): the server's key now outlives the
+    // client's deadline, which counts from the last acknowledged renewal.
+    let _ = tokio::time::timeout(Duration::from_millis(300), lease.renew()).await;
     lease.lost().await;
     assert!(
         super::exists(&mut conn, &holder.lock_key("drop-lost")).await,

@@ -300,11 +300,28 @@ impl Slots {
                 }
             }
             let granted = {
-                let t = lock(&self.table);
-                t.entries
-                    .get(&guard.key)
-                    .and_then(|e| e.slot_of(id))
-                    .map(|(slot, h)| (slot, h.token, h.granted_at))
+                let mut t = lock(&self.table);
+                let now = Instant::now();
+                let e = t.entries.entry(guard.key.clone()).or_default();
+                let held = e.slot_of(id).map(|(slot, h)| (slot, h.token, h.granted_at));
+                if held.is_none() && !e.waiters.iter().any(|w| w.id == id) {
+                    // Handed a slot that ran out before this waiter looked (a stalled
+                    // runtime): first in line again, and granted now if a slot is free.
+                    if !e.active() {
+                        e.permits = req.permits;
+                        e.holders.clear();
+                        e.holders.resize_with(req.permits as usize, || None);
+                    }
+                    e.waiters.push_front(Waiter {
+                        id,
+                        ttl: opts.ttl,
+                        value: req.value.to_vec(),
+                        notify: notify.clone(),
+                    });
+                    self.settle(&guard.key, e, now);
+                    self.ensure_reaper(&guard.key, e);
+                }
+                held
             };
             if let Some((slot, token, granted_at)) = granted {
                 guard.armed = false;
@@ -451,8 +468,18 @@ impl Drop for MemoryWatch {
     fn drop(&mut self) {
         // Unsubscribe first, so that the reaper, poked, sees one observer less.
         drop(self.rx.take());
-        if let Some(e) = lock(&self.slots.table).entries.get(&self.key) {
-            e.poke_reaper();
+        let mut t = lock(&self.slots.table);
+        let Some(e) = t.entries.get_mut(&self.key) else {
+            return;
+        };
+        if e.events.as_ref().is_some_and(|tx| tx.receiver_count() == 0) {
+            // The last observer: free the channel's buffer.
+            e.events = None;
+        }
+        e.poke_reaper();
+        if e.events.is_none() && !e.active() && e.last_token == 0 {
+            // Observed only, never granted: nothing (no token) to remember.
+            t.entries.remove(&self.key);
         }
     }
 }

@@ -12,8 +12,8 @@ use tokio::time::Instant;
 
 use crate::common::{ServerProcess, free_port, fresh_prefix, server_url, wait_until, with_prefix};
 
-mod breaker;
 mod delay;
+mod edge_cases;
 mod failures;
 mod fence;
 mod notify;

@@ -1,5 +1,6 @@
-//! Breaker tests (helper break1) of what landed with lock-delay and the core.rs refactor:
-//! a manual renewal acknowledged after the lease's deadline, and many clients contending.
+//! Redis edge cases of lock-delay and of many clients: a manual renewal acknowledged after the
+//! lease's deadline, a lost lease dropped, a waiter polling through a delay, and contention
+//! (also while the server kills every connection), checked by a fenced counter.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -1,4 +1,4 @@
-//! Breaker tests (helper break1) of `backend::Backoff` on extreme inputs: no panic in library
+//! `backend::Backoff` on extreme inputs: no panic in library
 //! code on any input (STYLE), and pauses stay within `max` × 2.
 
 use std::time::Duration;

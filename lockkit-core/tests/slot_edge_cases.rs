@@ -1,6 +1,7 @@
-//! Breaker tests (helper break1) of elections and semaphores on the memory backend: a waiter
-//! whose handed slot ran out before it ran, permits that expire without keepalive, 100
-//! candidates with cancellations in the middle of hand-offs, and a lagging observer.
+//! Elections and semaphores on the memory backend at their edges: a waiter whose handed slot
+//! ran out before it ran, permits that expire without keepalive, 100 candidates with
+//! cancellations in the middle of hand-offs, a lagging observer, a lost lease dropped, and the
+//! memory kept by observing many names.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -245,7 +246,7 @@ fn rss_kib() -> u64 {
 
 /// Observing an election that nobody runs, then dropping the observer, leaves nothing that
 /// grows with the number of names: 5000 names observed once each stay well under 50 MiB.
-/// (Each observed name keeps its entry and its broadcast channel of 1024 slots forever.)
+/// (Each observed name used to keep its entry and its broadcast channel of 1024 slots forever.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn observing_many_names_once_does_not_keep_memory() {
     let m = MemoryLock::new();

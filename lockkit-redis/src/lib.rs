@@ -66,7 +66,8 @@
 //!   reply within the response timeout drops the pub/sub connection (the next waiter opens a
 //!   new one). Waiters are served in FIFO order; one that stops looking (its process died)
 //!   leaves the queue after [`WAITER_TTL`], and a lock handed to it in that window is free
-//!   again after that lease's TTL.
+//!   again after that lease's TTL, plus its lock-delay if it asked for one (it failed before it
+//!   could release: nobody can tell it never saw the grant).
 //! - **Lock-delay** ([`AcquireOptions::lock_delay`](lockkit_core::AcquireOptions::lock_delay)):
 //!   a grant with a delay `d` also sets the key `P:delay:N` (to its waiter ID) with `PX` TTL +
 //!   `d`, and every renewal sets it again with the lock key, so it outlives the lock key by `d`.

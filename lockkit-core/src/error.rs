@@ -125,6 +125,22 @@ pub enum Error {
         source: Option<BoxError>,
     },
 
+    /// A semaphore acquire asked for another number of permits than the one in force for the
+    /// name (set by the acquire that found it idle, kept while it has holders or waiters).
+    /// Nothing was changed: the clients of one semaphore must agree on its N.
+    #[error(
+        "semaphore {name:?} has {theirs} permits, but this acquire asked for {ours}: all its \
+         clients must use the same number"
+    )]
+    PermitsMismatch {
+        /// The semaphore name.
+        name: String,
+        /// The number of permits this acquire asked for.
+        ours: u32,
+        /// The number in force on the server.
+        theirs: u32,
+    },
+
     /// The backend cannot do this (for example a manual-renewal lease on ZooKeeper, whose session
     /// heartbeats cannot be paused).
     #[error("{operation} is not supported by the {backend} backend")]

@@ -4,7 +4,8 @@
 //! implements, the [`Lease`] it grants (with its [`FencingToken`], client-side [`LeaseState`] and
 //! keepalive), [`AcquireOptions`], the one [`Error`] type, fences for the protected resource, the
 //! in-process [`MemoryLock`] backend, and (feature `contract`) the contract suite every backend
-//! passes.
+//! passes. Leader election ([`Election`], [`Leadership`], [`Observer`]) and semaphores
+//! ([`Semaphore`], [`Permit`]) are built on the same leases.
 //!
 //! ```
 //! use std::time::Duration;
@@ -33,6 +34,12 @@
 #![deny(rustdoc::broken_intra_doc_links)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+// Leader election and semaphores (docs/election-semaphore.md).
+mod election;
+mod memory_slots;
+mod semaphore;
+mod slots;
+
 mod backoff;
 mod config;
 mod error;
@@ -49,6 +56,11 @@ mod token;
 #[cfg_attr(docsrs, doc(cfg(feature = "contract")))]
 pub mod contract;
 
+#[cfg(feature = "contract")]
+#[cfg_attr(docsrs, doc(cfg(feature = "contract")))]
+pub mod contract_election;
+
+pub use election::{Election, LeaderEvent, LeaderInfo, Leadership, Observer};
 pub use error::{BoxError, Error, Result};
 pub use fence::MemoryFence;
 pub use lease::{Lease, LeaseState, LeaseTracker, LossReason, drift_margin};
@@ -58,6 +70,8 @@ pub use options::{
     AcquireOptions, DEFAULT_TTL, MAX_LOCK_DELAY, MAX_NAME_BYTES, MAX_PREFIX_BYTES, MAX_RETRY_DELAY,
     MAX_TTL, MIN_TTL, RetryPolicy, Wait,
 };
+pub use semaphore::{Permit, Semaphore};
+pub use slots::{MAX_PERMITS, MAX_VALUE_BYTES, SlotGuarantees, SlotHolder, SlotHolders};
 
 /// For backend authors: what an adapter needs beyond the user-facing API.
 ///
@@ -79,9 +93,23 @@ pub use options::{
 /// backend's lock identity (`backend/namespace/name`).
 /// `lockkit-core/src/memory.rs` is a complete backend to copy from.
 ///
+/// Elections and semaphores: a backend implements [`SlotBackend`](backend::SlotBackend) (grant
+/// one of N slots with a value, read the holders, watch them, and a
+/// [`SlotOps`](backend::SlotOps) handle to change a value) and gets [`Election`] and
+/// [`Semaphore`] from the core; `lockkit-core/src/memory_slots.rs` is the example, and
+/// [docs/election-semaphore.md](https://example.invalid/lockkit/blob/main/docs/election-semaphore.md)
+/// the design.
+///
 /// The connection-URL grammar all backends share lives here too: [`BackendUrl`](backend::BackendUrl)
 /// (its docs give the rules and the shared parameter names).
 pub mod backend {
+    // Elections and semaphores.
+    pub use crate::slots::{
+        SlotBackend, SlotGrant, SlotKind, SlotOps, SlotRequest, SlotWatch, WatchEvent,
+        validate_permits, validate_value,
+    };
+    pub use crate::{SlotGuarantees, SlotHolder, SlotHolders};
+
     pub use crate::backoff::Backoff;
     #[cfg(feature = "serde")]
     #[cfg_attr(docsrs, doc(cfg(feature = "serde")))]

@@ -64,15 +64,19 @@ pub struct MemoryLock {
     state: Arc<Mutex<State>>,
     /// `memory/{table}/`, the start of every token's lock identity.
     lock_id_prefix: Arc<str>,
+    /// Elections and semaphores (`crate::memory_slots`).
+    pub(crate) slots: crate::memory_slots::Slots,
 }
 
 impl Default for MemoryLock {
     fn default() -> Self {
         static TABLES: AtomicU64 = AtomicU64::new(1);
         let table = TABLES.fetch_add(1, AtomicOrdering::Relaxed);
+        let lock_id_prefix: Arc<str> = format!("memory/{table}/").into();
         Self {
             state: Arc::default(),
-            lock_id_prefix: format!("memory/{table}/").into(),
+            slots: crate::memory_slots::Slots::new(lock_id_prefix.clone()),
+            lock_id_prefix,
         }
     }
 }

@@ -3,8 +3,12 @@
 //! ```text
 //! lockkit run --backend etcd://127.0.0.1:2379 --ttl 30s --wait 1m nightly-report -- ./report.sh
 //! lockkit hold --backend redis://127.0.0.1:6379 deploy      # prints the token, holds until stdin closes
-//! lockkit guarantees redis://127.0.0.1:6379 [--json]
+//! lockkit guarantees redis://127.0.0.1:6379 [--json]   # or --backend URL, or LOCKKIT_URL
 //! ```
+//!
+//! `--lock-delay D` (`run`, `hold`): should this holder die or its lease lapse without a release,
+//! nobody gets the lock until D after the server freed it (refused with 64 where the backend's
+//! `guarantees` say it has no lock-delay).
 //!
 //! `run` acquires the lock, starts the command with `LOCKKIT_FENCING_TOKEN` (the token's string
 //! form, `v1:N:LOCK`) and `LOCKKIT_LOCK`
@@ -57,7 +61,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
-use lockkit::{AcquireOptions, Error, HolderInfo, Lease, Lock, MAX_TTL, MIN_TTL, Wait};
+use lockkit::{
+    AcquireOptions, Error, HolderInfo, Lease, Lock, MAX_LOCK_DELAY, MAX_TTL, MIN_TTL, Wait,
+};
 use nix::sys::signal::Signal;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::time::Instant;
@@ -117,6 +123,11 @@ struct LockArgs {
     /// How long to wait for a held lock: "0" to try once, "forever", or a duration like "1m".
     #[arg(long, default_value = "forever", value_parser = parse_wait)]
     wait: Wait,
+    /// If this holder dies or its lease lapses (no release), nobody gets the lock until this long
+    /// after the server freed it, e.g. "5s" (0 to 1m). Refused where the backend cannot do it
+    /// (see `lockkit guarantees`).
+    #[arg(long, value_name = "DURATION", value_parser = parse_lock_delay)]
+    lock_delay: Option<Duration>,
     /// Say nothing on stderr while waiting.
     #[arg(short, long)]
     quiet: bool,
@@ -145,13 +156,16 @@ enum Cmd {
         #[command(flatten)]
         lock: LockArgs,
     },
-    /// Print what the backend at URL guarantees.
+    /// Print what the backend at URL (or --backend, or LOCKKIT_URL) guarantees.
     Guarantees {
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
-        /// Lock service URL.
-        backend: String,
+        /// Lock service URL, as for `run` and `hold` [env: LOCKKIT_URL]
+        #[arg(long = "backend", value_name = "URL", conflicts_with = "url")]
+        backend: Option<String>,
+        /// Lock service URL (the same as --backend).
+        url: Option<String>,
     },
     /// Internal: SIGKILL the process group whose ID comes on stdin once stdin closes (started
     /// by `run`).
@@ -240,6 +254,17 @@ fn parse_wait(s: &str) -> Result<Wait, String> {
             })
         }
     }
+}
+
+fn parse_lock_delay(s: &str) -> Result<Duration, String> {
+    let d = parse_duration(s)?;
+    if d > MAX_LOCK_DELAY {
+        return Err(format!(
+            "{s} is longer than the maximum, {}",
+            human(MAX_LOCK_DELAY)
+        ));
+    }
+    Ok(d)
 }
 
 fn parse_grace(s: &str) -> Result<Duration, String> {
@@ -375,9 +400,12 @@ fn init_logging(verbose: u8) {
             }
             EnvFilter::new(spec)
         });
+    use std::io::IsTerminal;
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        // Colour codes only for a person at a terminal, not in a log file or a pipe.
+        .with_ansi(std::io::stderr().is_terminal())
         .try_init();
 }
 
@@ -389,7 +417,19 @@ async fn run_cli(cli: Cli) -> Result<u8, Fail> {
             .map_err(|e| Fail::new(EX_USAGE, format!("--metrics-addr {addr}: {}", chain(&e))))?;
     }
     match cli.cmd {
-        Cmd::Guarantees { json, backend } => {
+        Cmd::Guarantees { json, backend, url } => {
+            // Not clap's `env`: a LOCKKIT_URL in the environment must not conflict with a URL
+            // on the command line.
+            let backend = backend
+                .or(url)
+                .or_else(|| std::env::var("LOCKKIT_URL").ok())
+                .ok_or_else(|| {
+                    Fail::new(
+                        EX_USAGE,
+                        "no lock service URL: give it as an argument, with --backend URL, or in \
+                         LOCKKIT_URL",
+                    )
+                })?;
             let locks = lockkit::connect(&backend).await?;
             print_guarantees(&locks.guarantees(), json);
             Ok(0)
@@ -428,6 +468,8 @@ fn print_guarantees(g: &lockkit::Guarantees, json: bool) {
             "fifo_waiters": g.fifo_waiters,
             "manual_renewal": g.manual_renewal,
             "expiry_slack_ms": g.expiry_slack.as_millis() as u64,
+            "lock_delay": g.lock_delay,
+            "loss_notice_ms": g.loss_notice.map(|d| d.as_millis() as u64),
             "notes": g.notes,
         });
         println!("{v}");
@@ -441,6 +483,15 @@ fn print_guarantees(g: &lockkit::Guarantees, json: bool) {
     println!("FIFO waiters            {}", yes(g.fifo_waiters));
     println!("manual renewal          {}", yes(g.manual_renewal));
     println!("expiry slack            {}", human(g.expiry_slack));
+    println!("lock-delay              {}", yes(g.lock_delay));
+    let notice = g.loss_notice.map_or("at the next renewal".to_owned(), |d| {
+        if d.is_zero() {
+            "at once".to_owned()
+        } else {
+            format!("within {}", human(d))
+        }
+    });
+    println!("loss notice             {notice}");
     println!("notes                   {}", g.notes);
 }
 
@@ -577,7 +628,10 @@ async fn acquire(args: &LockArgs, sigs: &mut Signals) -> Result<(Arc<dyn Lock>, 
         l = lockkit::connect(&args.backend) => l?,
         sig = sigs.recv() => return Err(Fail::new(signal_status(sig), format!("{sig} while connecting"))),
     };
-    let opts = AcquireOptions::new().ttl(args.ttl).wait(args.wait);
+    let mut opts = AcquireOptions::new().ttl(args.ttl).wait(args.wait);
+    if let Some(d) = args.lock_delay {
+        opts = opts.lock_delay(d);
+    }
     let name = args.lock.as_str();
     let started = Instant::now();
     let mut acquiring = Box::pin(locks.acquire(name, opts));

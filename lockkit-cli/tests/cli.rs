@@ -435,6 +435,83 @@ per_backend! {
     lost_lease_terminates_the_command_etcd: lost_lease_terminates_the_command("LOCKKIT_ETCD_URL");
     lost_lease_terminates_the_command_zk: lost_lease_terminates_the_command("LOCKKIT_ZK_URL");
     lost_lease_terminates_the_command_postgres: lost_lease_terminates_the_command("LOCKKIT_POSTGRES_URL");
+    lock_delay_after_a_sigkilled_holder_redis: lock_delay_after_a_sigkilled_holder("LOCKKIT_REDIS_URL");
+    lock_delay_after_a_sigkilled_holder_etcd: lock_delay_after_a_sigkilled_holder("LOCKKIT_ETCD_URL");
+    lock_delay_after_a_sigkilled_holder_zk: lock_delay_after_a_sigkilled_holder("LOCKKIT_ZK_URL");
+    lock_delay_after_a_sigkilled_holder_postgres: lock_delay_after_a_sigkilled_holder("LOCKKIT_POSTGRES_URL");
+}
+
+/// Nanoseconds since the Unix epoch, the clock of `date +%s%N`.
+fn epoch_nanos() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos()
+}
+
+/// `lockkit hold --lock-delay D`, SIGKILLed while it holds: a waiting `lockkit run` gets the
+/// lock no earlier than D after the kill (the server frees a dead holder's lock no earlier than
+/// the kill: at its connection's close, or its TTL after its last renewal; the delay runs from
+/// there). A hold that releases frees the lock at once. Where the backend's `guarantees` say it
+/// has no lock-delay, `hold --lock-delay` is refused (64).
+fn lock_delay_after_a_sigkilled_holder(url: &str) {
+    let backend = url.split(':').next().unwrap();
+    let (code, out, err) = code_of(&["guarantees", "--json", url]);
+    assert_eq!(code, Some(0), "{err}");
+    let g: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+    let (ttl, delay) = ("2s", "3s");
+    let flags = ["--ttl", ttl, "--lock-delay", delay];
+    if g["lock_delay"] != true {
+        let name = unique("nodelay");
+        let mut args = vec!["hold", "--backend", url];
+        args.extend(flags);
+        args.push(&name);
+        let (code, _, err) = code_of(&args);
+        assert_eq!(code, Some(64), "{backend} has no lock-delay: {err}");
+        assert!(err.contains("lock-delay"), "{err}");
+        eprintln!(
+            "{backend}: no lock-delay (per `lockkit guarantees`): refused with 64, as it should"
+        );
+        return;
+    }
+    let delay_d = Duration::from_secs(3);
+
+    // Released: free at once.
+    let name = unique("delay-released");
+    let (mut holder, _) = start_hold(url, &name, &flags);
+    drop(holder.stdin.take()); // EOF: release and exit
+    let st = wait_exit(&mut holder, Duration::from_secs(10), "hold to release");
+    assert_eq!(st.code(), Some(0));
+    let (code, _, err) = code_of(&run_args(url, &name, &["--wait", "0"], &["true"]));
+    assert_eq!(code, Some(0), "a released lock is free at once: {err}");
+
+    // SIGKILLed: the lock stays unavailable for the delay.
+    let name = unique("delay-killed");
+    let (mut holder, token) = start_hold(url, &name, &flags);
+    let killed_at = epoch_nanos();
+    kill(Pid::from_raw(holder.id() as i32), Signal::SIGKILL).unwrap();
+    wait_exit(&mut holder, Duration::from_secs(10), "hold to die");
+    let (code, out, err) = code_of(&run_args(
+        url,
+        &name,
+        &["--ttl", ttl, "--wait", "30s", "-q"],
+        &sh("echo \"$LOCKKIT_FENCING_TOKEN $(date +%s%N)\""),
+    ));
+    assert_eq!(
+        code,
+        Some(0),
+        "the waiter gets the lock after the delay: {err}"
+    );
+    let (got, at) = out.trim().split_once(' ').expect("token and time");
+    assert!(token_value(got) > token, "{out}");
+    let after = Duration::from_nanos((at.parse::<u128>().unwrap() - killed_at) as u64);
+    eprintln!(
+        "{backend}: granted {after:?} after the SIGKILL of a holder with --ttl {ttl} --lock-delay {delay}"
+    );
+    assert!(
+        after >= delay_d,
+        "granted {after:?} after the holder was killed, before its lock-delay {delay} ran out"
+    );
 }
 
 /// `sh -c script` as a command line.
@@ -596,6 +673,25 @@ fn usage_errors_exit_64() {
             "one process",
         ),
         (&["run", "--bogus-flag"][..], "--bogus-flag"),
+        (
+            &[
+                "run",
+                "--backend",
+                url,
+                "--lock-delay",
+                "2m",
+                "job",
+                "--",
+                "true",
+            ][..],
+            "1m",
+        ),
+        (
+            &["hold", "--backend", url, "--lock-delay", "5", "job"][..],
+            "\"5s\"",
+        ),
+        (&["guarantees"][..], "LOCKKIT_URL"),
+        (&["guarantees", "--backend", url, url][..], "--backend"),
     ] {
         let (code, _, err) = code_of(args);
         assert_eq!(code, Some(64), "{args:?}: {err}");
@@ -629,6 +725,29 @@ fn guarantees_table_and_json() {
     assert_eq!(v["backend"], "etcd");
     assert_eq!(v["kind"], "correctness");
     assert_eq!(v["fifo_waiters"], true);
+    // The lock-delay and loss-notice rows, whatever this backend's answers are.
+    assert!(v["lock_delay"].is_boolean(), "{v}");
+    assert!(
+        v["loss_notice_ms"].is_u64() || v["loss_notice_ms"].is_null(),
+        "{v}"
+    );
+    let yes = if v["lock_delay"] == true { "yes" } else { "no" };
+    let (_, table, _) = code_of(&["guarantees", &url]);
+    assert!(
+        table.contains(&format!("lock-delay              {yes}")),
+        "{table}"
+    );
+    assert!(table.contains("loss notice             "), "{table}");
+    // The URL as for `run` and `hold`: --backend, or LOCKKIT_URL.
+    let (code, by_flag, err) = code_of(&["guarantees", "--json", "--backend", &url]);
+    assert_eq!((code, &by_flag), (Some(0), &out), "{err}");
+    let env = lockkit()
+        .args(["guarantees", "--json"])
+        .env("LOCKKIT_URL", &url)
+        .output()
+        .unwrap();
+    assert_eq!(env.status.code(), Some(0));
+    assert_eq!(String::from_utf8_lossy(&env.stdout), out);
 }
 
 /// A background job the command left in its group is ended before `lockkit run` releases and
@@ -681,6 +800,9 @@ fn hold_exits_70_when_its_lease_is_lost() {
     let text = rest(&err);
     assert_eq!(st.code(), Some(70), "{text}");
     assert!(text.contains("was lost"), "{text}");
+    // The library's warning, without colour codes: stderr is a pipe, not a terminal.
+    assert!(text.contains("WARN"), "{text}");
+    assert!(!text.contains('\u{1b}'), "colour codes on a pipe: {text:?}");
 }
 
 /// `--metrics-addr` serves Prometheus text at /metrics while `lockkit` holds a lock.

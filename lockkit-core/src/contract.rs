@@ -578,6 +578,15 @@ pub async fn bad_input(h: &dyn Harness) {
             other => panic!("ttl {ttl:?}: expected InvalidConfig, got {other:?}"),
         }
     }
+    let too_long = crate::MAX_LOCK_DELAY + Duration::from_millis(1);
+    let opts = AcquireOptions::new()
+        .ttl(ttl)
+        .lock_delay(too_long)
+        .wait(Wait::No);
+    match a.acquire(&ok, opts).await {
+        Err(Error::InvalidConfig { .. }) => {}
+        other => panic!("lock-delay {too_long:?}: expected InvalidConfig, got {other:?}"),
+    }
     // Unusual but valid names work and stay distinct.
     let n1 = format!("{ok} spaced:*?[]ü");
     let n2 = format!("{ok} spaced:*?[]u");
@@ -614,6 +623,110 @@ pub async fn grants_have_the_minimum_validity(h: &dyn Harness) {
         Err(Error::InvalidConfig { .. }) => {}
         other => panic!("min validity = TTL: expected InvalidConfig, got {other:?}"),
     }
+}
+
+/// A holder that fails (here: its lease lapses unrenewed and it is dropped without a release)
+/// keeps the lock from everyone for its lock-delay after its TTL: a try-once during the delay
+/// gets `Held`, a waiter is granted no earlier than TTL + delay after the holder's request was
+/// sent (less the drift margin) and, without spinning, about when the delay ends. A backend
+/// without lock-delay refuses a nonzero one with `NotSupported`. Backends without manual
+/// renewal (whose holders cannot simply stop renewing) test it on their own.
+pub async fn lock_delay_after_a_lapsed_holder(h: &dyn Harness) {
+    let g = guarantees(h).await;
+    let (a, b, c) = (h.client().await, h.client().await, h.client().await);
+    let name = unique("lock-delay");
+    let ttl = h.short_ttl();
+    // Wide enough that the try-once below lands inside it on a loaded machine.
+    let delay = Duration::from_secs(1) + g.expiry_slack + h.tolerance();
+    let opts = AcquireOptions::new()
+        .ttl(ttl)
+        .keepalive(false)
+        .release_on_drop(false)
+        .lock_delay(delay)
+        .wait(Wait::No);
+    if !g.lock_delay {
+        match a.acquire(&name, opts).await {
+            Err(Error::NotSupported { .. }) => return,
+            other => panic!("lock_delay=false but a lock-delay of {delay:?} gave {other:?}"),
+        }
+    }
+    if !g.manual_renewal {
+        return;
+    }
+    let sent = Instant::now();
+    let holder = a.acquire(&name, opts).await.expect("acquire");
+    let granted_a = Instant::now();
+    let token_a = holder.token();
+    drop(holder); // no release reaches the server
+    // By now the server freed the lock (its TTL ran out): the delay runs.
+    tokio::time::sleep_until(granted_a + ttl + g.expiry_slack).await;
+    match c.try_acquire(&name, ttl).await {
+        Err(Error::Held { .. }) => {}
+        Ok(_lease) => panic!(
+            "granted {:?} after the lapsed holder's request, during its lock-delay of {delay:?}",
+            sent.elapsed()
+        ),
+        Err(e) => panic!("try-once during the lock-delay: expected Held, got {e:?}"),
+    }
+    let wait = ttl + g.expiry_slack + delay + h.tolerance() * 2;
+    let lease_b = b
+        .acquire(
+            &name,
+            AcquireOptions::new().ttl(ttl).wait(Wait::Timeout(wait)),
+        )
+        .await
+        .expect("the lock was not granted after the lock-delay");
+    let granted = Instant::now();
+    let earliest = sent + ttl + delay - drift_margin(ttl);
+    assert!(
+        granted >= earliest,
+        "granted {:?} after the lapsed holder's request, {:?} before TTL {ttl:?} + lock-delay \
+         {delay:?} ran out",
+        granted - sent,
+        earliest - granted
+    );
+    assert!(
+        granted <= granted_a + ttl + g.expiry_slack + delay + h.tolerance(),
+        "granted only {:?} after the lapsed holder's request (TTL {ttl:?}, lock-delay {delay:?})",
+        granted - sent
+    );
+    assert!(lease_b.token() > token_a);
+    eprintln!(
+        "{}: lock-delay: granted {:?} after the lapsed holder's request (TTL {ttl:?}, lock-delay \
+         {delay:?})",
+        g.backend,
+        granted - sent
+    );
+    lease_b.release().await.expect("release");
+}
+
+/// An explicit release frees a lock at once whatever its lock-delay, and so does a release on
+/// drop (which reaches the server).
+pub async fn lock_delay_not_after_a_release(h: &dyn Harness) {
+    let g = guarantees(h).await;
+    if !g.lock_delay {
+        return; // lock_delay_after_a_lapsed_holder checks the NotSupported
+    }
+    let (a, b) = (h.client().await, h.client().await);
+    let name = unique("lock-delay-release");
+    let ttl = Duration::from_secs(10);
+    let opts = AcquireOptions::new()
+        .ttl(ttl)
+        .lock_delay(Duration::from_secs(30))
+        .wait(Wait::No);
+    let lease = a.acquire(&name, opts.clone()).await.expect("acquire");
+    lease.release().await.expect("release");
+    let next = b
+        .try_acquire(&name, ttl)
+        .await
+        .expect("a released lock is free at once, lock-delay or not");
+    next.release().await.expect("release");
+    drop(a.acquire(&name, opts).await.expect("acquire"));
+    let again = b
+        .acquire_timeout(&name, ttl, h.tolerance() * 3)
+        .await
+        .expect("a lock released on drop is free at once, lock-delay or not");
+    again.release().await.expect("release");
 }
 
 /// Claims in [`Guarantees`] are consistent with the lock kind.
@@ -681,7 +794,8 @@ macro_rules! contract_suite {
             drop_releases, with_lock_releases, tokens_name_their_lock, foreign_token_rejected,
             own_stale_write_loses_the_lease, check_answers_without_extending,
             bad_input, grants_have_the_minimum_validity, guarantees_are_consistent,
-            fifo_waiters, holder_is_reported);
+            fifo_waiters, holder_is_reported, lock_delay_after_a_lapsed_holder,
+            lock_delay_not_after_a_release);
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn fenced_counter() {
             let h = $harness;

@@ -23,9 +23,12 @@ use tokio::sync::Notify;
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
 
-use crate::backend::LeaseOps;
-use crate::lease::{TrackerHandle, keepalive_loop};
+use tracing::Instrument;
+
+use crate::Error;
 use crate::lock_unpoisoned as lock;
+use crate::observe::TARGET;
+use crate::tracker::{LeaseOps, LeaseState, LossReason, SuspectReason, TrackerHandle};
 
 /// While registrations keep coming, an idle driver (empty queue) still wakes this often, so that a
 /// new lease (first renewal at TTL/3 ≥ this, for TTLs ≥ 3 s) lands after its sleep deadline and
@@ -277,6 +280,68 @@ async fn run(driver: &Driver) {
                 }
             }
             None => driver.notify.notified().await,
+        }
+    }
+}
+
+/// Renews at about TTL/3 from the last acknowledged send time; a failed renewal is retried every
+/// TTL/12 until the deadline. Stops when the lease is lost or the task is aborted. Each renewal
+/// runs in a `renew` span with `keepalive = true`.
+///
+/// `first` is when the first renewal is due: the grant's `confirmed_at() + TTL/3`. The keepalive
+/// scheduler starts the loop at that instant.
+async fn keepalive_loop(
+    name: String,
+    tracker: TrackerHandle,
+    ops: Arc<dyn LeaseOps>,
+    first: Instant,
+) {
+    let ttl = tracker.ttl();
+    let interval = ttl / 3;
+    let retry = (ttl / 12).max(Duration::from_millis(5));
+    let (backend, token) = tracker.span_labels();
+    let mut next = first;
+    loop {
+        tokio::time::sleep_until(next).await;
+        if tracker.state() == LeaseState::Lost {
+            return;
+        }
+        let span = tracing::debug_span!(target: TARGET, "renew", lock = %name, backend, token, keepalive = true, outcome = tracing::field::Empty);
+        let sent = Instant::now();
+        let answer = tokio::time::timeout_at(tracker.valid_until(), ops.renew(ttl))
+            .instrument(span.clone())
+            .await;
+        match answer {
+            Ok(Ok(())) => {
+                if !tracker.confirm(sent) {
+                    span.record("outcome", "late");
+                    // Acknowledged too late: the holder has been told it lost the lock, so give
+                    // the lock back rather than keep a lease nobody uses.
+                    let _ = ops.release().await;
+                    return;
+                }
+                span.record("outcome", "ok");
+                next = sent + interval;
+            }
+            Ok(Err(Error::NotHeld { .. })) => {
+                span.record("outcome", "not_held");
+                tracker.renewal("not_held");
+                tracker.mark_lost(LossReason::NotHeldOnServer);
+                return;
+            }
+            Ok(Err(e)) => {
+                span.record("outcome", "error");
+                // The renewal failed: the lease may still be valid, but can no longer be counted on.
+                tracing::debug!(target: TARGET, lock = %name, backend, error = %e, "keepalive failed; retrying");
+                tracker.mark_suspect(SuspectReason::RenewalFailed);
+                next = Instant::now() + retry;
+            }
+            Err(_elapsed) => {
+                span.record("outcome", "timeout");
+                tracker.renewal("failed");
+                tracing::debug!(target: TARGET, lock = %name, backend, "keepalive did not answer before the deadline");
+                next = Instant::now();
+            }
         }
     }
 }

@@ -51,6 +51,7 @@ mod memory;
 pub mod observe;
 mod options;
 mod token;
+mod tracker;
 
 #[cfg(feature = "contract")]
 #[cfg_attr(docsrs, doc(cfg(feature = "contract")))]
@@ -63,7 +64,7 @@ pub mod contract_election;
 pub use election::{Election, LeaderEvent, LeaderInfo, Leadership, Observer};
 pub use error::{BoxError, Error, Result};
 pub use fence::MemoryFence;
-pub use lease::{Lease, LeaseState, LeaseTracker, LossReason, drift_margin};
+pub use lease::Lease;
 pub use lock::{Guarantees, HolderInfo, Lock, LockExt, LockKind};
 pub use memory::MemoryLock;
 pub use options::{
@@ -122,15 +123,17 @@ pub mod backend {
     #[cfg_attr(docsrs, doc(cfg(feature = "rustls")))]
     pub use crate::config::{TlsFailure, tls_failure};
     pub use crate::fence::LeaseFence;
-    pub use crate::lease::{LeaseBackendExt, LeaseOps, SuspectReason, TrackerHandle};
+    pub use crate::lease::LeaseBackendExt;
     pub use crate::lock::{LockBackend, retry_transient, wait_deadline};
     pub use crate::options::{validate_name, validate_prefix, validate_ttl};
+    pub use crate::tracker::{LeaseOps, SuspectReason, TrackerHandle};
     /// The serde version lockkit's configs implement `Deserialize` of (feature `serde`).
     #[cfg(feature = "serde")]
     #[doc(hidden)]
     pub use serde;
 }
 pub use token::{FencingToken, MAX_LOCK_ID_BYTES};
+pub use tracker::{LeaseState, LeaseTracker, LossReason, drift_margin};
 
 /// Locks `m`, ignoring poisoning. For the crate's mutexes, whose data is consistent at every
 /// point where a panic could occur.

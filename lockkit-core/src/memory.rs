@@ -20,6 +20,9 @@ use crate::{
 struct State {
     locks: HashMap<String, Entry>,
     next_id: u64,
+    /// Grant attempts made (to check that waiters sleep rather than spin).
+    #[cfg(test)]
+    attempts: u64,
 }
 
 #[derive(Default)]
@@ -27,19 +30,38 @@ struct Entry {
     holder: Option<Holder>,
     last_token: u64,
     waiters: VecDeque<(u64, Arc<Notify>)>,
+    /// The lock-delay of a holder whose lease lapsed: granted to no one before this instant.
+    delayed_until: Option<Instant>,
 }
 
 struct Holder {
     owner: u64,
     expires: Instant,
+    /// [`AcquireOptions::effective_lock_delay`] of its acquire.
+    lock_delay: Option<Duration>,
 }
 
 impl Entry {
+    /// The holder whose lease has not lapsed by `now`. A lapsed holder is removed here, and its
+    /// lock-delay, if any, starts at the instant its lease lapsed.
     fn holder_live(&mut self, now: Instant) -> Option<&Holder> {
-        if self.holder.as_ref().is_some_and(|h| h.expires <= now) {
-            self.holder = None;
+        if let Some(h) = self.holder.take_if(|h| h.expires <= now) {
+            if let Some(d) = h.lock_delay {
+                let until = h.expires + d;
+                self.delayed_until = Some(self.delayed_until.map_or(until, |u| u.max(until)));
+            }
         }
         self.holder.as_ref()
+    }
+
+    /// Until when no one can be granted the lock: the live holder's expiry or the end of a
+    /// lock-delay; `None` if it is free now.
+    fn busy_until(&mut self, now: Instant) -> Option<Instant> {
+        if let Some(h) = self.holder_live(now) {
+            return Some(h.expires);
+        }
+        self.delayed_until = self.delayed_until.filter(|t| *t > now);
+        self.delayed_until
     }
 
     fn wake_head(&self) {
@@ -51,6 +73,10 @@ impl Entry {
 
 /// An in-process lock service with real TTLs, fencing tokens and FIFO waiters; the embedded
 /// default (`memory://`).
+///
+/// A lease with a [`lock_delay`](AcquireOptions::lock_delay) that lapses (not renewed, or
+/// dropped with release-on-drop off) keeps the lock from everyone until that long after its TTL
+/// ran out; waiters sleep until then. A release frees the lock at once.
 ///
 /// Clones share one lock table, so clones behave like separate clients of one server. Tokens
 /// start at 1 and are kept per name for the life of the table (one `u64` per name ever locked).
@@ -119,18 +145,23 @@ impl MemoryLock {
     }
 
     /// Grants `name` to `owner` if it is free and `owner` is first in line. Returns the token, or
-    /// the instant at which the current holder's lease ends.
+    /// the instant at which the current holder's lease (or the lock-delay after a lapsed one)
+    /// ends.
     fn try_grant(
         &self,
         name: &str,
         owner: u64,
-        ttl: Duration,
+        opts: &AcquireOptions,
     ) -> std::result::Result<u64, Option<Instant>> {
         let now = Instant::now();
         let mut st = lock(&self.state);
+        #[cfg(test)]
+        {
+            st.attempts += 1;
+        }
         let e = st.locks.entry(name.to_owned()).or_default();
-        if let Some(h) = e.holder_live(now) {
-            return Err(Some(h.expires));
+        if let Some(t) = e.busy_until(now) {
+            return Err(Some(t));
         }
         if e.waiters.front().is_some_and(|(id, _)| *id != owner) {
             return Err(None);
@@ -138,7 +169,8 @@ impl MemoryLock {
         e.last_token += 1;
         e.holder = Some(Holder {
             owner,
-            expires: now + ttl,
+            expires: now + opts.ttl,
+            lock_delay: opts.effective_lock_delay(),
         });
         Ok(e.last_token)
     }
@@ -159,7 +191,7 @@ impl LockBackend for MemoryLock {
         let mut guard = None;
         loop {
             let sent = Instant::now();
-            let holder_expires = match self.try_grant(name, owner, opts.ttl) {
+            let busy_until = match self.try_grant(name, owner, &opts) {
                 Ok(token) => {
                     drop(guard);
                     // The next waiter in line now watches the new holder's expiry.
@@ -199,8 +231,10 @@ impl LockBackend for MemoryLock {
                 // We may be first in line already: try again before sleeping.
                 continue;
             }
+            // The head of the line sleeps until the holder's lease or the lock-delay ends (or a
+            // release wakes it); the others until the head passes the turn on.
             let expiry = async {
-                match holder_expires {
+                match busy_until {
                     Some(t) => tokio::time::sleep_until(t).await,
                     None => std::future::pending().await,
                 }
@@ -228,6 +262,9 @@ impl LockBackend for MemoryLock {
             fifo_waiters: true,
             manual_renewal: true,
             expiry_slack: Duration::ZERO,
+            lock_delay: true,
+            // The table ends a lease only when its TTL runs out, after the holder's own deadline.
+            loss_notice: Some(Duration::ZERO),
             notes: "one process only; nothing survives it",
             ..Guarantees::new("memory", LockKind::Correctness)
         }
@@ -298,18 +335,13 @@ impl LeaseOps for MemoryLease {
                 name: self.name.clone(),
             });
         };
-        match &e.holder {
+        // A lease that lapsed is gone (and its lock-delay runs): only a live one is released,
+        // and that frees the lock at once.
+        match e.holder_live(now) {
             Some(h) if h.owner == self.owner => {
-                let live = h.expires > now;
                 e.holder = None;
                 e.wake_head();
-                if live {
-                    Ok(())
-                } else {
-                    Err(Error::NotHeld {
-                        name: self.name.clone(),
-                    })
-                }
+                Ok(())
             }
             _ => Err(Error::NotHeld {
                 name: self.name.clone(),
@@ -376,5 +408,87 @@ mod tests {
             Err(Error::Held { .. })
         ));
         b.release().await.unwrap();
+    }
+
+    fn delayed(ttl: Duration, delay: Duration) -> AcquireOptions {
+        AcquireOptions::new()
+            .ttl(ttl)
+            .keepalive(false)
+            .release_on_drop(false)
+            .lock_delay(delay)
+            .wait(Wait::No)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn lock_delay_after_a_lapsed_lease_and_waiters_sleep_through_it() {
+        let l = MemoryLock::new();
+        let (ttl, delay) = (Duration::from_secs(1), Duration::from_secs(2));
+        let start = Instant::now();
+        drop(l.acquire("d", delayed(ttl, delay)).await.unwrap());
+        // Lapsed at 1 s; during the delay a try-once is refused.
+        tokio::time::sleep(ttl + delay / 2).await;
+        assert!(matches!(
+            l.try_acquire("d", ttl).await,
+            Err(Error::Held { .. })
+        ));
+        let before = lock(&l.state).attempts;
+        let lease = l
+            .acquire("d", AcquireOptions::new().ttl(ttl))
+            .await
+            .unwrap();
+        assert_eq!(start.elapsed(), ttl + delay, "granted at the delay's end");
+        // Queued (one try before sleeping, one after joining the line), woken once at the end.
+        let attempts = lock(&l.state).attempts - before;
+        assert!(attempts <= 3, "{attempts} grant attempts: the waiter spun");
+        lease.release().await.unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn lock_delay_starts_when_the_lease_lapsed_not_when_seen() {
+        let l = MemoryLock::new();
+        let (ttl, delay) = (Duration::from_secs(1), Duration::from_secs(2));
+        let start = Instant::now();
+        let lapsed = l.acquire("s", delayed(ttl, delay)).await.unwrap();
+        // Nobody looks until after the delay: the lock is free then.
+        tokio::time::sleep(ttl + delay).await;
+        assert!(matches!(lapsed.release().await, Err(Error::NotHeld { .. })));
+        let lease = l.try_acquire("s", ttl).await.unwrap();
+        assert_eq!(start.elapsed(), ttl + delay);
+        lease.release().await.unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn no_lock_delay_after_a_release_or_a_release_on_drop() {
+        let l = MemoryLock::new();
+        let (ttl, delay) = (Duration::from_secs(10), Duration::from_secs(30));
+        l.acquire("r", delayed(ttl, delay))
+            .await
+            .unwrap()
+            .release()
+            .await
+            .unwrap();
+        let lease = l.try_acquire("r", ttl).await.expect("free at once");
+        lease.release().await.unwrap();
+        drop(
+            l.acquire("r", delayed(ttl, delay).release_on_drop(true))
+                .await
+                .unwrap(),
+        );
+        tokio::task::yield_now().await; // the release on drop
+        l.try_acquire("r", ttl).await.expect("free at once").leak();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn without_lock_delay_a_lapsed_lease_frees_at_its_ttl() {
+        let l = MemoryLock::new();
+        let ttl = Duration::from_secs(1);
+        let start = Instant::now();
+        drop(l.acquire("n", delayed(ttl, Duration::ZERO)).await.unwrap());
+        let lease = l
+            .acquire("n", AcquireOptions::new().ttl(ttl))
+            .await
+            .unwrap();
+        assert_eq!(start.elapsed(), ttl);
+        lease.release().await.unwrap();
     }
 }

@@ -52,6 +52,8 @@ pub(crate) struct Sql {
     /// Whether key `$1` is held (`pg_locks`), with its fence token and stored name.
     pub(crate) holder: String,
     pub(crate) table_exists: String,
+    /// Whether the fence table and the slot tables (elections, semaphores) all exist.
+    pub(crate) all_tables_exist: String,
     pub(crate) migrate: String,
 }
 
@@ -98,6 +100,12 @@ impl Sql {
                 "SELECT to_regclass('{}.fence') IS NOT NULL",
                 q.replace('\'', "''")
             ),
+            all_tables_exist: format!(
+                "SELECT to_regclass('{s}.fence') IS NOT NULL \
+                 AND to_regclass('{s}.slot_names') IS NOT NULL \
+                 AND to_regclass('{s}.slot_holders') IS NOT NULL",
+                s = q.replace('\'', "''")
+            ),
             migrate: format!(
                 "BEGIN; \
                  SELECT pg_advisory_xact_lock({mk}); \
@@ -108,8 +116,24 @@ impl Sql {
                    token bigint NOT NULL CHECK (token > 0)); \
                  COMMENT ON TABLE {q}.fence IS \
                    'lockkit: last fencing token granted per advisory lock key (name = prefix/name)'; \
+                 CREATE TABLE IF NOT EXISTS {q}.slot_names ( \
+                   key bigint PRIMARY KEY, \
+                   name text NOT NULL, \
+                   permits integer NOT NULL CHECK (permits > 0)); \
+                 COMMENT ON TABLE {q}.slot_names IS \
+                   'lockkit: the number of permits of a semaphore (name = prefix/sem/name)'; \
+                 CREATE TABLE IF NOT EXISTS {q}.slot_holders ( \
+                   key bigint PRIMARY KEY, \
+                   name text NOT NULL, \
+                   slot integer NOT NULL, \
+                   token bigint NOT NULL, \
+                   pid integer NOT NULL, \
+                   ttl_ms bigint NOT NULL, \
+                   value bytea NOT NULL); \
+                 COMMENT ON TABLE {q}.slot_holders IS \
+                   'lockkit: the value, token and session of an election or semaphore slot holder'; \
                  COMMIT;",
-                mk = migrate_key()
+                mk = migrate_key(),
             ),
         }
     }
@@ -266,6 +290,14 @@ impl Inner {
     pub(crate) async fn table_exists(&self, c: &mut Conn) -> Result<bool> {
         c.last_sent = Instant::now();
         sqlx::query_scalar(&self.sql.table_exists)
+            .fetch_one(&mut c.conn)
+            .await
+            .map_err(from_sqlx)
+    }
+
+    pub(crate) async fn all_tables_exist(&self, c: &mut Conn) -> Result<bool> {
+        c.last_sent = Instant::now();
+        sqlx::query_scalar(&self.sql.all_tables_exist)
             .fetch_one(&mut c.conn)
             .await
             .map_err(from_sqlx)

@@ -165,6 +165,7 @@ mod error;
 mod fence;
 mod lease;
 mod lock;
+mod slots;
 
 pub use config::{
     DEFAULT_CONNECT_TIMEOUT, DEFAULT_PREFIX, DEFAULT_SCHEMA, MIN_CONNECT_TIMEOUT, PgConfig,

@@ -6,6 +6,7 @@ mod failures;
 mod fence;
 mod review;
 mod server;
+mod slots;
 mod slow_grants;
 
 use std::time::Duration;

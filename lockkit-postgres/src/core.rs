@@ -129,6 +129,7 @@ impl Sql {
                    token bigint NOT NULL, \
                    pid integer NOT NULL, \
                    ttl_ms bigint NOT NULL, \
+                   version bigint NOT NULL DEFAULT 0, \
                    value bytea NOT NULL); \
                  COMMENT ON TABLE {q}.slot_holders IS \
                    'lockkit: the value, token and session of an election or semaphore slot holder'; \

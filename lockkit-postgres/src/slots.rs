@@ -123,11 +123,17 @@ struct SlotRow {
     holder: Option<(u64, Vec<u8>)>,
     /// What the holder's session has left of its idle timeout, if it is idle.
     remaining: Option<Duration>,
+    /// The last token granted for the slot (its fence row).
+    granted: Option<u64>,
+    /// How often the holder's value was replaced (0 at the grant).
+    version: u64,
 }
 
 /// The state of a name's slots and when to look again.
 struct Status {
     rows: Vec<SlotRow>,
+    /// The name has a holder or (semaphore) a member: its N is in force.
+    active: bool,
 }
 
 impl Status {
@@ -170,7 +176,8 @@ impl Inner {
             "SELECT (k.i - 1)::int4, l.pid IS NOT NULL, h.token, h.value, \
                     (h.pid = l.pid AND h.token = f.token AND h.name = f.name), \
                     CASE WHEN a.state = 'idle' THEN GREATEST(0, h.ttl_ms - \
-                      (extract(epoch FROM clock_timestamp() - a.state_change) * 1000)::int8) END \
+                      (extract(epoch FROM clock_timestamp() - a.state_change) * 1000)::int8) END, \
+                    f.token, h.version \
              FROM unnest($1::int8[]) WITH ORDINALITY AS k(key, i) \
              LEFT JOIN pg_locks l ON {held} \
              LEFT JOIN pg_stat_activity a ON a.pid = l.pid \
@@ -187,6 +194,8 @@ impl Inner {
             Option<Vec<u8>>,
             Option<bool>,
             Option<i64>,
+            Option<i64>,
+            Option<i64>,
         );
         let rows: Vec<Row> = sqlx::query_as(&sql)
             .bind(keys)
@@ -194,19 +203,24 @@ impl Inner {
             .await
             .map_err(from_sqlx)?;
         Ok(Status {
+            active: false,
             rows: rows
                 .into_iter()
-                .map(|(slot, held, token, value, current, remaining)| SlotRow {
-                    slot: u32::try_from(slot).unwrap_or(0),
-                    held,
-                    holder: match (current, token, value) {
-                        (Some(true), Some(t), Some(v)) => u64::try_from(t).ok().map(|t| (t, v)),
-                        _ => None,
+                .map(
+                    |(slot, held, token, value, current, remaining, granted, version)| SlotRow {
+                        slot: u32::try_from(slot).unwrap_or(0),
+                        held,
+                        holder: match (current, token, value) {
+                            (Some(true), Some(t), Some(v)) => u64::try_from(t).ok().map(|t| (t, v)),
+                            _ => None,
+                        },
+                        remaining: remaining
+                            .and_then(|ms| u64::try_from(ms).ok())
+                            .map(Duration::from_millis),
+                        granted: granted.and_then(|t| u64::try_from(t).ok()),
+                        version: version.and_then(|v| u64::try_from(v).ok()).unwrap_or(0),
                     },
-                    remaining: remaining
-                        .and_then(|ms| u64::try_from(ms).ok())
-                        .map(Duration::from_millis),
-                })
+                )
                 .collect(),
         })
     }
@@ -297,7 +311,7 @@ impl PgLock {
                         VALUES ($1, $2, 0, $3, pg_backend_pid(), $4, $5) \
                         ON CONFLICT (key) DO UPDATE SET name = excluded.name, slot = 0, \
                           token = excluded.token, pid = excluded.pid, ttl_ms = excluded.ttl_ms, \
-                          value = excluded.value \
+                          value = excluded.value, version = 0 \
                         RETURNING 1) \
              SELECT count(*) FROM v, pg_notify($6, '') AS n",
             q = self.q()
@@ -576,7 +590,7 @@ impl PgLock {
                    SELECT $1, $2, $3, b.token, pg_backend_pid(), $4, ''::bytea FROM b \
                    ON CONFLICT (key) DO UPDATE SET name = excluded.name, slot = excluded.slot, \
                      token = excluded.token, pid = excluded.pid, ttl_ms = excluded.ttl_ms, \
-                     value = excluded.value \
+                     value = excluded.value, version = 0 \
                    RETURNING 1), \
              n AS (SELECT pg_notify($5, '') FROM v) \
              SELECT l.ok, (SELECT token FROM b), (SELECT count(*) FROM n) FROM l"
@@ -652,8 +666,8 @@ impl PgLock {
         })
     }
 
-    /// The holders of `n` now: the status of its slots (N of them for a semaphore in use),
-    /// or `None` if it has no holder and (semaphore) no member. Within the connect timeout.
+    /// The status of `n`'s slots now (N of them for a semaphore), or `None` if it was never
+    /// used (no tables, or a semaphore without N). Within the connect timeout.
     async fn read_status(&self, n: &Names) -> Result<Option<(u32, Status)>> {
         self.inner
             .within(async {
@@ -673,9 +687,9 @@ impl PgLock {
             return Ok(None);
         }
         if n.kind != SlotKind::Semaphore {
-            let s = self.inner.status_on(c, &q, &[self.slot_key(n, 0)]).await?;
-            let any = s.rows.iter().any(|r| r.held && r.holder.is_some());
-            return Ok(Some((1, s)).filter(|_| any));
+            let mut s = self.inner.status_on(c, &q, &[self.slot_key(n, 0)]).await?;
+            s.active = s.rows.iter().any(|r| r.held && r.holder.is_some());
+            return Ok(Some((1, s)));
         }
         c.last_sent = Instant::now();
         let row: Option<(i32, bool)> = sqlx::query_as(&format!(
@@ -692,12 +706,12 @@ impl PgLock {
             return Ok(None);
         };
         let permits = u32::try_from(permits).unwrap_or(1);
-        let s = self
+        let mut s = self
             .inner
             .status_on(c, &q, &self.slot_keys(n, permits))
             .await?;
-        let active = joined || s.rows.iter().any(|r| r.held);
-        Ok(Some((permits, s)).filter(|_| active))
+        s.active = joined || s.rows.iter().any(|r| r.held);
+        Ok(Some((permits, s)))
     }
 }
 
@@ -789,7 +803,7 @@ impl SlotOps for PgSlotLease {
     /// Replaces the row's value if this grant's session still holds the slot, and `NOTIFY`s.
     async fn set_value(&self, value: &[u8]) -> Result<()> {
         let sql = format!(
-            "WITH u AS (UPDATE {q}.slot_holders SET value = $3 \
+            "WITH u AS (UPDATE {q}.slot_holders SET value = $3, version = version + 1 \
                         WHERE key = $1 AND token = $2 AND pid = $4 AND EXISTS \
                           (SELECT 1 FROM pg_locks l WHERE {held} AND l.pid = $4) \
                         RETURNING 1) \
@@ -833,10 +847,12 @@ struct PgWatch {
     listener: PgListener,
     /// The holders last delivered (`None` before the first).
     last: Option<Vec<SlotHolder>>,
-    /// The highest token seen per slot, to tell a skipped grant.
-    seen: Vec<(u32, u64)>,
+    /// Per slot: the last token and value version read, to tell a skipped change.
+    seen: Vec<(u32, u64, u64)>,
     pending: VecDeque<WatchEvent>,
     recheck: Instant,
+    /// Whether the first read is done.
+    started: bool,
 }
 
 impl fmt::Debug for PgWatch {
@@ -848,34 +864,63 @@ impl fmt::Debug for PgWatch {
 }
 
 impl PgWatch {
-    async fn read(&mut self) -> Result<Vec<SlotHolder>> {
+    /// The holders now, and whether a grant happened since the last read that this watch
+    /// did not see (the slot's last granted token is above the highest one seen, and is not
+    /// the holder now, or the holder's token is more than one above it).
+    async fn read(&mut self) -> Result<(Vec<SlotHolder>, bool)> {
         let status = self.lock.read_status(&self.names).await?;
         self.recheck = match &status {
             Some((_, s)) => s.recheck(WAIT_CHECK),
             None => Instant::now() + WAIT_CHECK,
         };
-        Ok(status
-            .map(|(_, s)| s.holders(&self.lock, &self.names, false))
-            .unwrap_or_default())
-    }
-
-    /// Whether `holders` shows a grant skipped since the last state (a token more than one
-    /// above the highest seen for its slot).
-    fn skipped(&mut self, holders: &[SlotHolder]) -> bool {
         let mut skipped = false;
-        for h in holders {
-            let t = h.token.get();
-            match self.seen.iter_mut().find(|(s, _)| *s == h.slot) {
-                Some((_, seen)) => {
-                    if t > *seen + 1 {
-                        skipped = true;
-                    }
-                    *seen = (*seen).max(t);
+        if let Some((_, s)) = &status {
+            for r in &s.rows {
+                if r.held && r.holder.is_none() {
+                    // Being granted (locked, row not yet written): its NOTIFY follows.
+                    continue;
                 }
-                None => self.seen.push((h.slot, t)),
+                let granted = r.granted.unwrap_or(0);
+                let holder = r.holder.as_ref().map(|(t, _)| (*t, r.version));
+                let i = match self.seen.iter().position(|(slot, _, _)| *slot == r.slot) {
+                    Some(i) => i,
+                    None => {
+                        // Before the first read nothing was seen; after it, a slot without an
+                        // entry had no grant then.
+                        let start = if self.started {
+                            (0, 0)
+                        } else {
+                            holder.unwrap_or((granted, 0))
+                        };
+                        self.seen.push((r.slot, start.0, start.1));
+                        self.seen.len() - 1
+                    }
+                };
+                let (_, token, version) = &mut self.seen[i];
+                match holder {
+                    // The same holder: each value replacement counts one.
+                    Some((t, v)) if t == *token => skipped |= v > *version + 1,
+                    // A new holder: the grant right after the last seen one, with the value
+                    // it was granted with.
+                    Some((t, v)) => skipped |= t > *token + 1 || v > 0,
+                    // No holder: no grant since the last seen one.
+                    None => skipped |= granted > *token,
+                }
+                match holder {
+                    Some((t, v)) => (*token, *version) = (t, v),
+                    None => {
+                        if granted > *token {
+                            (*token, *version) = (granted, 0);
+                        }
+                    }
+                }
             }
         }
-        skipped
+        self.started = true;
+        let holders = status
+            .map(|(_, s)| s.holders(&self.lock, &self.names, false))
+            .unwrap_or_default();
+        Ok((holders, skipped))
     }
 }
 
@@ -887,8 +932,7 @@ impl SlotWatch for PgWatch {
                 return Ok(e);
             }
             if self.last.is_none() {
-                let now = self.read().await?;
-                self.skipped(&now);
+                let (now, _) = self.read().await?;
                 self.last = Some(now.clone());
                 return Ok(WatchEvent::Holders(now));
             }
@@ -901,8 +945,7 @@ impl SlotWatch for PgWatch {
                 },
                 () = tokio::time::sleep_until(self.recheck) => {}
             }
-            let now = self.read().await?;
-            let skipped = self.skipped(&now);
+            let (now, skipped) = self.read().await?;
             if lost || skipped {
                 self.last = Some(now.clone());
                 self.pending.push_back(WatchEvent::Holders(now));
@@ -1011,6 +1054,7 @@ impl SlotBackend for PgLock {
         Ok(self
             .read_status(&n)
             .await?
+            .filter(|(_, s)| s.active)
             .map(|(permits, s)| SlotHolders::new(permits, s.holders(self, &n, true))))
     }
 
@@ -1033,10 +1077,10 @@ impl SlotBackend for PgLock {
             seen: Vec::new(),
             pending: VecDeque::new(),
             recheck: Instant::now(),
+            started: false,
         };
         // The first state is the one when `observe` returned.
-        let now = w.read().await?;
-        w.skipped(&now);
+        let (now, _) = w.read().await?;
         w.pending.push_back(WatchEvent::Holders(now.clone()));
         w.last = Some(now);
         Ok(Box::new(w))

@@ -456,9 +456,15 @@ impl PgLock {
     ///     name  text   NOT NULL,           -- "{prefix}/{name}", to detect key collisions
     ///     token bigint NOT NULL CHECK (token > 0)  -- the last fencing token granted
     /// );
+    /// -- elections and semaphores: a semaphore's N, and each slot holder's value
+    /// CREATE TABLE IF NOT EXISTS lockkit.slot_names (key bigint PRIMARY KEY, name text NOT NULL,
+    ///     permits integer NOT NULL CHECK (permits > 0));
+    /// CREATE TABLE IF NOT EXISTS lockkit.slot_holders (key bigint PRIMARY KEY, name text NOT NULL,
+    ///     slot integer NOT NULL, token bigint NOT NULL, pid integer NOT NULL,
+    ///     ttl_ms bigint NOT NULL, version bigint NOT NULL DEFAULT 0, value bytea NOT NULL);
     /// ```
     ///
-    /// [`connect`](Self::connect) runs it when the table is missing, unless `auto_migrate=false`.
+    /// [`connect`](Self::connect) runs it when a table is missing, unless `auto_migrate=false`.
     ///
     /// # Errors
     /// [`Error::Backend`] if the role may not create the schema or table; connection errors as

@@ -76,16 +76,14 @@ async fn a_terminated_permit_holder_is_reclaimed_by_a_waiter() {
         .expect("a PostgreSQL lease")
         .backend_pid();
     let waiter = tokio::spawn(async move {
-        let p = b
-            .acquire_permit(
-                &name,
-                1,
-                AcquireOptions::new()
-                    .ttl(ttl)
-                    .wait(Wait::Timeout(Duration::from_secs(30))),
-            )
-            .await;
-        p
+        b.acquire_permit(
+            &name,
+            1,
+            AcquireOptions::new()
+                .ttl(ttl)
+                .wait(Wait::Timeout(Duration::from_secs(30))),
+        )
+        .await
     });
     // Let the waiter queue (it cannot be granted while A holds).
     tokio::time::sleep(Duration::from_millis(500)).await;

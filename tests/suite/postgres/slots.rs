@@ -95,7 +95,9 @@ async fn a_terminated_permit_holder_is_reclaimed_by_a_waiter() {
         .await
         .expect("pg_terminate_backend");
     assert!(ok, "pg_terminate_backend({pid})");
-    let p = tokio::time::timeout(Duration::from_secs(20), waiter)
+    // The waiter re-checks at least every 3 s (no NOTIFY comes from a terminated session);
+    // 15 s is well below the 60 s TTL and its 20 s keepalive-paced re-checks.
+    let p = tokio::time::timeout(Duration::from_secs(15), waiter)
         .await
         .expect("the terminated holder's permit was not reclaimed")
         .expect("waiter task");

@@ -312,8 +312,8 @@ impl PgLock {
                         ON CONFLICT (key) DO UPDATE SET name = excluded.name, slot = 0, \
                           token = excluded.token, pid = excluded.pid, ttl_ms = excluded.ttl_ms, \
                           value = excluded.value, version = 0 \
-                        RETURNING 1) \
-             SELECT count(*) FROM v, pg_notify($6, '') AS n",
+                        RETURNING h.slot, h.token, h.version, h.value) \
+             SELECT count(*) FROM v, LATERAL pg_notify($6, 'g ' || v.slot || ' ' || v.token || ' ' || v.version || ' ' || translate(encode(v.value, 'base64'), E'\\n', '')) AS n",
             q = self.q()
         );
         let sent = Instant::now();
@@ -504,7 +504,12 @@ impl PgLock {
                         None => false,
                     };
                     if busy {
-                        self.unlock(c, r, false).await?;
+                        c.last_sent = Instant::now();
+                        sqlx::query("SELECT pg_advisory_unlock($1)")
+                            .bind(n.members)
+                            .execute(&mut c.conn)
+                            .await
+                            .map_err(from_sqlx)?;
                         return Err(mismatch(n, r.permits, stored));
                     }
                     let set = format!(
@@ -591,8 +596,8 @@ impl PgLock {
                    ON CONFLICT (key) DO UPDATE SET name = excluded.name, slot = excluded.slot, \
                      token = excluded.token, pid = excluded.pid, ttl_ms = excluded.ttl_ms, \
                      value = excluded.value, version = 0 \
-                   RETURNING 1), \
-             n AS (SELECT pg_notify($5, '') FROM v) \
+                   RETURNING h.slot, h.token), \
+             n AS (SELECT pg_notify($5, 'g ' || v.slot || ' ' || v.token || ' 0 ') FROM v) \
              SELECT l.ok, (SELECT token FROM b), (SELECT count(*) FROM n) FROM l"
         );
         for row in status.rows.iter().filter(|s| !s.held) {
@@ -731,6 +736,7 @@ struct PgSlotLease {
     schema_q: String,
     name: String,
     key: i64,
+    slot: u32,
     token: i64,
     channel: String,
 }
@@ -750,7 +756,8 @@ impl PgSlotLease {
     async fn announce_release(&self) {
         let sql = format!(
             "WITH d AS (DELETE FROM {q}.slot_holders WHERE key = $1 AND token = $2 RETURNING 1) \
-             SELECT (SELECT count(*) FROM d), (SELECT count(*) FROM pg_notify($3, '') AS n)",
+             SELECT (SELECT count(*) FROM d), \
+                    (SELECT count(*) FROM pg_notify($3, 'r ' || $4::int4 || ' ' || $2::int8) AS n)",
             q = self.schema_q
         );
         let inner = &self.inner;
@@ -762,6 +769,7 @@ impl PgSlotLease {
                     .bind(self.key)
                     .bind(self.token)
                     .bind(&self.channel)
+                    .bind(i32::try_from(self.slot).unwrap_or(0))
                     .execute(&mut c.conn)
                     .await
                     .map_err(from_sqlx)?;
@@ -806,8 +814,8 @@ impl SlotOps for PgSlotLease {
             "WITH u AS (UPDATE {q}.slot_holders SET value = $3, version = version + 1 \
                         WHERE key = $1 AND token = $2 AND pid = $4 AND EXISTS \
                           (SELECT 1 FROM pg_locks l WHERE {held} AND l.pid = $4) \
-                        RETURNING 1) \
-             SELECT count(*) FROM u, pg_notify($5, '') AS n",
+                        RETURNING slot, token, version, value) \
+             SELECT count(*) FROM u AS v, LATERAL pg_notify($5, 'g ' || v.slot || ' ' || v.token || ' ' || v.version || ' ' || translate(encode(v.value, 'base64'), E'\\n', '')) AS n",
             q = self.schema_q,
             held = held_on("$1")
         );
@@ -838,21 +846,69 @@ impl SlotOps for PgSlotLease {
     }
 }
 
-/// An observer's watch: `LISTEN` on the name's channel, and a read of the slots after each
-/// notification, at the first holder's possible idle-timeout end and at least every
-/// [`WAIT_CHECK`].
+/// An observer's watch: `LISTEN` on the name's channel; every grant, proclaim and release
+/// `NOTIFY`s with what changed (`g {slot} {token} {version} {base64 value}` or
+/// `r {slot} {token}`), delivered in commit order, which the watch applies in turn. A read of
+/// the slots, at the first holder's possible idle-timeout end and at least every
+/// [`WAIT_CHECK`], finds what sends no notification (a lapsed or terminated holder) and, after
+/// a reconnect, the state behind the lost notifications.
 struct PgWatch {
     lock: PgLock,
     names: Names,
     listener: PgListener,
-    /// The holders last delivered (`None` before the first).
-    last: Option<Vec<SlotHolder>>,
-    /// Per slot: the last token and value version read, to tell a skipped change.
-    seen: Vec<(u32, u64, u64)>,
+    /// Per slot: the last token and value version applied, and the value while held.
+    slots: Vec<SlotState>,
+    /// The holders last delivered.
+    last: Vec<SlotHolder>,
     pending: VecDeque<WatchEvent>,
     recheck: Instant,
-    /// Whether the first read is done.
-    started: bool,
+}
+
+#[derive(Debug, Clone)]
+struct SlotState {
+    slot: u32,
+    token: u64,
+    version: u64,
+    /// The value while held.
+    value: Option<Vec<u8>>,
+}
+
+/// One change as a notification or a read tells it.
+enum Change {
+    Held {
+        slot: u32,
+        token: u64,
+        version: u64,
+        value: Vec<u8>,
+    },
+    Free {
+        slot: u32,
+        token: u64,
+    },
+}
+
+fn parse_payload(p: &str) -> Option<Change> {
+    use base64::Engine as _;
+    let mut it = p.split(' ');
+    let kind = it.next()?;
+    let slot = it.next()?.parse().ok()?;
+    let token = it.next()?.parse().ok()?;
+    match kind {
+        "g" => {
+            let version = it.next()?.parse().ok()?;
+            let value = base64::engine::general_purpose::STANDARD
+                .decode(it.next().unwrap_or(""))
+                .ok()?;
+            Some(Change::Held {
+                slot,
+                token,
+                version,
+                value,
+            })
+        }
+        "r" => Some(Change::Free { slot, token }),
+        _ => None,
+    }
 }
 
 impl fmt::Debug for PgWatch {
@@ -864,63 +920,120 @@ impl fmt::Debug for PgWatch {
 }
 
 impl PgWatch {
-    /// The holders now, and whether a grant happened since the last read that this watch
-    /// did not see (the slot's last granted token is above the highest one seen, and is not
-    /// the holder now, or the holder's token is more than one above it).
-    async fn read(&mut self) -> Result<(Vec<SlotHolder>, bool)> {
+    fn state(&mut self, slot: u32) -> &mut SlotState {
+        let i = match self.slots.iter().position(|s| s.slot == slot) {
+            Some(i) => i,
+            None => {
+                self.slots.push(SlotState {
+                    slot,
+                    token: 0,
+                    version: 0,
+                    value: None,
+                });
+                self.slots.len() - 1
+            }
+        };
+        &mut self.slots[i]
+    }
+
+    /// Applies `change` if it is newer than what was applied; `Some(missed)` if it was
+    /// (`missed`: a change between the two was not seen).
+    fn apply(&mut self, change: Change) -> Option<bool> {
+        match change {
+            Change::Held {
+                slot,
+                token,
+                version,
+                value,
+            } => {
+                let st = self.state(slot);
+                if (token, version) <= (st.token, st.version) {
+                    return None;
+                }
+                let missed = if token > st.token {
+                    token > st.token + 1 || version > 0
+                } else {
+                    version > st.version + 1 || st.value.is_none()
+                };
+                *st = SlotState {
+                    slot,
+                    token,
+                    version,
+                    value: Some(value),
+                };
+                Some(missed)
+            }
+            Change::Free { slot, token } => {
+                let st = self.state(slot);
+                if token < st.token || (token == st.token && st.value.is_none()) {
+                    return None;
+                }
+                let missed = token > st.token;
+                st.token = token;
+                st.value = None;
+                Some(missed)
+            }
+        }
+    }
+
+    fn holders(&self) -> Vec<SlotHolder> {
+        let mut h: Vec<SlotHolder> = self
+            .slots
+            .iter()
+            .filter_map(|s| {
+                let v = s.value.clone()?;
+                Some(SlotHolder::new(
+                    s.slot,
+                    self.lock.slot_token(&self.names, s.slot, s.token),
+                    v,
+                    None,
+                ))
+            })
+            .collect();
+        h.sort_by_key(|h| h.slot);
+        h
+    }
+
+    /// Reads the slots and applies what is newer; `true` if a change was not seen.
+    async fn read(&mut self) -> Result<bool> {
         let status = self.lock.read_status(&self.names).await?;
         self.recheck = match &status {
             Some((_, s)) => s.recheck(WAIT_CHECK),
             None => Instant::now() + WAIT_CHECK,
         };
-        let mut skipped = false;
-        if let Some((_, s)) = &status {
-            for r in &s.rows {
-                if r.held && r.holder.is_none() {
-                    // Being granted (locked, row not yet written): its NOTIFY follows.
-                    continue;
-                }
-                let granted = r.granted.unwrap_or(0);
-                let holder = r.holder.as_ref().map(|(t, _)| (*t, r.version));
-                let i = match self.seen.iter().position(|(slot, _, _)| *slot == r.slot) {
-                    Some(i) => i,
-                    None => {
-                        // Before the first read nothing was seen; after it, a slot without an
-                        // entry had no grant then.
-                        let start = if self.started {
-                            (0, 0)
-                        } else {
-                            holder.unwrap_or((granted, 0))
-                        };
-                        self.seen.push((r.slot, start.0, start.1));
-                        self.seen.len() - 1
-                    }
-                };
-                let (_, token, version) = &mut self.seen[i];
-                match holder {
-                    // The same holder: each value replacement counts one.
-                    Some((t, v)) if t == *token => skipped |= v > *version + 1,
-                    // A new holder: the grant right after the last seen one, with the value
-                    // it was granted with.
-                    Some((t, v)) => skipped |= t > *token + 1 || v > 0,
-                    // No holder: no grant since the last seen one.
-                    None => skipped |= granted > *token,
-                }
-                match holder {
-                    Some((t, v)) => (*token, *version) = (t, v),
-                    None => {
-                        if granted > *token {
-                            (*token, *version) = (granted, 0);
-                        }
-                    }
-                }
+        let mut missed = false;
+        for r in status.map(|(_, s)| s.rows).unwrap_or_default() {
+            if r.held && r.holder.is_none() {
+                // Being granted (locked, row not yet written): its NOTIFY follows.
+                continue;
             }
+            let change = match r.holder {
+                Some((token, value)) => Change::Held {
+                    slot: r.slot,
+                    token,
+                    version: r.version,
+                    value,
+                },
+                None => Change::Free {
+                    slot: r.slot,
+                    token: r.granted.unwrap_or(0),
+                },
+            };
+            missed |= self.apply(change).unwrap_or(false);
         }
-        self.started = true;
-        let holders = status
-            .map(|(_, s)| s.holders(&self.lock, &self.names, false))
-            .unwrap_or_default();
-        Ok((holders, skipped))
+        Ok(missed)
+    }
+
+    /// Queues the state if it changed, after a `Missed` if `missed`.
+    fn emit(&mut self, missed: bool) {
+        let now = self.holders();
+        if missed {
+            self.pending.push_back(WatchEvent::Missed);
+        }
+        if missed || now != self.last {
+            self.last = now.clone();
+            self.pending.push_back(WatchEvent::Holders(now));
+        }
     }
 }
 
@@ -931,29 +1044,39 @@ impl SlotWatch for PgWatch {
             if let Some(e) = self.pending.pop_front() {
                 return Ok(e);
             }
-            if self.last.is_none() {
-                let (now, _) = self.read().await?;
-                self.last = Some(now.clone());
-                return Ok(WatchEvent::Holders(now));
-            }
-            let mut lost = false;
-            tokio::select! {
-                got = self.listener.try_recv() => match got.map_err(from_sqlx)? {
-                    Some(_) => while self.listener.next_buffered().is_some() {},
-                    // The connection was lost (and re-established): notifications are gone.
-                    None => lost = true,
-                },
-                () = tokio::time::sleep_until(self.recheck) => {}
-            }
-            let (now, skipped) = self.read().await?;
-            if lost || skipped {
-                self.last = Some(now.clone());
-                self.pending.push_back(WatchEvent::Holders(now));
-                return Ok(WatchEvent::Missed);
-            }
-            if self.last.as_ref() != Some(&now) {
-                self.last = Some(now.clone());
-                return Ok(WatchEvent::Holders(now));
+            let note = tokio::select! {
+                got = self.listener.try_recv() => Some(got.map_err(from_sqlx)?),
+                () = tokio::time::sleep_until(self.recheck) => None,
+            };
+            match note {
+                Some(Some(n)) => {
+                    let mut notes = vec![n];
+                    while let Some(n) = self.listener.next_buffered() {
+                        notes.push(n);
+                    }
+                    for n in notes {
+                        match parse_payload(n.payload()) {
+                            Some(change) => {
+                                if let Some(missed) = self.apply(change) {
+                                    self.emit(missed);
+                                }
+                            }
+                            None => {
+                                let missed = self.read().await?;
+                                self.emit(missed);
+                            }
+                        }
+                    }
+                }
+                // The connection was lost (and re-established): notifications are gone.
+                Some(None) => {
+                    let _ = self.read().await?;
+                    self.emit(true);
+                }
+                None => {
+                    let missed = self.read().await?;
+                    self.emit(missed);
+                }
             }
         }
     }
@@ -1026,6 +1149,7 @@ impl SlotBackend for PgLock {
             schema_q: self.q(),
             name: req.name.to_owned(),
             key,
+            slot,
             token,
             channel: n.channel.clone(),
         });
@@ -1073,16 +1197,16 @@ impl SlotBackend for PgLock {
             lock: self.clone(),
             names,
             listener,
-            last: None,
-            seen: Vec::new(),
+            slots: Vec::new(),
+            last: Vec::new(),
             pending: VecDeque::new(),
             recheck: Instant::now(),
-            started: false,
         };
         // The first state is the one when `observe` returned.
-        let (now, _) = w.read().await?;
-        w.pending.push_back(WatchEvent::Holders(now.clone()));
-        w.last = Some(now);
+        let _ = w.read().await?;
+        let now = w.holders();
+        w.last = now.clone();
+        w.pending.push_back(WatchEvent::Holders(now));
         Ok(Box::new(w))
     }
 

@@ -7,7 +7,9 @@ use std::time::Duration;
 use lockkit::backend::LeaseBackendExt;
 use lockkit::contract_election::SlotHarness;
 use lockkit::postgres::{PgLease, PgLock};
-use lockkit::{AcquireOptions, Election, LeaseState, Semaphore, Wait, async_trait};
+use lockkit::{
+    AcquireOptions, Election, LeaderEvent, LeaderInfo, LeaseState, Semaphore, Wait, async_trait,
+};
 
 use super::base_url;
 use super::server::admin;
@@ -110,4 +112,58 @@ async fn a_terminated_permit_holder_is_reclaimed_by_a_waiter() {
         .expect("the terminated holder's loss signal did not fire");
     assert_eq!(held.state(), LeaseState::Lost);
     p.release().await.expect("release");
+}
+
+/// A terminated leader's session sends no `NOTIFY`: an observer still sees the leadership end
+/// (its re-read, at least every 3 s), long before the leader's 60 s TTL, and then the next
+/// leader.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_observer_sees_a_terminated_leader_go() {
+    let h = PgSlotHarness::from_env();
+    let (a, b, watcher) = (h.client().await, h.client().await, h.client().await);
+    let name = format!("terminated-leader-{:08x}", rand::random::<u32>());
+    let ttl = Duration::from_secs(60);
+    let leader = a
+        .campaign(&name, b"a", AcquireOptions::new().ttl(ttl).wait(Wait::No))
+        .await
+        .expect("campaign");
+    let mut observer = watcher.observe(&name).await.expect("observe");
+    assert_eq!(
+        observer.next().await.expect("first event"),
+        LeaderEvent::Leader(LeaderInfo::new(leader.term(), b"a".to_vec()))
+    );
+    let pid = leader
+        .lease()
+        .ops()
+        .as_any()
+        .downcast_ref::<PgLease>()
+        .expect("a PostgreSQL lease")
+        .backend_pid();
+    let mut db = admin(&base_url()).await;
+    let ok: bool = lockkit::postgres::sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .fetch_one(&mut db)
+        .await
+        .expect("pg_terminate_backend");
+    assert!(ok, "pg_terminate_backend({pid})");
+    // Well below the 60 s TTL (and the 20 s re-reads it would pace without the 3 s cap).
+    let next = tokio::time::timeout(Duration::from_secs(15), observer.next())
+        .await
+        .expect("the observer did not see the terminated leader go")
+        .expect("observer");
+    assert_eq!(next, LeaderEvent::NoLeader);
+    let lb = b
+        .campaign(&name, b"b", AcquireOptions::new().ttl(ttl).wait(Wait::No))
+        .await
+        .expect("campaign after the leader was terminated");
+    assert!(lb.term() > leader.term());
+    let next = tokio::time::timeout(Duration::from_secs(15), observer.next())
+        .await
+        .expect("the observer did not see the next leader")
+        .expect("observer");
+    assert_eq!(
+        next,
+        LeaderEvent::Leader(LeaderInfo::new(lb.term(), b"b".to_vec()))
+    );
+    lb.resign().await.expect("resign");
 }

@@ -10,7 +10,8 @@
 # and for the TLS tests LOCKKIT_TLS_DIR (certificates made by scripts/certs.sh at start),
 # LOCKKIT_REDIS_TLS_URL (a TLS-only redis-server that requires client certificates),
 # LOCKKIT_ETCD_TLS_URL (etcd with an https client port and --client-cert-auth),
-# LOCKKIT_ZK_TLS_URL (ZooKeeper's secureClientPort, ssl.clientAuth=need) and
+# LOCKKIT_ZK_TLS_URL (ZooKeeper's secureClientPort, ssl.clientAuth=need),
+# LOCKKIT_ZK_SASL_URL (a ZooKeeper that requires SASL DIGEST-MD5, user app / password secret) and
 # LOCKKIT_POSTGRES_TLS_URL (a PostgreSQL that accepts only TLS with a client certificate).
 # Set LOCKKIT_SERVERS="redis etcd" to start a subset.
 set -euo pipefail
@@ -103,7 +104,47 @@ start_etcd() {
   echo "export LOCKKIT_ETCD_TLS_URL='etcds://127.0.0.1:$tc?tls_ca=$t/ca.pem&tls_cert=$t/client.pem&tls_key=$t/client.key'" >> "$dir/env"
 }
 
+# A ZooKeeper that requires SASL DIGEST-MD5 (enforce.auth.schemes=sasl: a client without it,
+# or with a wrong password, is refused). Launched first, awaited by wait_zk_sasl, so that its JVM
+# starts while the others do.
+launch_zk_sasl() {
+  local p; p=$(free_port)
+  mkdir -p "$dir/zk-sasl-data"
+  cat > "$dir/zk-sasl-jaas.conf" <<JAAS
+Server {
+  org.apache.zookeeper.server.auth.DigestLoginModule required
+  user_app="secret";
+};
+JAAS
+  cat > "$dir/zoo-sasl.cfg" <<CFG
+tickTime=500
+minSessionTimeout=1000
+maxSessionTimeout=60000
+dataDir=$dir/zk-sasl-data
+clientPortAddress=127.0.0.1
+clientPort=$p
+admin.enableServer=false
+4lw.commands.whitelist=ruok
+forceSync=no
+authProvider.1=org.apache.zookeeper.server.auth.SASLAuthenticationProvider
+enforce.auth.enabled=true
+enforce.auth.schemes=sasl
+CFG
+  ZOO_LOG_DIR="$dir" ZOO_LOG4J_PROP="WARN,CONSOLE" \
+    SERVER_JVMFLAGS="-Djava.security.auth.login.config=$dir/zk-sasl-jaas.conf" \
+    /usr/share/zookeeper/bin/zkServer.sh start-foreground "$dir/zoo-sasl.cfg" > "$dir/zk-sasl.log" 2>&1 &
+  echo $! > "$dir/zk-sasl.pid"
+  echo "$p" > "$dir/zk-sasl.port"
+}
+
+wait_zk_sasl() {
+  local p; p=$(cat "$dir/zk-sasl.port")
+  wait_for zk-sasl 300 bash -c "[ \"\$(echo ruok | timeout 2 nc -w 2 -q 1 127.0.0.1 $p)\" = imok ]"
+  echo "export LOCKKIT_ZK_SASL_URL='zk://app:secret@127.0.0.1:$p?sasl=digest-md5'" >> "$dir/env"
+}
+
 start_zk() {
+  launch_zk_sasl
   local p; p=$(free_port)
   mkdir -p "$dir/zk-data"
   cat > "$dir/zoo.cfg" <<CFG
@@ -157,6 +198,7 @@ CFG
   echo $! > "$dir/zk-tls.pid"
   wait_for zk-tls 300 bash -c "timeout 2 openssl s_client -connect 127.0.0.1:$sp -CAfile $t/ca.pem -cert $t/client.pem -key $t/client.key </dev/null 2>/dev/null | grep -q 'Verify return code: 0'"
   echo "export LOCKKIT_ZK_TLS_URL='zk://127.0.0.1:$sp?tls_ca=$t/ca.pem&tls_cert=$t/client.pem&tls_key=$t/client.key'" >> "$dir/env"
+  wait_zk_sasl
 }
 
 start_postgres() {
@@ -211,7 +253,7 @@ case "$cmd" in
     ;;
   stop)
     [ -d "$dir" ] || exit 0
-    for s in redis redis-tls etcd etcd-tls zk zk-tls; do stop_pid "$dir/$s.pid"; done
+    for s in redis redis-tls etcd etcd-tls zk zk-tls zk-sasl; do stop_pid "$dir/$s.pid"; done
     stop_postgres
     for f in "$dir/etcd.datadir" "$dir/etcd-tls.datadir"; do
       if [ -f "$f" ]; then rm -rf "$(cat "$f")"; fi

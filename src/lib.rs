@@ -64,13 +64,16 @@
 //! ## What each backend guarantees
 //! Each backend declares it in [`Lock::guarantees`]; the contract suite checks it.
 //!
-//! | backend | kind | tokens survive server restart | safe across failover | FIFO waiters |
-//! |---|---|---|---|---|
-//! | memory | correctness, one process | no | yes (nothing to fail over to) | yes |
-//! | Redis (single node) | **efficiency** | yes (counter started at server `TIME`) | **no** | yes (a queue the release hands the lock to) |
-//! | etcd | correctness (Raft) | yes | yes | yes |
-//! | ZooKeeper | correctness (ZAB) | yes | yes | yes |
-//! | PostgreSQL | correctness, one server | yes | **no** (advisory locks are not replicated) | yes |
+//! | backend | kind | tokens survive server restart | safe across failover | FIFO waiters | loss heard when the server ends a lease | lock-delay |
+//! |---|---|---|---|---|---|---|
+//! | memory | correctness, one process | no | yes (nothing to fail over to) | yes | (nothing ends it early) | yes |
+//! | Redis (single node) | **efficiency** | yes (counter started at server `TIME`) | **no** | yes (a queue the release hands the lock to) | ≤ 200 ms with keyspace notifications, else at the next renewal | yes |
+//! | etcd | correctness (Raft) | yes | yes | yes | ≤ 500 ms (one watch stream per client) | yes |
+//! | ZooKeeper | correctness (ZAB) | yes | yes | yes | ≤ 500 ms (a watch on the holder node) | yes |
+//! | PostgreSQL | correctness, one server | yes | **no** (advisory locks are not replicated) | yes | ≤ 100 ms (the connection closing) | yes |
+//!
+//! Every grant has at least `AcquireOptions::min_validity` left (default half the TTL); the
+//! README's table has the fine print.
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations)]
 #![deny(rustdoc::broken_intra_doc_links)]

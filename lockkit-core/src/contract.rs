@@ -700,6 +700,50 @@ pub async fn lock_delay_after_a_lapsed_holder(h: &dyn Harness) {
     lease_b.release().await.expect("release");
 }
 
+/// A lease dropped *after* it was lost (its deadline passed unrenewed) is given up as lapsed,
+/// not released: its holder was told it lost the lock and may have writes in flight, so the
+/// lock-delay still runs even though the drop's give-back reaches the server before the TTL
+/// would have freed the lock. (Backends without manual renewal are covered by their own tests.)
+pub async fn lock_delay_after_a_lost_lease_is_dropped(h: &dyn Harness) {
+    let g = guarantees(h).await;
+    if !g.lock_delay || !g.manual_renewal {
+        return; // lock_delay_after_a_lapsed_holder checks the NotSupported
+    }
+    let (a, c) = (h.client().await, h.client().await);
+    let name = unique("lock-delay-lost-drop");
+    let ttl = h.short_ttl();
+    let delay = Duration::from_secs(2) + g.expiry_slack + h.tolerance() * 2;
+    let opts = AcquireOptions::new()
+        .ttl(ttl)
+        .keepalive(false)
+        .lock_delay(delay)
+        .wait(Wait::No);
+    let holder = a.acquire(&name, opts).await.expect("acquire");
+    let granted_a = Instant::now();
+    holder.lost().await; // the client deadline: the server still holds it
+    drop(holder); // release on drop: must give it up as lapsed
+    tokio::time::sleep_until(granted_a + ttl + g.expiry_slack + h.tolerance() / 2).await;
+    match c.try_acquire(&name, ttl).await {
+        Err(Error::Held { .. }) => {}
+        Ok(_lease) => panic!(
+            "granted {:?} after the grant of a lease dropped once lost, during its lock-delay of \
+             {delay:?}",
+            granted_a.elapsed()
+        ),
+        Err(e) => panic!("try-once during the lock-delay: expected Held, got {e:?}"),
+    }
+    let lease = c
+        .acquire(
+            &name,
+            AcquireOptions::new().ttl(ttl).wait(Wait::Timeout(
+                ttl + g.expiry_slack + delay + h.tolerance() * 2,
+            )),
+        )
+        .await
+        .expect("the lock was not granted after the lock-delay");
+    lease.release().await.expect("release");
+}
+
 /// An explicit release frees a lock at once whatever its lock-delay, and so does a release on
 /// drop (which reaches the server).
 pub async fn lock_delay_not_after_a_release(h: &dyn Harness) {
@@ -795,7 +839,7 @@ macro_rules! contract_suite {
             own_stale_write_loses_the_lease, check_answers_without_extending,
             bad_input, grants_have_the_minimum_validity, guarantees_are_consistent,
             fifo_waiters, holder_is_reported, lock_delay_after_a_lapsed_holder,
-            lock_delay_not_after_a_release);
+            lock_delay_after_a_lost_lease_is_dropped, lock_delay_not_after_a_release);
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn fenced_counter() {
             let h = $harness;

@@ -316,8 +316,9 @@ async fn keepalive_loop(
                 if !tracker.confirm(sent) {
                     span.record("outcome", "late");
                     // Acknowledged too late: the holder has been told it lost the lock, so give
-                    // the lock back rather than keep a lease nobody uses.
-                    let _ = ops.release().await;
+                    // the lock back (as lapsed: its lock-delay runs) rather than keep a lease
+                    // nobody uses.
+                    let _ = ops.relinquish().await;
                     return;
                 }
                 span.record("outcome", "ok");

@@ -317,8 +317,9 @@ async fn renew_once(tracker: &TrackerHandle, ops: &dyn LeaseOps, name: &str) -> 
         Ok(()) if tracker.confirm(sent) => Ok(()),
         Ok(()) => {
             // Acknowledged after the deadline: the holder may already have been told it lost
-            // the lock, so the renewal must not keep it held. Give it back.
-            let _ = ops.release().await;
+            // the lock, so the renewal must not keep it held. Give it back as lapsed (its
+            // lock-delay runs).
+            let _ = ops.relinquish().await;
             Err(lost(tracker))
         }
         Err(e @ Error::NotHeld { .. }) => {
@@ -339,6 +340,10 @@ impl Drop for Lease {
         if self.done {
             return;
         }
+        // A lease already lost (deadline passed, server said so) is not released but given up
+        // as lapsed: its holder was told it lost the lock and may have writes in flight, so a
+        // lock-delay set at the grant must run.
+        let was_lost = self.tracker.state() == LeaseState::Lost;
         self.tracker.mark_lost(LossReason::Dropped);
         if self.release_on_drop {
             if let Ok(rt) = tokio::runtime::Handle::try_current() {
@@ -346,18 +351,26 @@ impl Drop for Lease {
                     self.name.clone(),
                     self.ops.clone(),
                     self.tracker.valid_until() + drift_margin(self.tracker.ttl()),
+                    was_lost,
                 ));
             }
         }
     }
 }
 
-/// Release on drop: retries transient failures with backoff until `until` (after which the server
-/// frees the lock by itself).
-async fn release_in_background(name: String, ops: Arc<dyn LeaseOps>, until: Instant) {
+/// Release on drop (or, for a lease already `lost`, [`LeaseOps::relinquish`]): retries transient
+/// failures with backoff until `until` (after which the server frees the lock by itself).
+async fn release_in_background(name: String, ops: Arc<dyn LeaseOps>, until: Instant, lost: bool) {
     let mut backoff = Backoff::new(Duration::from_millis(20), Duration::from_secs(1));
     loop {
-        let outcome = tokio::time::timeout_at(until, ops.release()).await;
+        let give_back = async {
+            if lost {
+                ops.relinquish().await
+            } else {
+                ops.release().await
+            }
+        };
+        let outcome = tokio::time::timeout_at(until, give_back).await;
         let pause = backoff.next_delay();
         match outcome {
             Ok(Err(e)) if e.is_retryable() && Instant::now() + pause < until => {

@@ -349,6 +349,28 @@ impl LeaseOps for MemoryLease {
         }
     }
 
+    async fn relinquish(&self) -> Result<()> {
+        let now = Instant::now();
+        let mut st = lock(&self.state);
+        let Some(e) = st.locks.get_mut(&self.name) else {
+            return Err(Error::NotHeld {
+                name: self.name.clone(),
+            });
+        };
+        // Lapses now: `holder_live` removes it and starts its lock-delay.
+        match e.holder.as_mut() {
+            Some(h) if h.owner == self.owner && h.expires > now => {
+                h.expires = now;
+                let _ = e.holder_live(now);
+                e.wake_head();
+                Ok(())
+            }
+            _ => Err(Error::NotHeld {
+                name: self.name.clone(),
+            }),
+        }
+    }
+
     fn as_any(&self) -> &dyn Any {
         self
     }

@@ -612,6 +612,22 @@ pub trait LeaseOps: Send + Sync + fmt::Debug + 'static {
     /// in the second case.
     async fn release(&self) -> Result<()>;
 
+    /// Gives up a grant the client already counts as lost (its deadline passed before a renewal
+    /// was acknowledged, or it is dropped after it was lost): frees the lock *as a lapse would*,
+    /// so that a [lock-delay](crate::AcquireOptions::lock_delay) set at the grant still runs
+    /// (its holder may have been told it lost the lock and still have writes in flight), instead
+    /// of the immediate free of [`release`](Self::release). The default calls `release`: right
+    /// for backends without lock-delay; backends with it must override.
+    ///
+    /// # Errors
+    /// As [`release`](Self::release).
+    ///
+    /// # Cancel safety
+    /// As [`release`](Self::release): the TTL frees the lock (delay included) if it did not happen.
+    async fn relinquish(&self) -> Result<()> {
+        self.release().await
+    }
+
     /// Asks the server whether this grant still holds the lock, without extending it.
     ///
     /// # Errors

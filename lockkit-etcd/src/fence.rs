@@ -11,7 +11,8 @@ use etcd_client::{
 use lockkit_core::backend::LeaseFence;
 use lockkit_core::{Error, FencingToken, Lease, Result};
 
-use crate::lease::{EtcdLease, holder_read, timed};
+use crate::core::{holder_read, timed};
+use crate::lease::EtcdLease;
 
 /// Fenced writes for data stored in etcd, made from an etcd [`Lease`] (also one obtained as
 /// `Arc<dyn Lock>` from `lockkit::connect`).

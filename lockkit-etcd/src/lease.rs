@@ -1,716 +1,21 @@
-//! etcd leases behind lockkit leases: the session lease shared by the locks of one client and
-//! TTL, its keepalive task, and [`EtcdLease`], the [`LeaseOps`] of one granted lock.
-//!
-//! etcd facts relied on (<https://etcd.io/docs/v3.4/learning/api/#lease-api>):
-//! - a lease is granted with a TTL in whole seconds; the server may raise it to its minimum TTL
-//!   (1.5 × election timeout, rounded up to whole seconds) and says so in the grant response;
-//! - every key attached to a lease is deleted, in the same revision, when the lease expires or
-//!   is revoked; so "my key exists" implies "my lease is alive";
-//! - `LeaseKeepAlive` answers `TTL <= 0` for a lease that no longer exists, and resets the lease
-//!   to its full TTL otherwise, counted from when the leader handles the request (so from no
-//!   earlier than when we sent it);
-//! - the leader checks for expired leases every 500 ms (`lessor.runLoop`), so a lapsed lease is
-//!   freed up to 0.5 s after its TTL.
+//! [`EtcdLease`], the [`LeaseOps`] of one granted lock: its key, renewal, release, and the watch
+//! that tells it at once when etcd deletes its key.
 
 use std::any::Any;
-use std::collections::HashMap;
 use std::fmt;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
-use etcd_client::{
-    Client, Compare, CompareOp, DeleteOptions, EventType, GetOptions, SortOrder, SortTarget, Txn,
-    TxnOp, WatchFilterType, WatchOptions,
+use etcd_client::{Client, Compare, CompareOp, Txn};
+use lockkit_core::backend::{LeaseOps, TrackerHandle};
+use lockkit_core::{Error, Instant, LossReason, Result, async_trait};
+
+use crate::core::{
+    KeepAlive, KeyWatch, Marker, Reservation, delete_key_ops, delete_while_lease_lives,
+    detach_marker, keep_alive_hedged, keepalive_attempt_limit, renew_companions, renewal_counts,
+    stale_term, timed, with_retries,
 };
-use lockkit_core::backend::{LeaseOps, SuspectReason, TrackerHandle};
-use lockkit_core::{Error, Instant, LeaseState, LossReason, Result, async_trait};
-use tokio::sync::{Notify, watch};
-
-use crate::error::{self, BACKEND, from_client};
-
-/// Runs `fut` with a timeout; on timeout returns [`Error::Unavailable`].
-pub(crate) async fn timed<T>(
-    limit: Duration,
-    what: &'static str,
-    fut: impl Future<Output = std::result::Result<T, etcd_client::Error>>,
-) -> Result<T> {
-    match tokio::time::timeout(limit, fut).await {
-        Ok(Ok(v)) => Ok(v),
-        Ok(Err(e)) => Err(from_client(e)),
-        Err(_) => Err(error::timeout(what)),
-    }
-}
-
-/// The read of lock `name_prefix`'s holder: the key with the lowest create revision under it
-/// (keys only), for a transaction.
-pub(crate) fn holder_read(name_prefix: &[u8]) -> TxnOp {
-    TxnOp::get(
-        name_prefix.to_vec(),
-        Some(
-            GetOptions::new()
-                .with_prefix()
-                .with_sort(SortTarget::Create, SortOrder::Ascend)
-                .with_limit(1)
-                .with_keys_only(),
-        ),
-    )
-}
-
-/// Runs the request `f` makes until it succeeds, fails with a non-transient error, or `total`
-/// has passed. Each attempt gets a fifth of `total` (at least 100 ms): with one member down or
-/// frozen, the client's balancer (which picks an endpoint per request) most likely sends the next
-/// attempt to a live member. Only for requests that are safe to repeat.
-pub(crate) async fn with_retries<T, F, Fut>(total: Duration, what: &'static str, f: F) -> Result<T>
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = std::result::Result<T, etcd_client::Error>>,
-{
-    with_retries_every(total, (total / 5).max(Duration::from_millis(100)), what, f).await
-}
-
-/// [`with_retries`] with each attempt limited to `per`.
-pub(crate) async fn with_retries_every<T, F, Fut>(
-    total: Duration,
-    per: Duration,
-    what: &'static str,
-    mut f: F,
-) -> Result<T>
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = std::result::Result<T, etcd_client::Error>>,
-{
-    let start = Instant::now();
-    let end = start.checked_add(total).unwrap_or(start);
-    let per = per.min(total);
-    let pause = Duration::from_millis(20);
-    loop {
-        let left = end.saturating_duration_since(Instant::now());
-        match timed(per.min(left).max(Duration::from_millis(1)), what, f()).await {
-            Ok(v) => return Ok(v),
-            Err(e) if e.is_retryable() && Instant::now() + pause < end => {
-                tracing::debug!(error = %e, what, "etcd request failed; retrying");
-                tokio::time::sleep(pause).await;
-            }
-            Err(e) => return Err(e),
-        }
-    }
-}
-
-/// Whole seconds for etcd: the TTL rounded up, at least 1.
-pub(crate) fn ttl_secs(ttl: Duration) -> i64 {
-    let secs = ttl.as_secs() + u64::from(ttl.subsec_nanos() > 0);
-    i64::try_from(secs.max(1)).unwrap_or(i64::MAX)
-}
-
-/// The answer to one keepalive.
-pub(crate) enum KeepAlive {
-    /// The server extended the lease. `term` is the raft term of the member that answered
-    /// (from the response header): the renewal counts only if a linearizable read then reports
-    /// the same term (see [`renewal_counts`]).
-    Alive { term: u64 },
-    /// The lease does not exist any more (expired or revoked).
-    Gone,
-}
-
-/// Sends one `LeaseKeepAlive` for `id` and waits for its answer. Returns the send time of the
-/// request that was answered.
-///
-/// etcd-client's `keep_alive` opens the stream with a first keepalive and keeps that answer to
-/// itself, so the renewal that counts is a second one on the same stream, whose response
-/// header (with the answering member's raft term) we read: two round trips, every TTL/3.
-pub(crate) async fn keep_alive_once(
-    client: &Client,
-    id: i64,
-    limit: Duration,
-) -> Result<(Instant, KeepAlive)> {
-    let mut lc = client.lease_client();
-    let exchange = async {
-        let (mut keeper, mut stream) = lc.keep_alive(id).await?;
-        let sent = Instant::now();
-        keeper.keep_alive().await?;
-        Ok::<_, etcd_client::Error>((sent, stream.message().await?))
-    };
-    match tokio::time::timeout(limit, exchange).await {
-        Err(_) => Err(error::timeout("a lease keepalive")),
-        Ok(Ok((sent, Some(resp)))) if resp.ttl() > 0 => {
-            let term = resp.header().map_or(0, |h| h.raft_term());
-            Ok((sent, KeepAlive::Alive { term }))
-        }
-        Ok(Ok((sent, Some(_)))) => Ok((sent, KeepAlive::Gone)),
-        Ok(Ok((_, None))) => Err(error::protocol(STREAM_CLOSED)),
-        Ok(Err(e)) if error::is_lease_not_found(&e) => Ok((Instant::now(), KeepAlive::Gone)),
-        Ok(Err(e)) => Err(from_client(e)),
-    }
-}
-
-/// The error of a keepalive whose stream the server ended without an answer.
-const STREAM_CLOSED: &str = "etcd closed the keepalive stream";
-
-/// Whether `e` says the server ended a keepalive stream without answering: a failed renewal
-/// (the lease turns Suspect at once), not a slow one.
-pub(crate) fn is_stream_closed(e: &Error) -> bool {
-    matches!(e, Error::Backend { source, .. } if source.to_string() == STREAM_CLOSED)
-}
-
-/// Whether an acknowledged keepalive from a member in raft term `ack_term` may move the lease's
-/// deadline, given the term `read_term` reported by a linearizable read sent after the
-/// acknowledgement arrived.
-///
-/// etcd 3.4 renews a lease in the lessor of whichever member believes it is the leader, without
-/// first confirming its leadership with a quorum. A leader that was paused (SIGSTOP, a long
-/// stall) answers keepalives on resuming, before it learns of the newer term, although the
-/// real leader never renewed the lease. A linearizable read goes through the current leader
-/// (ReadIndex, <https://etcd.io/docs/v3.4/learning/api_guarantees/>), so if it reports the
-/// same term, the member that answered was in the current term, and the renewal counts; a
-/// different term means "not known to count": the lease turns Suspect and is renewed again.
-pub(crate) fn renewal_counts(ack_term: u64, read_term: u64) -> bool {
-    ack_term != 0 && ack_term == read_term
-}
-
-/// The raft term reported by one linearizable read of `key` (count only). Each attempt gets
-/// `per` (the keepalive's hedging interval), so one attempt stuck on a frozen member does not
-/// eat the time left before the lease turns suspect.
-pub(crate) async fn linearizable_term(
-    client: &Client,
-    key: &[u8],
-    limit: Duration,
-    per: Duration,
-) -> Result<u64> {
-    let kv = client.kv_client();
-    let resp = with_retries_every(limit, per, "a term check", || {
-        let mut kv = kv.clone();
-        let opts = GetOptions::new().with_count_only();
-        let key = key.to_vec();
-        async move { kv.get(key, Some(opts)).await }
-    })
-    .await?;
-    Ok(resp.header().map_or(0, |h| h.raft_term()))
-}
-
-/// The error for a keepalive answered by a member of an older raft term.
-pub(crate) fn stale_term(ack_term: u64, read_term: u64) -> Error {
-    Error::Unavailable {
-        backend: BACKEND,
-        source: format!(
-            "keepalive answered by an etcd member in raft term {ack_term}, but the cluster is in term {read_term}"
-        )
-        .into(),
-    }
-}
-
-/// Keepalive attempts of one lease in flight at once, at most.
-const MAX_HEDGED: usize = 8;
-
-/// Keepalives of lease `id` until one is answered or `until` passes: a new attempt starts every
-/// `hedge_every` while earlier ones are still in flight (at most [`MAX_HEDGED`] at once), and sooner after
-/// an attempt failed (each failure is shown to `on_failure` at once). Returns the answer and
-/// the send time of the attempt that got it.
-///
-/// The client picks the endpoint of each new request at random (tonic's balancer sees every
-/// connection as equally loaded), so one attempt stuck on a frozen member must not hold up the
-/// others: a hedged attempt most likely goes to a member that answers.
-pub(crate) async fn keep_alive_hedged(
-    client: &Client,
-    id: i64,
-    until: Instant,
-    hedge_every: Duration,
-    on_failure: impl Fn(&Error),
-) -> (Instant, Result<KeepAlive>) {
-    let mut attempts = tokio::task::JoinSet::new();
-    let mut last_err = None;
-    let mut next_start = Instant::now();
-    let mut first_sent = None;
-    loop {
-        let now = Instant::now();
-        if now >= until {
-            let err = last_err.unwrap_or_else(|| error::timeout("a lease keepalive"));
-            return (first_sent.unwrap_or(now), Err(err));
-        }
-        if now >= next_start && attempts.len() < MAX_HEDGED {
-            let client = client.clone();
-            let limit = until.saturating_duration_since(now);
-            first_sent.get_or_insert(now);
-            attempts.spawn(async move { keep_alive_once(&client, id, limit).await });
-            next_start = now + hedge_every;
-        }
-        let wake = if attempts.len() < MAX_HEDGED {
-            next_start.min(until)
-        } else {
-            until
-        };
-        tokio::select! {
-            joined = attempts.join_next(), if !attempts.is_empty() => match joined {
-                Some(Ok(Ok((sent, answer)))) => return (sent, Ok(answer)),
-                Some(Ok(Err(e))) => {
-                    on_failure(&e);
-                    last_err = Some(e);
-                    next_start = next_start.min(Instant::now() + (hedge_every / 4).max(Duration::from_millis(20)));
-                }
-                Some(Err(_)) | None => {}
-            },
-            _ = tokio::time::sleep_until(wake) => {}
-        }
-    }
-}
-
-/// How long one keepalive attempt of the session lease may go unanswered before the task sends
-/// another next to it: TTL/20 (at least 50 ms, at most the request timeout), so that many
-/// attempts fit in the time between the regular keepalive (at TTL/3) and the deadline. With one
-/// of three members frozen, each attempt is stuck with probability 1/3, so the chance that all
-/// [`MAX_HEDGED`] are is about 1/6500.
-pub(crate) fn keepalive_attempt_limit(ttl: Duration, request_timeout: Duration) -> Duration {
-    (ttl / 20)
-        .max(Duration::from_millis(50))
-        .min(request_timeout)
-        .max(Duration::from_millis(1))
-}
-
-/// Settings the keepalive task needs from its session.
-#[derive(Clone)]
-pub(crate) struct TaskCtx {
-    pub(crate) client: Arc<Client>,
-    pub(crate) request_timeout: Duration,
-    /// A key under the session's prefix for the linearizable term check (readable by a user
-    /// whose permissions cover only that prefix).
-    pub(crate) probe_key: Vec<u8>,
-    pub(crate) linger: Option<Duration>,
-    /// Test hook: while set, keepalives are not sent (as if the network dropped them).
-    pub(crate) paused: Arc<AtomicBool>,
-    /// Closed (sender dropped) when the client session is dropped.
-    pub(crate) closed: watch::Receiver<()>,
-    /// The session's table of shared leases, to drop a retired entry.
-    pub(crate) table: Weak<Mutex<HashMap<Duration, Arc<SharedLease>>>>,
-}
-
-#[derive(Default)]
-struct SharedState {
-    /// Acquires in progress and granted locks that use the lease.
-    users: usize,
-    /// When `users` last dropped to zero.
-    idle_since: Option<Instant>,
-    /// Trackers of the locks held on this lease, confirmed with every keepalive.
-    trackers: HashMap<u64, TrackerHandle>,
-    next_tracker: u64,
-    /// Key slots in use per lock name: `(name, n)` names the key `{prefix}/{name}/{id hex}-{n}`.
-    /// A slot is busy from before its key may be created until its deletion is confirmed, so
-    /// sequential acquires reuse one key (etcd's index keeps every key ever created until
-    /// compaction, and range reads over a lock's prefix would slow down with each new key).
-    slots: std::collections::HashSet<(String, u32)>,
-    /// Keys of slots that are never reused: a request that may create such a key went
-    /// unanswered, so etcd may still apply it late and create a key nobody owns. The keepalive
-    /// task deletes any that exist, every tick, until the lease retires.
-    burnt: Vec<Vec<u8>>,
-    /// No new acquire may join (a lock was leaked, or a cleanup failed).
-    no_reuse: bool,
-    /// Do not revoke when retiring (a leaked lock must stay until its TTL runs out).
-    no_revoke: bool,
-    /// The keepalive task has stopped; the lease is no longer renewed.
-    retired: bool,
-    /// The task wants to hear at once when `users` drops to zero (no linger, or the session
-    /// is gone); otherwise it notices on its next keepalive tick, which saves a task wake-up on
-    /// every release.
-    wake_when_idle: bool,
-}
-
-/// One etcd lease, shared by every lock that one client holds with one TTL (or private to one
-/// `keepalive(false)` acquire while it waits).
-pub(crate) struct SharedLease {
-    pub(crate) id: i64,
-    /// The TTL asked for (the client-side deadlines use it).
-    pub(crate) ttl: Duration,
-    /// The TTL the server granted, in seconds (≥ the asked TTL).
-    pub(crate) granted_secs: i64,
-    /// The etcd lease's own clock: send time of the last acknowledged grant/keepalive.
-    pub(crate) master: TrackerHandle,
-    state: Mutex<SharedState>,
-    wake: Notify,
-}
-
-impl fmt::Debug for SharedLease {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SharedLease")
-            .field("id", &format_args!("{:x}", self.id))
-            .field("ttl", &self.ttl)
-            .field("granted_secs", &self.granted_secs)
-            .field("state", &self.master.state())
-            .finish()
-    }
-}
-
-impl SharedLease {
-    pub(crate) fn new(id: i64, ttl: Duration, granted_secs: i64, sent: Instant) -> Arc<Self> {
-        Arc::new(Self {
-            id,
-            ttl,
-            granted_secs,
-            master: TrackerHandle::new(sent, ttl),
-            state: Mutex::new(SharedState::default()),
-            wake: Notify::new(),
-        })
-    }
-
-    fn st(&self) -> MutexGuard<'_, SharedState> {
-        // Every critical section leaves the state consistent; recover from a poisoned lock.
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Joins the lease for one acquire, unless it is retired, lost or closed to newcomers.
-    pub(crate) fn try_reserve(self: &Arc<Self>) -> Option<Reservation> {
-        let mut st = self.st();
-        if st.retired || st.no_reuse || self.master.state() == LeaseState::Lost {
-            return None;
-        }
-        st.users += 1;
-        st.idle_since = None;
-        Some(Reservation {
-            shared: self.clone(),
-        })
-    }
-
-    /// A reservation on a lease nobody else can join (the private lease of one acquire).
-    pub(crate) fn reserve_private(self: &Arc<Self>) -> Reservation {
-        let mut st = self.st();
-        st.users += 1;
-        st.no_reuse = true;
-        // Its keepalive task only bridges the wait; the lock's release revokes the lease.
-        st.no_revoke = true;
-        Reservation {
-            shared: self.clone(),
-        }
-    }
-
-    /// A tracker for a lock granted on this lease, confirmed by the keepalive from now on.
-    /// `None` if the lease is already lost on the client side.
-    ///
-    /// The tracker starts at the send time of the last acknowledged keepalive of the etcd lease
-    /// (not at the time of the acquire's request): that is when the server's countdown for the
-    /// key started.
-    pub(crate) fn register(&self) -> Option<(u64, TrackerHandle)> {
-        let mut st = self.st();
-        if self.master.state() == LeaseState::Lost || st.retired {
-            return None;
-        }
-        let tracker = TrackerHandle::new(self.master.confirmed_at(), self.ttl);
-        st.next_tracker += 1;
-        let id = st.next_tracker;
-        st.trackers.insert(id, tracker.clone());
-        Some((id, tracker))
-    }
-
-    /// The lowest free key slot for lock `name` on this lease, now busy.
-    pub(crate) fn take_slot(&self, name: &str) -> u32 {
-        let mut st = self.st();
-        let mut n = 0;
-        while st.slots.contains(&(name.to_owned(), n)) {
-            n += 1;
-        }
-        st.slots.insert((name.to_owned(), n));
-        n
-    }
-
-    /// The key of slot `n` is known to be gone: the slot may be reused.
-    pub(crate) fn free_slot(&self, name: &str, n: u32) {
-        self.st().slots.remove(&(name.to_owned(), n));
-    }
-
-    /// A request that may create `key` (slot `n` of `name`) went unanswered and may still be
-    /// applied: the slot is never reused, the key is swept by the keepalive task, and the lease
-    /// takes no new acquires (it retires, and its revoke deletes the key, once its locks are
-    /// done).
-    pub(crate) fn burn_slot(&self, key: Vec<u8>) {
-        self.st().burnt.push(key);
-        self.close_to_newcomers();
-    }
-
-    fn burnt_keys(&self) -> Vec<Vec<u8>> {
-        self.st().burnt.clone()
-    }
-
-    /// Stops confirming lock `id`; returns its tracker (its deadline no longer moves).
-    fn unregister(&self, id: u64) -> Option<TrackerHandle> {
-        self.st().trackers.remove(&id)
-    }
-
-    /// A lock on this lease was leaked and nothing can delete its key: keep the lease from
-    /// newcomers and from revocation, so the key ends with the lease's TTL.
-    fn keep_leaked_key(&self) {
-        let mut st = self.st();
-        st.no_reuse = true;
-        st.no_revoke = true;
-    }
-
-    /// Stops newcomers from joining (a phantom key may be left on the lease).
-    pub(crate) fn close_to_newcomers(&self) {
-        let mut st = self.st();
-        st.no_reuse = true;
-        let idle = st.users == 0;
-        drop(st);
-        if idle {
-            self.wake.notify_one();
-        }
-    }
-
-    /// Records an acknowledged keepalive sent at `sent`. Returns `false` if the lease was
-    /// already lost (then every lock on it is marked lost).
-    pub(crate) fn confirm(&self, sent: Instant) -> bool {
-        let st = self.st();
-        if !self.master.confirm(sent) {
-            drop(st);
-            self.mark_lost(LossReason::DeadlineExpired);
-            return false;
-        }
-        for t in st.trackers.values() {
-            t.confirm(sent);
-        }
-        true
-    }
-
-    fn mark_suspect(&self, reason: SuspectReason) {
-        let st = self.st();
-        self.master.mark_suspect(reason);
-        for t in st.trackers.values() {
-            t.mark_suspect(reason);
-        }
-    }
-
-    /// The server said the lease is gone, or its deadline passed: every lock on it is lost.
-    pub(crate) fn mark_lost(&self, reason: LossReason) {
-        let st = self.st();
-        self.master.mark_lost(reason);
-        for t in st.trackers.values() {
-            t.mark_lost(reason);
-        }
-    }
-}
-
-/// One user (an acquire in progress or a granted lock) of a [`SharedLease`]. Dropping it lets
-/// the keepalive task retire an idle lease.
-pub(crate) struct Reservation {
-    pub(crate) shared: Arc<SharedLease>,
-}
-
-impl fmt::Debug for Reservation {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        self.shared.fmt(f)
-    }
-}
-
-impl Drop for Reservation {
-    fn drop(&mut self) {
-        let mut st = self.shared.st();
-        st.users = st.users.saturating_sub(1);
-        if st.users == 0 {
-            st.idle_since = Some(Instant::now());
-            let wake = st.wake_when_idle || st.no_reuse;
-            drop(st);
-            if wake {
-                self.shared.wake.notify_one();
-            }
-        }
-    }
-}
-
-/// Keeps `shared` alive at about TTL/3 and confirms every lock tracker on it with the send time
-/// of each acknowledged keepalive. Retires the lease (and revokes it, unless a lock on it was
-/// leaked) when nobody has used it for the linger time, when the session is gone and nobody uses
-/// it, or when it is lost.
-pub(crate) async fn keepalive_task(shared: Arc<SharedLease>, mut ctx: TaskCtx) {
-    let ttl = shared.ttl;
-    let interval = ttl / 3;
-    let retry = (ttl / 12).max(Duration::from_millis(5));
-    let attempt_limit = keepalive_attempt_limit(ttl, ctx.request_timeout);
-    // Default (no linger): a lease idle at a keepalive tick is retired instead of renewed, so
-    // no keepalive is sent after its last lock was released; acquires until then reuse it.
-    let linger = ctx.linger.unwrap_or(Duration::ZERO);
-    let mut next = shared.master.confirmed_at() + interval;
-    let mut session_closed = false;
-    if ctx.linger == Some(Duration::ZERO) {
-        shared.st().wake_when_idle = true;
-    }
-    loop {
-        tokio::select! {
-            _ = tokio::time::sleep_until(next) => {}
-            _ = shared.wake.notified() => {}
-            changed = ctx.closed.changed(), if !session_closed => {
-                if changed.is_err() {
-                    session_closed = true;
-                    shared.st().wake_when_idle = true;
-                }
-            }
-        }
-        let now = Instant::now();
-        let lost = shared.master.state() == LeaseState::Lost;
-        let retire = {
-            let mut st = shared.st();
-            if st.retired {
-                return;
-            }
-            let idle = st.users == 0
-                && (session_closed
-                    || st.no_reuse
-                    || st
-                        .idle_since
-                        .is_some_and(|t| t.checked_add(linger).is_some_and(|end| now >= end)));
-            if idle || lost {
-                st.retired = true;
-                Some(!st.no_revoke && !ctx.paused.load(Ordering::SeqCst))
-            } else {
-                None
-            }
-        };
-        if let Some(revoke) = retire {
-            if lost {
-                // Each lock's tracker reports the loss, naming the lock.
-                tracing::debug!(lease = %format_args!("{:x}", shared.id), "etcd lease lost: keepalive not acknowledged before the deadline");
-                shared.mark_lost(LossReason::DeadlineExpired);
-            }
-            if let Some(table) = ctx.table.upgrade() {
-                let mut t = table.lock().unwrap_or_else(|p| p.into_inner());
-                if t.get(&ttl).is_some_and(|l| Arc::ptr_eq(l, &shared)) {
-                    t.remove(&ttl);
-                }
-            }
-            if revoke {
-                let mut lc = ctx.client.lease_client();
-                if let Err(e) =
-                    timed(ctx.request_timeout, "a lease revoke", lc.revoke(shared.id)).await
-                {
-                    tracing::debug!(error = %e, "revoking an idle etcd lease failed; its TTL will end it");
-                }
-            }
-            shared.master.mark_lost(LossReason::Released);
-            return;
-        }
-        if now < next {
-            continue;
-        }
-        if ctx.paused.load(Ordering::SeqCst) {
-            next = now + interval.min(retry * 4);
-            continue;
-        }
-        // Hedged attempts: one keepalive sent to a frozen member must not hang until the
-        // lease's deadline while other members would answer.
-        let until = shared
-            .master
-            .valid_until()
-            .min(now.checked_add(ctx.request_timeout).unwrap_or(now));
-        // A stream the server ended without an answer is a failed renewal: Suspect at once,
-        // while the hedged attempts go on until the deadline.
-        let on_failure = |e: &Error| {
-            if is_stream_closed(e) {
-                shared.mark_suspect(SuspectReason::RenewalFailed);
-            }
-        };
-        let (sent, answer) =
-            keep_alive_hedged(&ctx.client, shared.id, until, attempt_limit, on_failure).await;
-        let answer = match answer {
-            Ok(KeepAlive::Alive { term }) => {
-                let left = shared
-                    .master
-                    .valid_until()
-                    .saturating_duration_since(Instant::now())
-                    .min(ctx.request_timeout);
-                match linearizable_term(&ctx.client, &ctx.probe_key, left, attempt_limit).await {
-                    Ok(current) if renewal_counts(term, current) => Ok(KeepAlive::Alive { term }),
-                    Ok(current) => Err(stale_term(term, current)),
-                    Err(e) => Err(e),
-                }
-            }
-            other => other,
-        };
-        match answer {
-            Ok(KeepAlive::Alive { .. }) => {
-                if !shared.confirm(sent) {
-                    next = Instant::now();
-                    continue;
-                }
-                next = sent + interval;
-                for key in shared.burnt_keys() {
-                    delete_phantom(&ctx.client, &key, attempt_limit).await;
-                }
-            }
-            Ok(KeepAlive::Gone) => {
-                tracing::debug!(lease = %format_args!("{:x}", shared.id), "etcd says the lease is gone");
-                shared.mark_lost(LossReason::SessionExpired);
-                next = Instant::now();
-            }
-            Err(e) => {
-                tracing::warn!(lease = %format_args!("{:x}", shared.id), error = %e, "etcd keepalive not confirmed; retrying");
-                shared.mark_suspect(SuspectReason::RenewalFailed);
-                next = (Instant::now() + retry).min(shared.master.valid_until());
-            }
-        }
-    }
-}
-
-/// Deletes `key` if it exists, with a compare on the create revision just read (one read, and
-/// one transaction if the key exists). For keys of burnt slots, which nobody owns. Errors are
-/// ignored: the next keepalive tick tries again.
-async fn delete_phantom(client: &Client, key: &[u8], limit: Duration) {
-    let mut kv = client.kv_client();
-    let Ok(Ok(found)) = tokio::time::timeout(limit, kv.get(key.to_vec(), None)).await else {
-        return;
-    };
-    let Some(rev) = found.kvs().first().map(|kv| kv.create_revision()) else {
-        return;
-    };
-    tracing::debug!(key = %String::from_utf8_lossy(key), "deleting a key created by a late request");
-    let txn = Txn::new()
-        .when([Compare::create_revision(
-            key.to_vec(),
-            CompareOp::Equal,
-            rev,
-        )])
-        .and_then([TxnOp::delete(key.to_vec(), None::<DeleteOptions>)]);
-    let _ = tokio::time::timeout(limit, kv.txn(txn)).await;
-}
-
-/// Deletes `key` (only if its create revision is still `rev`, when given), retrying with backoff
-/// (50 ms doubling up to 2 s) until etcd confirms the delete or `shared` is lost on the client
-/// side (then the etcd lease, no longer renewed, takes the key with it within its TTL). Never
-/// gives up while the lease lives: a key left on a lease that other locks keep alive would block
-/// its lock for as long as they do. Returns whether the delete was confirmed.
-pub(crate) async fn delete_while_lease_lives(
-    client: &Client,
-    key: &[u8],
-    rev: Option<i64>,
-    limit: Duration,
-    shared: &SharedLease,
-) -> bool {
-    let mut kv = client.kv_client();
-    let mut delay = Duration::from_millis(50);
-    let lost = shared.master.view().lost();
-    tokio::pin!(lost);
-    loop {
-        if shared.master.state() == LeaseState::Lost {
-            return false;
-        }
-        let del = TxnOp::delete(key.to_vec(), None::<DeleteOptions>);
-        let txn = match rev {
-            Some(rev) => Txn::new()
-                .when([Compare::create_revision(
-                    key.to_vec(),
-                    CompareOp::Equal,
-                    rev,
-                )])
-                .and_then([del]),
-            None => Txn::new().and_then([del]),
-        };
-        match timed(limit, "a key delete", kv.txn(txn)).await {
-            Ok(_) => return true,
-            Err(e) => {
-                tracing::debug!(error = %e, key = %String::from_utf8_lossy(key), "deleting a lock key failed; retrying while its lease lives");
-            }
-        }
-        tokio::select! {
-            _ = tokio::time::sleep(delay) => {}
-            _ = &mut lost => return false,
-        }
-        delay = (delay * 2).min(Duration::from_secs(2));
-    }
-}
-
 /// How a granted lock's key is attached.
 pub(crate) enum Binding {
     /// On the session lease, kept alive by its task; `tracker_id` is this lock's registration.
@@ -743,6 +48,11 @@ pub struct EtcdLease {
     /// A release was tried (so a drop without a completed release is a failure to clean up,
     /// not a deliberate leak).
     pub(crate) release_attempted: AtomicBool,
+    /// The lock-delay marker of a grant with a delay.
+    pub(crate) marker: Option<Marker>,
+    /// The key is gone without a release: a dedicated lease's companion (of the marker) is no
+    /// longer renewed, so the delay runs.
+    pub(crate) marker_frozen: AtomicBool,
 }
 
 impl fmt::Debug for EtcdLease {
@@ -789,6 +99,108 @@ impl EtcdLease {
         }
     }
 
+    /// The key was deleted without a release (an admin's delete or lease revoke): from now on
+    /// the lock-delay marker (if any) runs out. A marker on a dedicated lease's companion stops
+    /// being renewed; one on a session lease's companion, which other locks keep alive, moves
+    /// to a lease of its own with the delay as TTL ([`detach_marker`]).
+    /// Deletes this grant's key (compare-and-delete), with its lock-delay marker unless
+    /// `lapsed` ([`LeaseOps::relinquish`]: the marker then runs out, counting the delay). See
+    /// [`LeaseOps::release`] below for the rules.
+    async fn give_back(&self, lapsed: bool) -> Result<()> {
+        let kv = self.client.kv_client();
+        self.release_attempted.store(true, Ordering::SeqCst);
+        let attempts = std::sync::atomic::AtomicUsize::new(0);
+        // With a lock-delay marker, one transaction deletes the key and (if the key was still
+        // ours) the marker: the lock is free at once.
+        let txn = self.marker.as_ref().map(|m| {
+            Txn::new()
+                .when([Compare::create_revision(
+                    self.key.clone(),
+                    CompareOp::Equal,
+                    self.create_revision,
+                )])
+                .and_then(delete_key_ops(&self.key, Some(m).filter(|_| !lapsed)))
+        });
+        let attempt = || {
+            attempts.fetch_add(1, Ordering::SeqCst);
+            let (mut kv, key, txn) = (kv.clone(), self.key.clone(), txn.clone());
+            async move {
+                match txn {
+                    Some(txn) => kv.txn(txn).await.map(|r| r.succeeded()),
+                    None => kv.delete(key, None).await.map(|r| r.deleted() > 0),
+                }
+            }
+        };
+        let deleted = match with_retries(self.request_timeout, "a lock release", attempt).await {
+            Ok(r) => r,
+            Err(e) => {
+                // The key may outlive this call. Stop reusing the lease, so that it retires (and
+                // is revoked, taking the key with it) once its other locks are done.
+                if let Binding::Shared { reservation, .. } = &self.binding {
+                    reservation.shared.close_to_newcomers();
+                }
+                return Err(e);
+            }
+        };
+        self.released.store(true, Ordering::SeqCst);
+        if !deleted || lapsed {
+            // The key was gone already (a failure), or it is given up as lapsed: its delay runs
+            // (if the key watch has not started it yet).
+            self.start_delay();
+        }
+        if let Binding::Shared { reservation, .. } = &self.binding {
+            if self.create_uncertain {
+                // A released grant's marker may be swept with its key; a lapsed one's runs out.
+                let marker = self.marker.clone().filter(|_| deleted && !lapsed);
+                reservation.shared.burn_slot(self.key.clone(), marker);
+            } else if attempts.load(Ordering::SeqCst) == 1 {
+                reservation.shared.free_slot(&self.name, self.slot);
+            }
+            // Else an earlier delete attempt may still be applied: the slot stays busy.
+        }
+        if let Binding::Dedicated = self.binding {
+            let client = self.client.clone();
+            let (id, limit) = (self.lease_id, self.request_timeout);
+            // The marker's companion too, unless the lock was lost first (its delay runs).
+            let companion = self
+                .marker
+                .as_ref()
+                .filter(|_| deleted && !self.marker_frozen.load(Ordering::SeqCst))
+                .map(|m| m.lease);
+            tokio::spawn(async move {
+                let mut lc = client.lease_client();
+                for id in std::iter::once(id).chain(companion) {
+                    let _ = timed(limit, "a lease revoke", lc.revoke(id)).await;
+                }
+            });
+        }
+        if deleted {
+            Ok(())
+        } else {
+            Err(self.not_held())
+        }
+    }
+
+    fn start_delay(&self) {
+        let Some(marker) = self.marker.clone() else {
+            return;
+        };
+        if self.marker_frozen.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let Binding::Shared { reservation, .. } = &self.binding else {
+            return;
+        };
+        let (Some(pin), Ok(rt)) = (
+            reservation.shared.pin(),
+            tokio::runtime::Handle::try_current(),
+        ) else {
+            return;
+        };
+        let (client, limit) = (self.client.clone(), self.request_timeout);
+        rt.spawn(async move { detach_marker(&client, &marker, limit, &pin.shared).await });
+    }
+
     /// One linearizable read: does our key still exist with our create revision? Also returns
     /// the raft term the read was served in.
     async fn key_exists(&self) -> Result<(bool, u64)> {
@@ -807,102 +219,39 @@ impl EtcdLease {
     }
 }
 
-/// Watches a granted lock's own key and marks its tracker lost as soon as etcd deletes the key
-/// while the holder did not release it: an admin's `etcdctl lease revoke` (etcd deletes every
-/// key of the lease, in one revision) or `etcdctl del`. Without it the holder would learn of
-/// it only at its next keepalive (up to TTL/3 later) or at its deadline.
-///
-/// The watch starts at the revision after the key's creation, so a delete that happened before
-/// the watch was set up is still reported; one watch on one key (filtered to deletes) costs the
-/// server an event only when this key is deleted. The task ends with the lease (its tracker
-/// lost for any reason) and reconnects after a broken stream from the same revision; if that
-/// revision was compacted, one read tells whether the key is still ours.
-pub(crate) fn watch_own_key(lease: &Arc<EtcdLease>, tracker: TrackerHandle) {
+/// Watches a granted lock's own key (a watcher on the client's one [`KeyWatch`] stream) and
+/// marks its tracker lost as soon as etcd deletes the key while the holder did not release it:
+/// an admin's `etcdctl lease revoke` (etcd deletes every key of the lease, in one revision) or
+/// `etcdctl del`. Without it the holder would learn of it only at its next keepalive (up to
+/// TTL/3 later) or at its deadline. The watcher is cancelled when the lease ends (its tracker
+/// lost for any reason).
+pub(crate) fn watch_own_key(lease: &Arc<EtcdLease>, tracker: TrackerHandle, keys: &KeyWatch) {
     let Ok(rt) = tokio::runtime::Handle::try_current() else {
         return;
     };
     let weak = Arc::downgrade(lease);
-    let client = lease.client.clone();
-    let (key, rev) = (lease.key.clone(), lease.create_revision);
+    let key = lease.key.clone();
+    let mut watched = keys.watch(key.clone(), lease.create_revision);
     let ended = tracker.view().lost();
     rt.spawn(async move {
-        let watch = async {
-            let mut from = rev + 1;
-            let mut pause = Duration::from_millis(50);
-            loop {
-                match watch_for_delete(&client, &key, from).await {
-                    WatchEnd::Deleted => return true,
-                    WatchEnd::Compacted => {
-                        if let Ok(resp) = client.kv_client().get(key.clone(), None).await {
-                            let ours = resp
-                                .kvs()
-                                .first()
-                                .is_some_and(|kv| kv.create_revision() == rev);
-                            if !ours {
-                                return true;
-                            }
-                            from = resp.header().map_or(from, |h| h.revision() + 1);
-                        }
-                    }
-                    WatchEnd::Broken => {}
-                }
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(Duration::from_secs(1));
-            }
-        };
         tokio::select! {
             _ = ended => {}
-            deleted = watch => {
+            deleted = &mut watched.deleted => {
                 // Our own release (or the drop's cleanup) deletes the key too: only a delete
                 // nobody on this side asked for is a loss.
                 let ours = weak
                     .upgrade()
                     .is_some_and(|l| !l.release_attempted.load(Ordering::SeqCst));
-                if deleted && ours {
+                if deleted.is_ok() && ours {
                     tracing::debug!(key = %String::from_utf8_lossy(&key), "etcd deleted the lock's key (lease revoked or key deleted)");
                     tracker.mark_lost(LossReason::NotHeldOnServer);
+                    if let Some(lease) = weak.upgrade() {
+                        lease.start_delay();
+                    }
                 }
             }
         }
     });
-}
-
-enum WatchEnd {
-    Deleted,
-    Compacted,
-    Broken,
-}
-
-/// One watch stream on `key` from revision `from`, deletes only, until the key is deleted or
-/// the stream ends.
-async fn watch_for_delete(client: &Client, key: &[u8], from: i64) -> WatchEnd {
-    let opts = WatchOptions::new()
-        .with_start_revision(from)
-        .with_filters([WatchFilterType::NoPut]);
-    let Ok(mut stream) = client.watch_client().watch(key.to_vec(), Some(opts)).await else {
-        return WatchEnd::Broken;
-    };
-    loop {
-        match stream.message().await {
-            Ok(Some(resp)) => {
-                if resp
-                    .events()
-                    .iter()
-                    .any(|e| e.event_type() == EventType::Delete)
-                {
-                    return WatchEnd::Deleted;
-                }
-                if resp.canceled() {
-                    return if resp.compact_revision() > 0 {
-                        WatchEnd::Compacted
-                    } else {
-                        WatchEnd::Broken
-                    };
-                }
-            }
-            Ok(None) | Err(_) => return WatchEnd::Broken,
-        }
-    }
 }
 
 #[async_trait]
@@ -923,7 +272,8 @@ impl LeaseOps for EtcdLease {
         }
     }
 
-    /// One `LeaseKeepAlive` exchange of this lock's etcd lease (two round trips on one stream:
+    /// First the companion leases of lock-delay markers (of a session lease, or this lock's
+    /// own), then one `LeaseKeepAlive` exchange of this lock's etcd lease (two round trips on one stream:
     /// etcd-client keeps the first answer to itself, and the second one carries the answering
     /// member's raft term) — a session lease also confirms the other locks on it — then one
     /// linearizable read that our key still exists. The renewal counts only if that read
@@ -943,6 +293,25 @@ impl LeaseOps for EtcdLease {
             .checked_add(self.request_timeout)
             .unwrap_or_else(Instant::now);
         let hedge_every = keepalive_attempt_limit(ttl, self.request_timeout);
+        // Companion leases of lock-delay markers first, as the keepalive task does: the
+        // marker outlives the key by the delay.
+        let terms = match &self.binding {
+            Binding::Shared { reservation, .. } => {
+                renew_companions(&self.client, &reservation.shared, until, hedge_every).await?
+            }
+            Binding::Dedicated => match &self.marker {
+                Some(m) if !self.marker_frozen.load(Ordering::SeqCst) => {
+                    match keep_alive_hedged(&self.client, m.lease, until, hedge_every, |_| {})
+                        .await
+                        .1?
+                    {
+                        KeepAlive::Alive { term } => vec![term],
+                        KeepAlive::Gone => Vec::new(),
+                    }
+                }
+                _ => Vec::new(),
+            },
+        };
         let (sent, answer) =
             keep_alive_hedged(&self.client, self.lease_id, until, hedge_every, |_| {}).await;
         let term = match answer? {
@@ -955,8 +324,15 @@ impl LeaseOps for EtcdLease {
             KeepAlive::Alive { term } => term,
         };
         let (exists, current) = self.key_exists().await?;
-        if !renewal_counts(term, current) {
-            return Err(stale_term(term, current));
+        if let Some(stale) = std::iter::once(term)
+            .chain(terms)
+            .find(|t| !renewal_counts(*t, current))
+        {
+            return Err(stale_term(stale, current));
+        }
+        if !exists {
+            // Gone without a release (the key watch may not have told us yet).
+            self.start_delay();
         }
         if let Binding::Shared { reservation, .. } = &self.binding {
             reservation.shared.confirm(sent);
@@ -965,8 +341,10 @@ impl LeaseOps for EtcdLease {
     }
 
     /// Deletes this grant's key: one `DeleteRange`, as etcd's own `concurrency.Mutex.Unlock`
-    /// does; `deleted == 1` means we still held the lock. A dedicated lease is then revoked in
-    /// the background.
+    /// does; `deleted == 1` means we still held the lock. A grant with a lock-delay sends one
+    /// transaction instead, which deletes the key and its own marker if the key still has its
+    /// create revision (so the lock is free at once; a lapsed grant's marker stays). A
+    /// dedicated lease (and its marker's companion lease) is then revoked in the background.
     ///
     /// This is compare-and-delete by construction. The key's name carries the etcd lease ID
     /// and a slot number that no other request of this client touches while the slot is busy,
@@ -985,47 +363,12 @@ impl LeaseOps for EtcdLease {
     /// If the future is dropped, the delete may or may not have happened; the lease's drop
     /// deletes the key in the background (or its TTL ends it).
     async fn release(&self) -> Result<()> {
-        let kv = self.client.kv_client();
-        self.release_attempted.store(true, Ordering::SeqCst);
-        let attempts = std::sync::atomic::AtomicUsize::new(0);
-        let attempt = || {
-            attempts.fetch_add(1, Ordering::SeqCst);
-            let (mut kv, key) = (kv.clone(), self.key.clone());
-            async move { kv.delete(key, None).await }
-        };
-        let resp = match with_retries(self.request_timeout, "a lock release", attempt).await {
-            Ok(r) => r,
-            Err(e) => {
-                // The key may outlive this call. Stop reusing the lease, so that it retires (and
-                // is revoked, taking the key with it) once its other locks are done.
-                if let Binding::Shared { reservation, .. } = &self.binding {
-                    reservation.shared.close_to_newcomers();
-                }
-                return Err(e);
-            }
-        };
-        self.released.store(true, Ordering::SeqCst);
-        if let Binding::Shared { reservation, .. } = &self.binding {
-            if self.create_uncertain {
-                reservation.shared.burn_slot(self.key.clone());
-            } else if attempts.load(Ordering::SeqCst) == 1 {
-                reservation.shared.free_slot(&self.name, self.slot);
-            }
-            // Else an earlier delete attempt may still be applied: the slot stays busy.
-        }
-        if let Binding::Dedicated = self.binding {
-            let client = self.client.clone();
-            let (id, limit) = (self.lease_id, self.request_timeout);
-            tokio::spawn(async move {
-                let mut lc = client.lease_client();
-                let _ = timed(limit, "a lease revoke", lc.revoke(id)).await;
-            });
-        }
-        if resp.deleted() > 0 {
-            Ok(())
-        } else {
-            Err(self.not_held())
-        }
+        self.give_back(false).await
+    }
+
+    /// Deletes the key but leaves the lock-delay marker to run out (a lapse, not a release).
+    async fn relinquish(&self) -> Result<()> {
+        self.give_back(true).await
     }
 
     fn self_renewing(&self) -> bool {
@@ -1071,14 +414,21 @@ impl Drop for EtcdLease {
         let client = self.client.clone();
         let (key, rev, limit) = (self.key.clone(), self.create_revision, self.request_timeout);
         let (name, slot, uncertain) = (self.name.clone(), self.slot, self.create_uncertain);
+        let marker = self.marker.clone();
         rt.spawn(async move {
             if let Some(at) = start_at {
                 tokio::time::sleep_until(at).await;
             }
             let shared = &reservation.shared;
-            if delete_while_lease_lives(&client, &key, Some(rev), limit, shared).await {
+            // After a failed release, the key and the marker go together (a release); a leaked
+            // lock lapses at its deadline, so its marker then runs out the delay.
+            let with_key = if attempted { marker.as_ref() } else { None };
+            if delete_while_lease_lives(&client, &key, Some(rev), with_key, limit, shared).await {
+                if !attempted && let Some(m) = &marker {
+                    detach_marker(&client, m, limit, shared).await;
+                }
                 if uncertain {
-                    shared.burn_slot(key);
+                    shared.burn_slot(key, marker.filter(|_| attempted));
                 } else {
                     shared.free_slot(&name, slot);
                 }

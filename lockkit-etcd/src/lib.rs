@@ -40,7 +40,8 @@
 //! - Each acquire puts its own key `{prefix}/{name}/{lease id hex}-{slot}`, attached to an
 //!   etcd lease. The key with the lowest create revision is the holder; the others are waiters
 //!   in FIFO order. An acquire first sends one transaction that creates the key only if no key
-//!   exists under `{prefix}/{name}/` (the uncontended case: granted in one round trip); a
+//!   exists under `{prefix}/{name}/` and no [lock-delay](#lock-delay) marker exists (the
+//!   uncontended case: granted in one round trip); a
 //!   waiting acquire that finds the name taken queues with a second transaction, which creates
 //!   its key and reads the holder (the lowest create revision). `slot` is the lowest number not
 //!   in use by another acquire of the same client, lease and name, so back-to-back acquires
@@ -61,9 +62,47 @@
 //!   compare-and-delete by construction, as in etcd's own `concurrency.Mutex.Unlock`.
 //! - Dropping an acquire at any point deletes its key in the background; a timed-out acquire
 //!   deletes it before returning.
+//! - A granted lock's own key is watched for its delete (an admin's `etcdctl del` or
+//!   `lease revoke`): the holder turns Lost within milliseconds
+//!   ([`Guarantees::loss_notice`](lockkit_core::Guarantees::loss_notice): 500 ms while the
+//!   member serving the watch answers; else the next keepalive, within TTL/3, or the deadline
+//!   tells it). All the keys a client holds are watched on **one** watch stream (one watcher per
+//!   key, filtered to deletes, with watch IDs of our own), so many held locks cost one stream.
 //!
 //! See <https://etcd.io/docs/v3.4/dev-guide/api_concurrency_reference_v3/> and
 //! <https://etcd.io/docs/v3.4/learning/api/>.
+//!
+//! ## Lock-delay
+//! [`AcquireOptions::lock_delay`](lockkit_core::AcquireOptions::lock_delay) `d` is honoured
+//! ([`Guarantees::lock_delay`](lockkit_core::Guarantees::lock_delay)). A grant with a delay also
+//! puts a marker `{prefix}/./delay/{name}` (`.` is never a lock name), in the same transaction as
+//! its key when the lock is free, or in one more transaction once its key is first in line. The
+//! marker is attached to a **companion lease** of the lock's lease, with a TTL of the lock
+//! lease's granted TTL + `d` + 1.5 s rounded up to whole seconds (the 1.5 s cover the leader's
+//! 0.5 s expiry sweep and a companion keepalive answered up to 1 s before the lock lease's). One
+//! companion per session lease and delay, renewed at every keepalive tick just **before** the
+//! session lease (and by [`Lease::renew`](lockkit_core::Lease::renew) before the lock's own
+//! lease), so the marker always outlives the key by at least `d`. Every acquire, with a delay of
+//! its own or not, treats a marker that is not its own as "held": the free-name transaction
+//! compares it absent, a try-once acquire gets [`Error::Held`](lockkit_core::Error::Held), and a
+//! waiter that is first in line watches the marker for its delete (no polling).
+//! - **Release** (also on drop, and the cleanup of a failed or cancelled acquire) deletes the key
+//!   and its own marker in one transaction: the lock is free at once.
+//! - **Lapse** (holder died, its keepalives stopped, a `keepalive(false)` lease not renewed): etcd
+//!   frees the key at the lease's expiry and the marker at the companion's, at least `d` later.
+//! - **Admin revoke or delete** (`etcdctl lease revoke`, `etcdctl del` of the key): the holder
+//!   hears of it from the watch on its key (Lost within milliseconds) and moves its marker to a
+//!   lease of its own with TTL `d` (rounded up), granted then: the delay counts from when the
+//!   holder's client heard of it (a few ms after etcd freed the key). If that client is gone
+//!   too, the companion lease runs out, at most TTL + `d` + 1.5 s (rounded up) after its last
+//!   renewal. A revoke of the whole session lease also ends the companion's renewal at the next
+//!   keepalive tick.
+//! - A leaked lock ([`Lease::leak`](lockkit_core::Lease::leak)) on a session lease lapses at its
+//!   deadline: its key is deleted then and its marker moved as after an admin delete.
+//! - A companion lease revoked by hand takes its markers with it; those locks keep their grant
+//!   but lose their delay (logged as a warning).
+//! - During a delay [`Lock::holder`](lockkit_core::Lock::holder) reports no holder (there is no
+//!   key), though no acquire gets the lock.
 //!
 //! ## Fencing tokens
 //! The token is the holder key's **create revision**: etcd's revision is one cluster-wide
@@ -147,6 +186,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod config;
+mod core;
 mod error;
 mod fence;
 mod lease;

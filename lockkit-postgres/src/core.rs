@@ -9,7 +9,7 @@ use std::time::Duration;
 use lockkit_core::backend::TrackerHandle;
 use lockkit_core::{Error, Instant, LeaseState, LossReason, Result};
 use sha2::{Digest, Sha256};
-use sqlx::{Connection, PgConnection};
+use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
 
 use crate::config::PgConfig;
 use crate::error::{BACKEND, Msg, from_sqlx, unavailable};
@@ -18,8 +18,18 @@ use crate::error::{BACKEND, Msg, from_sqlx, unavailable};
 /// connected: `client_connection_check_interval`, in milliseconds.
 const CLIENT_CHECK_MS: &str = "250";
 
-/// How often a held lease checks, on another connection, that its session still exists.
-pub const SESSION_CHECK: Duration = Duration::from_secs(1);
+/// How often the safety net of held leases checks, on another connection, that their sessions
+/// still exist.
+///
+/// A lease hears at once (within milliseconds) that its session ended when the server closes
+/// the connection (`pg_terminate_backend`, restart, crash of the backend, idle timeout): its
+/// connection is read while idle (see [`PgLease`](crate::PgLease)). This slow check covers the
+/// one case that reading cannot see: a connection that died without a FIN or RST reaching the
+/// client (a middlebox dropped its state, a cut cable), whose session the server ends through
+/// its TCP keepalive (about 16 s) while new connections still work. Without it the holder would
+/// hear of that only at its deadline. One query per [`PgLock`](crate::PgLock) with held leases
+/// every 5 s.
+pub const SESSION_CHECK: Duration = Duration::from_secs(5);
 
 pub(crate) fn key_of(full: &str) -> i64 {
     let digest = Sha256::digest(full.as_bytes());
@@ -34,8 +44,13 @@ fn migrate_key() -> i64 {
 }
 
 /// A connection dedicated to one lease at a time, with what we know of its session state.
+///
+/// The connection is sqlx's [`PgListener`] on a pool of its own that is closed once the
+/// connection is open (it never opens another one, so a dead session is never silently
+/// replaced): it runs statements like a plain connection, and [`Conn::closed`] waits, reading
+/// the idle connection, until the server closes it.
 pub(crate) struct Conn {
-    pub(crate) conn: PgConnection,
+    pub(crate) conn: PgListener,
     /// The session's `idle_session_timeout`, in ms (0 = off).
     pub(crate) idle_ms: u64,
     /// Send time of the last statement: the server's idle timer started after it.
@@ -46,15 +61,67 @@ pub(crate) struct Conn {
 
 /// SQL texts with lockkit's schema filled in.
 pub(crate) struct Sql {
+    /// Try-acquire: `pg_try_advisory_lock` and, if granted and no lock-delay is pending, the
+    /// token bump and the delay row, in one statement (see [`grant_sql`]).
     pub(crate) grant_try: String,
-    pub(crate) bump: String,
+    /// The same for a session that already holds the advisory lock (after a wait).
+    pub(crate) grant_held: String,
+    /// Release of a lease with a lock-delay: deletes its delay row, then unlocks, in one
+    /// statement.
+    pub(crate) release_delay: String,
     pub(crate) name_of: String,
     /// Whether key `$1` is held (`pg_locks`), with its fence token and stored name.
     pub(crate) holder: String,
     pub(crate) table_exists: String,
-    /// Whether the fence table and the slot tables (elections, semaphores) all exist.
+    /// Whether all of lockkit's tables exist: the lock's (fence, delay) and the slots'
+    /// (elections, semaphores).
     pub(crate) all_tables_exist: String,
     pub(crate) migrate: String,
+}
+
+/// The grant statement: `$1` key, `$2` full name, `$3` the acquire's own lock-delay in ms (0 =
+/// none); `lock` is the SQL that takes (or has taken) the advisory lock. Returns
+/// `(locked, token, wait_ms)`.
+///
+/// Only the session holding the advisory lock touches the key's rows, so the statement runs in
+/// lock order. With the lock it reads the key's delay row (`FOR UPDATE`: a release deleting
+/// it is waited for, so the row a releasing holder deletes is never seen):
+/// - no row, or the delay has passed since `free_since`: granted. The token is bumped (no row
+///   if another name is stored under the key: a hash collision), and the row is deleted, or
+///   replaced by this acquire's own delay (`free_since` NULL: the lock is held).
+/// - a row whose delay has not passed (a holder with a lock-delay ended without a release):
+///   not granted; `free_since` is set to now if it was NULL (the first acquirer that finds the
+///   lock free starts the delay, on the server's clock) and `wait_ms` is what is left of it.
+///   The caller keeps or gives back the advisory lock.
+///
+/// The autocommit statement commits the token and the rows when it returns, never a
+/// transaction that might roll back. Every CTE is materialized or data-modifying, so each runs
+/// exactly once.
+fn grant_sql(q: &str, lock: &str) -> String {
+    format!(
+        "WITH l AS MATERIALIZED (SELECT {lock} AS ok), \
+         r AS MATERIALIZED (SELECT d.delay_ms, d.free_since FROM {q}.delay d, l \
+                            WHERE l.ok AND d.key = $1 FOR UPDATE OF d), \
+         w AS MATERIALIZED (SELECT coalesce((SELECT CASE WHEN r.free_since IS NULL \
+                              THEN r.delay_ms \
+                              ELSE ceil(r.delay_ms \
+                                - extract(epoch FROM now() - r.free_since) * 1000)::bigint \
+                              END FROM r), 0) AS wait_ms), \
+         g AS MATERIALIZED (SELECT l.ok AND w.wait_ms <= 0 AS ok FROM l, w), \
+         s AS (UPDATE {q}.delay d SET free_since = now() FROM l, w \
+               WHERE l.ok AND w.wait_ms > 0 AND d.key = $1 AND d.free_since IS NULL), \
+         x AS (DELETE FROM {q}.delay d USING g WHERE g.ok AND $3::bigint = 0 AND d.key = $1), \
+         i AS (INSERT INTO {q}.delay AS d (key, name, delay_ms) \
+               SELECT $1, $2, $3::bigint FROM g WHERE g.ok AND $3::bigint > 0 \
+                 AND NOT EXISTS (SELECT 1 FROM {q}.fence f WHERE f.key = $1 AND f.name <> $2) \
+               ON CONFLICT (key) DO UPDATE \
+                 SET name = excluded.name, delay_ms = excluded.delay_ms, free_since = NULL), \
+         b AS (INSERT INTO {q}.fence AS f (key, name, token) SELECT $1, $2, 1 FROM g WHERE g.ok \
+               ON CONFLICT (key) DO UPDATE SET token = f.token + 1 \
+               WHERE f.name = excluded.name \
+               RETURNING f.token) \
+         SELECT l.ok, (SELECT token FROM b), w.wait_ms FROM l, w"
+    )
 }
 
 impl Sql {
@@ -62,31 +129,21 @@ impl Sql {
         // validate_schema allows only [a-z_][a-z0-9_]*, so quoting changes nothing but lets
         // reserved words (`select`, `user`) through.
         let q = quote_ident(schema);
-        // The bump of the name's token, run only by the session that holds the lock: tokens of
-        // one name follow lock order. It returns no row if another name is stored under the key
-        // (a hash collision).
-        let bump = format!(
-            "INSERT INTO {q}.fence AS f (key, name, token) VALUES ($1, $2, 1) \
-             ON CONFLICT (key) DO UPDATE SET token = f.token + 1 \
-             WHERE f.name = excluded.name \
-             RETURNING f.token"
-        );
         Self {
-            // A try-acquire takes the lock and, only if it was granted, bumps the token in the
-            // same implicit transaction, which commits when the statement ends (autocommit): a
-            // returned token is committed, and a granted lock always comes with a fresh token.
-            // The CTE `l` is referenced twice, so it is evaluated exactly once. It never waits,
-            // so it holds its snapshot and its lock on the fence table only for an instant.
-            grant_try: format!(
-                "WITH l AS MATERIALIZED (SELECT pg_try_advisory_lock($1) AS ok), \
-                 b AS (INSERT INTO {q}.fence AS f (key, name, token) \
-                       SELECT $1, $2, 1 FROM l WHERE l.ok \
-                       ON CONFLICT (key) DO UPDATE SET token = f.token + 1 \
-                       WHERE f.name = excluded.name \
-                       RETURNING f.token) \
-                 SELECT l.ok, (SELECT token FROM b) FROM l"
+            // A try-acquire never waits, so it holds its snapshot and its row locks only for
+            // an instant.
+            grant_try: grant_sql(&q, "pg_try_advisory_lock($1)"),
+            grant_held: grant_sql(&q, "true"),
+            // `count(*)` makes the DELETE run to completion before the unlock: the next
+            // holder's grant then waits for this statement to commit (its `FOR UPDATE`) and
+            // finds no row. Only a session that holds the lock deletes the row.
+            release_delay: format!(
+                "WITH x AS (DELETE FROM {q}.delay d WHERE d.key = $1 AND EXISTS ( \
+                   SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted \
+                     AND pid = pg_backend_pid() AND classid = (($1 >> 32) & 4294967295)::oid \
+                     AND objid = ($1 & 4294967295)::oid AND objsubid = 1) RETURNING 1) \
+                 SELECT pg_advisory_unlock($1) FROM (SELECT count(*) FROM x) n"
             ),
-            bump,
             name_of: format!("SELECT name FROM {q}.fence WHERE key = $1"),
             holder: format!(
                 "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted \
@@ -97,11 +154,12 @@ impl Sql {
                  (SELECT name FROM {q}.fence WHERE key = $1)"
             ),
             table_exists: format!(
-                "SELECT to_regclass('{}.fence') IS NOT NULL",
-                q.replace('\'', "''")
+                "SELECT to_regclass('{s}.fence') IS NOT NULL AND to_regclass('{s}.delay') IS NOT NULL",
+                s = q.replace('\'', "''")
             ),
             all_tables_exist: format!(
                 "SELECT to_regclass('{s}.fence') IS NOT NULL \
+                 AND to_regclass('{s}.delay') IS NOT NULL \
                  AND to_regclass('{s}.slot_names') IS NOT NULL \
                  AND to_regclass('{s}.slot_holders') IS NOT NULL",
                 s = q.replace('\'', "''")
@@ -116,6 +174,13 @@ impl Sql {
                    token bigint NOT NULL CHECK (token > 0)); \
                  COMMENT ON TABLE {q}.fence IS \
                    'lockkit: last fencing token granted per advisory lock key (name = prefix/name)'; \
+                 CREATE TABLE IF NOT EXISTS {q}.delay ( \
+                   key bigint PRIMARY KEY, \
+                   name text NOT NULL, \
+                   delay_ms bigint NOT NULL CHECK (delay_ms > 0), \
+                   free_since timestamptz); \
+                 COMMENT ON TABLE {q}.delay IS \
+                   'lockkit: lock-delay of the holder of an advisory lock key; free_since: when an acquirer first found the lock free without a release'; \
                  CREATE TABLE IF NOT EXISTS {q}.slot_names ( \
                    key bigint PRIMARY KEY, \
                    name text NOT NULL, \
@@ -253,10 +318,9 @@ impl Inner {
         if opts.get_application_name().is_none() {
             opts = opts.application_name("lockkit");
         }
-        let mut conn = PgConnection::connect_with(&opts)
-            .await
-            .map_err(connect_error)?;
-        if let Some(v) = conn.server_version_num() {
+        let mut conn = connect_listener(opts).await?;
+        let db = sqlx::Acquire::acquire(&mut conn).await.map_err(from_sqlx)?;
+        if let Some(v) = db.server_version_num() {
             if v < 140_000 {
                 return Err(Error::NotSupported {
                     operation: "PostgreSQL older than 14 (idle_session_timeout is needed)",
@@ -413,6 +477,81 @@ fn pooler_detected() -> Error {
          server session, which a transaction pooler hands to other clients; connect lockkit \
          directly to PostgreSQL",
     )
+}
+
+/// Opens the connection of a [`Conn`]: a [`PgListener`] on a pool of one connection, closed
+/// right after (see [`Conn`]).
+///
+/// sqlx's pool retries a refused connection until its acquire timeout (it assumes a server
+/// starting up); lockkit reports a refused connection at once, as a plain connect does. So if
+/// the connect takes longer than a moment, a bare TCP connect tells whether the port refuses.
+async fn connect_listener(opts: PgConnectOptions) -> Result<PgListener> {
+    let tcp = opts
+        .get_socket()
+        .is_none()
+        .then(|| (opts.get_host().to_owned(), opts.get_port()));
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .min_connections(0)
+        .max_lifetime(None)
+        .idle_timeout(None)
+        .test_before_acquire(false)
+        .acquire_timeout(crate::config::MAX_CONNECT_TIMEOUT)
+        .connect_lazy_with(opts);
+    let listen = PgListener::connect_with(&pool);
+    tokio::pin!(listen);
+    let res = tokio::select! {
+        r = &mut listen => r,
+        () = tokio::time::sleep(REFUSED_PROBE_AFTER) => {
+            if let Some(addr) = &tcp {
+                if let Err(e) = tokio::net::TcpStream::connect((addr.0.as_str(), addr.1)).await {
+                    if e.kind() == std::io::ErrorKind::ConnectionRefused {
+                        return Err(from_sqlx(sqlx::Error::Io(e)));
+                    }
+                }
+            }
+            listen.await
+        }
+    };
+    let mut listener = res.map_err(connect_error)?;
+    // The pool is closed for good: PgListener never reconnects behind our back, and the
+    // connection is closed (Terminate) when the listener is dropped.
+    drop(pool.close());
+    listener.ignore_pool_close_event(true);
+    listener.eager_reconnect(false);
+    Ok(listener)
+}
+
+/// How long a connect may take before [`connect_listener`] checks whether the port refuses.
+const REFUSED_PROBE_AFTER: Duration = Duration::from_millis(100);
+
+impl Conn {
+    /// Waits, reading the idle connection, until the server closes it (or it breaks): the
+    /// session is gone. Cancel safe (sqlx reads whole messages only). Must only be awaited
+    /// while no statement is in flight on the connection.
+    pub(crate) async fn closed(&mut self) {
+        // No LISTEN was sent, so no notification comes; the FATAL ErrorResponse that
+        // precedes the close is skipped by `try_recv`, which then reads the end of the stream.
+        while let Ok(Some(_)) = self.conn.try_recv().await {}
+    }
+}
+
+impl Drop for Inner {
+    /// sqlx closes a dropped [`PgListener`] in a task it spawns, which needs a Tokio runtime:
+    /// outside one, the idle connections are leaked instead (the process is ending; the server
+    /// ends their sessions when their sockets close).
+    fn drop(&mut self) {
+        if tokio::runtime::Handle::try_current().is_err() {
+            for c in self
+                .idle
+                .get_mut()
+                .unwrap_or_else(|p| p.into_inner())
+                .drain(..)
+            {
+                std::mem::forget(c);
+            }
+        }
+    }
 }
 
 pub(crate) fn duration_ms(d: Duration) -> u64 {

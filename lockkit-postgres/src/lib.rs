@@ -65,22 +65,30 @@
 //!   so a waiter whose client went away leaves the lock queue promptly.
 //! - **Session watch.** A session can also end while its holder is fine: server restart or
 //!   crash, `pg_terminate_backend`, a killed backend. The server then frees the lock at once and
-//!   may grant it to another client, but the socket is not read between statements, so the
-//!   holder would only learn it at its next renewal (TTL/3 with keepalive, never without). So
-//!   each [`PgLock`] checks every [`SESSION_CHECK`] (1 s), with one query on another
-//!   connection, that the sessions of all its held leases still exist in `pg_stat_activity`,
-//!   and marks a lease lost as soon as its session does not.
-//!   **Detection window:** the holder's [`lost()`](lockkit_core::Lease::lost) fires at most
-//!   `SESSION_CHECK` + 2 × connect timeout after the server can be asked again (after
-//!   `pg_terminate_backend`: about 1 s; after a restart: about 1 s after the server accepts
-//!   connections). Within that window two clients may both believe they hold the lock: writes
-//!   must be fenced by the token (a server restart or kill is not a pause the TTL covers).
+//!   may grant it to another client. It also sends a FATAL error and closes the connection, and
+//!   the holder reads that at once: between statements, a task of each lease waits on its idle
+//!   connection (sqlx's `PgListener`, listening to nothing, on a pool of that one connection)
+//!   and marks the lease lost
+//!   ([`LossReason::SessionExpired`](lockkit_core::LossReason::SessionExpired)) as soon as the
+//!   connection closes; renewals and the release take the connection from it and give it back.
+//!   No statement is sent for it.
+//!   **Detection window:** milliseconds after the close reaches the client
+//!   ([`Guarantees::loss_notice`](lockkit_core::Guarantees::loss_notice) = 100 ms; measured
+//!   3–16 ms after `pg_terminate_backend`, under 1 ms after `pg_ctl stop -m immediate`). A
+//!   connection that dies without a FIN or RST reaching the client (a middlebox that dropped
+//!   its state) cannot be read as closed; the server ends its session through TCP keepalive
+//!   (about 16 s). For that case each [`PgLock`] still checks every [`SESSION_CHECK`] (5 s),
+//!   with one query on another connection, that the sessions of its held leases exist in
+//!   `pg_stat_activity`: the holder is then told within `SESSION_CHECK` + 2 × connect timeout.
+//!   Within the window two clients may both believe they hold the lock: writes must be fenced
+//!   by the token (a server restart or kill is not a pause the TTL covers).
 //! - **Renew** runs one statement on the session (restarting the idle timer) and checks the
 //!   backend pid is unchanged. If the session is gone (idle timeout, `pg_terminate_backend`,
 //!   server restart, broken connection), renew and release return
 //!   [`Error::NotHeld`](lockkit_core::Error::NotHeld) and the lease is lost; the lock is never
 //!   re-taken.
-//! - **Release** is `pg_advisory_unlock(key)`.
+//! - **Release** is `pg_advisory_unlock(key)` (with a lock-delay, in the statement that first
+//!   deletes the delay row: see [Lock-delay](#lock-delay)).
 //! - **Waiting** happens in the server's lock queue: `SELECT pg_advisory_lock(key)` with
 //!   [`lock_timeout`](https://www.postgresql.org/docs/current/runtime-config-client.html#GUC-LOCK-TIMEOUT)
 //!   set to the time left; no polling. The waiting statement touches no table (the token is
@@ -123,6 +131,22 @@
 //! and server restarts (as long as the server's `fsync` is on and its WAL survives). Tokens of
 //! one name are granted in lock order, because only the lock holder bumps.
 //!
+//! ## Lock-delay
+//! A session-level advisory lock is freed by the server the moment its session ends, so a
+//! lock-delay ([`AcquireOptions::lock_delay`](lockkit_core::AcquireOptions::lock_delay)) is
+//! kept in lockkit's table `{schema}.delay`: a grant with a delay writes `(key, name,
+//! delay_ms)` in the grant statement, and the release deletes the row in the statement that
+//! unlocks (before the unlock). A later grant (with or without a delay of its own) that gets
+//! the advisory lock and finds a row was preceded by a holder that ended without a release: it
+//! records `free_since = coalesce(free_since, now())` (the first acquirer that saw the lock free
+//! starts the delay; the server cannot tell when the dead session ended, so the delay may come
+//! out longer, never shorter) and computes what is left on the server's clock. A waiting
+//! acquire keeps the advisory lock (its place at the head of the queue) and sleeps that long,
+//! then is granted; a try-once gives the advisory lock back and returns
+//! [`Error::Held`](lockkit_core::Error::Held). No polling. Once the delay is over, the grant
+//! deletes the row (or replaces it with its own delay). A holder whose row was never seen by
+//! anyone leaves it until the next grant, which is one row per name at most.
+//!
 //! ## Lock keys
 //! Names map to the advisory key space by [`lock_key`]: the first 8 bytes of SHA-256 of
 //! `"{prefix}/{name}"` (with the schema mixed in for a schema other than `lockkit`, see
@@ -152,7 +176,8 @@
 //! |---|---|
 //! | kind | correctness lock, on one server |
 //! | lease expiry | idle_session_timeout = TTL, ms precision, slack ≤ 100 ms |
-//! | session ended by restart / kill | holder told within ~1 s ([`SESSION_CHECK`] + check) |
+//! | lock-delay | yes: a row in `{schema}.delay`, counted from when the next acquirer first saw the lock free (server clock) |
+//! | session ended by restart / kill | holder told within milliseconds (reads the close); a silently dead connection within [`SESSION_CHECK`] (5 s) + check |
 //! | tokens | durable, strictly increasing per name, survive server restarts |
 //! | waiters | FIFO (PostgreSQL's lock queue) |
 //! | manual renewal | yes (`keepalive(false)`) |
@@ -161,7 +186,7 @@
 //! TLS: `sslmode=require` (encrypted), `verify-ca` or `verify-full` (certificate checked against
 //! the system roots or `sslrootcert=…`), through sqlx's rustls support.
 //!
-//! Requires PostgreSQL 14 or newer, a role that may create lockkit's schema and table once
+//! Requires PostgreSQL 14 or newer, a role that may create lockkit's schema and tables once
 //! (or run [`PgLock::migrate`] from one that can), and one server connection per held lease
 //! plus up to 8 idle ones per [`PgLock`].
 #![forbid(unsafe_code)]

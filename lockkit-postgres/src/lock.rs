@@ -27,6 +27,12 @@ const CLIENT_WAIT_GRACE: Duration = Duration::from_secs(2);
 /// exists (see `Inner::watched`).
 pub(crate) const WAIT_CHECK: Duration = Duration::from_secs(3);
 
+/// [`Guarantees::loss_notice`]: the holder reads the server's close of its idle connection (after
+/// `pg_terminate_backend`, a shutdown or restart, a crash of its backend) within milliseconds;
+/// 100 ms leaves room for a loaded client. A connection that dies without a FIN or RST reaching
+/// the client is caught by the [`SESSION_CHECK`](crate::SESSION_CHECK) safety net instead.
+const LOSS_NOTICE: Duration = Duration::from_millis(100);
+
 /// The advisory lock key of lock `name` under `prefix`.
 ///
 /// The key is the first 8 bytes of the SHA-256 digest of the UTF-8 bytes of `"{prefix}/{name}"`,
@@ -202,15 +208,24 @@ impl Inner {
             c.idle_ms = ttl_ms;
         }
         let sent = Instant::now();
-        let (ok, token): (bool, Option<i64>) = sqlx::query_as(&self.sql.grant_try)
+        let (ok, token, wait_ms): (bool, Option<i64>, i64) = sqlx::query_as(&self.sql.grant_try)
             .bind(req.key)
             .bind(req.full)
+            .bind(req.delay_ms())
             .fetch_one(&mut c.conn)
             .await
             .map_err(from_sqlx)?;
         c.last_sent = sent;
         match (ok, token) {
             (true, Some(t)) => return Ok(Outcome::Granted { token: t, sent }),
+            // A holder with a lock-delay ended without a release, and the delay is not over.
+            (true, None) if wait_ms > 0 => {
+                if req.opts.wait == Wait::No {
+                    self.unlock(c, req).await?;
+                    return Ok(Outcome::Held);
+                }
+                return self.sit_out_delay(c, req, wait_ms).await;
+            }
             (true, None) => return self.collision(c, req).await,
             (false, _) => {}
         }
@@ -267,17 +282,98 @@ impl Inner {
         // If this future is dropped or the bump fails, the caller drops the connection, which
         // ends the session and frees the lock.
         let sent = Instant::now();
-        let token: Option<i64> = sqlx::query_scalar(&self.sql.bump)
-            .bind(req.key)
-            .bind(req.full)
-            .fetch_optional(&mut c.conn)
+        let (token, wait_ms) = self
+            .grant_held(c, req)
             .await
             .map_err(|e| unavailable(Msg(format!("session lost right after the grant: {e}"))))?;
         c.last_sent = sent;
         match token {
             Some(token) => Ok(Outcome::Granted { token, sent }),
+            None if wait_ms > 0 => self.sit_out_delay(c, req, wait_ms).await,
             None => self.collision(c, req).await,
         }
+    }
+
+    /// The grant statement on a session that holds the advisory lock: `(token, wait_ms)`.
+    async fn grant_held(
+        &self,
+        c: &mut Conn,
+        req: &Request<'_>,
+    ) -> std::result::Result<(Option<i64>, i64), sqlx::Error> {
+        let (_, token, wait_ms): (bool, Option<i64>, i64) = sqlx::query_as(&self.sql.grant_held)
+            .bind(req.key)
+            .bind(req.full)
+            .bind(req.delay_ms())
+            .fetch_one(&mut c.conn)
+            .await?;
+        Ok((token, wait_ms))
+    }
+
+    /// Holds the advisory lock (so the queue behind it stays in order) while the lock-delay of
+    /// a holder that ended without a release runs out: sleeps the `wait_ms` the server computed
+    /// (from the `free_since` it recorded, on its own clock), then runs the grant again. No
+    /// polling: one sleep, and another only if the server still counts time left. The
+    /// session's idle timeout is lengthened for the sleep and set back to the TTL before the
+    /// grant. A deadline that comes first ends the wait with `Timeout`; the caller then drops
+    /// the connection, which gives the lock back, and `free_since` stays for the next acquirer.
+    async fn sit_out_delay(
+        &self,
+        c: &mut Conn,
+        req: &Request<'_>,
+        mut wait_ms: i64,
+    ) -> Result<Outcome> {
+        let ttl_ms = ttl_ms(req.opts.ttl);
+        loop {
+            let left = Duration::from_millis(u64::try_from(wait_ms).unwrap_or(0));
+            if let Some(d) = req.deadline {
+                if Instant::now() + left > d {
+                    tokio::time::sleep_until(d).await;
+                    return Ok(Outcome::Timeout { reusable: false });
+                }
+            }
+            tracing::debug!(lock = %req.name, wait = ?left,
+                "the last holder ended without a release: waiting out its lock-delay");
+            self.set_idle_timeout(c, ttl_ms.saturating_add(duration_ms(left)))
+                .await?;
+            tokio::time::sleep(left).await;
+            self.set_idle_timeout(c, ttl_ms).await?;
+            let sent = Instant::now();
+            let (token, left_ms) = self.grant_held(c, req).await.map_err(from_sqlx)?;
+            c.last_sent = sent;
+            match token {
+                Some(token) => return Ok(Outcome::Granted { token, sent }),
+                None if left_ms > 0 => wait_ms = left_ms,
+                None => return self.collision(c, req).await,
+            }
+        }
+    }
+
+    async fn set_idle_timeout(&self, c: &mut Conn, ms: u64) -> Result<()> {
+        c.last_sent = Instant::now();
+        sqlx::query("SELECT set_config('idle_session_timeout', $1, false)")
+            .bind(ms.to_string())
+            .execute(&mut c.conn)
+            .await
+            .map_err(from_sqlx)?;
+        c.idle_ms = ms;
+        Ok(())
+    }
+
+    /// Gives back the advisory lock this session took (a try-once that found a lock-delay
+    /// pending).
+    async fn unlock(&self, c: &mut Conn, req: &Request<'_>) -> Result<()> {
+        c.last_sent = Instant::now();
+        let unlocked: bool = sqlx::query_scalar("SELECT pg_advisory_unlock($1)")
+            .bind(req.key)
+            .fetch_one(&mut c.conn)
+            .await
+            .map_err(from_sqlx)?;
+        if !unlocked {
+            return Err(backend(Msg(
+                "advisory unlock during a lock-delay failed".into()
+            )));
+        }
+        Ok(())
     }
 
     /// Runs `wait` (a statement waiting in the server's lock queue on session `pid`), checking
@@ -350,6 +446,13 @@ enum Outcome {
 }
 
 impl Request<'_> {
+    /// The acquire's own lock-delay in ms, 0 for none (at most `MAX_LOCK_DELAY`, so it fits).
+    fn delay_ms(&self) -> i64 {
+        self.opts
+            .effective_lock_delay()
+            .map_or(0, |d| i64::try_from(duration_ms(d)).unwrap_or(i64::MAX))
+    }
+
     pub(crate) fn timeout(&self) -> Error {
         Error::Timeout {
             name: self.name.to_owned(),
@@ -456,6 +559,12 @@ impl PgLock {
     ///     name  text   NOT NULL,           -- "{prefix}/{name}", to detect key collisions
     ///     token bigint NOT NULL CHECK (token > 0)  -- the last fencing token granted
     /// );
+    /// CREATE TABLE IF NOT EXISTS lockkit.delay (  -- lock-delays (AcquireOptions::lock_delay)
+    ///     key        bigint PRIMARY KEY,   -- lock_key(prefix, name)
+    ///     name       text   NOT NULL,      -- "{prefix}/{name}"
+    ///     delay_ms   bigint NOT NULL CHECK (delay_ms > 0),  -- the holder's lock-delay
+    ///     free_since timestamptz           -- when an acquirer first found the lock free
+    /// );
     /// -- elections and semaphores: a semaphore's N, and each slot holder's value
     /// CREATE TABLE IF NOT EXISTS lockkit.slot_names (key bigint PRIMARY KEY, name text NOT NULL,
     ///     permits integer NOT NULL CHECK (permits > 0));
@@ -464,7 +573,9 @@ impl PgLock {
     ///     ttl_ms bigint NOT NULL, version bigint NOT NULL DEFAULT 0, value bytea NOT NULL);
     /// ```
     ///
-    /// [`connect`](Self::connect) runs it when a table is missing, unless `auto_migrate=false`.
+    /// [`connect`](Self::connect) runs it when a table is missing (so a schema made by an older
+    /// lockkit gets the delay table on the first connect), unless `auto_migrate=false`: then
+    /// run it after upgrading, as every grant reads the delay table.
     ///
     /// # Errors
     /// [`Error::Backend`] if the role may not create the schema or table; connection errors as
@@ -512,6 +623,10 @@ impl LockBackend for PgLock {
     /// connection counts against the wait: a timed acquire returns [`Error::Timeout`] at its
     /// deadline; a try-once gets the connect timeout in all, retries included.
     ///
+    /// If the last holder had a lock-delay and ended without a release, the grant waits until
+    /// that delay has passed since the lock was first seen free (holding the advisory lock; a
+    /// try-once returns [`Error::Held`] instead): see the crate docs' Lock-delay section.
+    ///
     /// # Errors
     /// As [`Lock::acquire`](lockkit_core::Lock::acquire); [`Error::Backend`] also reports an advisory lock key collision
     /// between two names (see [`lock_key`]).
@@ -557,6 +672,7 @@ impl LockBackend for PgLock {
             req.key,
             tracker.clone(),
             granted.conn,
+            opts.effective_lock_delay().is_some(),
         ));
         Ok(Lease::new(
             name,
@@ -601,14 +717,17 @@ impl LockBackend for PgLock {
         g.fifo_waiters = true;
         g.manual_renewal = true;
         g.expiry_slack = Duration::from_millis(100);
+        g.loss_notice = Some(LOSS_NOTICE);
+        g.lock_delay = true;
         g.notes = "one PostgreSQL 14+ server: a lease is a session advisory lock on a dedicated \
                    connection that idle_session_timeout (= TTL) ends unless renewed; tokens are \
                    committed (synchronous_commit=on) in {schema}.fence; a session ended by a \
                    server restart or pg_terminate_backend frees the lock at once, and the \
-                   holder is told within SESSION_CHECK (1 s) + 2 x connect timeout of the \
-                   server being reachable again (another client may hold the lock meanwhile: \
-                   fence writes); advisory locks are not replicated, so a failover to a \
-                   standby may grant a held lock again";
+                   holder reads the server's close on its idle connection within milliseconds \
+                   (a connection that dies silently: within SESSION_CHECK (5 s) + connect \
+                   timeout, by a check on another connection); another client may hold the \
+                   lock meanwhile: fence writes; advisory locks are not replicated, so a \
+                   failover to a standby may grant a held lock again";
         g
     }
 }

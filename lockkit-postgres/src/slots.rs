@@ -1142,7 +1142,15 @@ impl SlotBackend for PgLock {
             .map_err(|_| backend(Msg("negative fencing token in the fence table".into())))?;
         let key = self.slot_key(&n, slot);
         let tracker = TrackerHandle::new(sent, opts.ttl);
-        let lease = PgLease::new(self.inner.clone(), req.name, key, tracker.clone(), conn);
+        // Lock-delay is refused for slots (see slot_guarantees).
+        let lease = PgLease::new(
+            self.inner.clone(),
+            req.name,
+            key,
+            tracker.clone(),
+            conn,
+            false,
+        );
         let ops = Arc::new(PgSlotLease {
             lease,
             inner: self.inner.clone(),

@@ -38,7 +38,31 @@ const KNOWN: &[&str] = &[
     "tls_cert",
     "tls_key",
     "protocol",
+    "strict",
+    "notifications",
 ];
+
+/// Whether lockkit uses (and may turn on) the server's keyspace notifications, through which a
+/// holder hears within milliseconds that its lock key was deleted, evicted or expired early
+/// ([`RedisConfig::notifications`]; URL parameter `notifications=set|use|off`).
+///
+/// `notify-keyspace-events` is a server-wide setting: turning it on makes the server publish
+/// keyspace events for every client of every database. [`Set`](Self::Set) is the default because
+/// a holder that hears late is worse for a lock user; pick [`Use`](Self::Use) on a server you
+/// share with others and do not want lockkit to reconfigure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum Notifications {
+    /// Add the flags lockkit needs (`K`, `g`, `x`, `e`) to `notify-keyspace-events` with
+    /// `CONFIG SET` when they are missing (at connect and after a server restart), keeping the
+    /// flags already set. The default.
+    #[default]
+    Set,
+    /// Use the notifications if the server already sends them; never `CONFIG SET`.
+    Use,
+    /// Do not subscribe: holders hear of a lost key at their next renewal (within TTL/3).
+    Off,
+}
 
 /// Where and how to reach Redis, and under which key prefix to keep the locks.
 ///
@@ -72,6 +96,10 @@ pub struct RedisConfig {
     pub(crate) tls_root_cert: Option<Vec<u8>>,
     /// `tls_ca`, `tls_cert`, `tls_key`: read when connecting.
     pub(crate) tls: TlsOptions,
+    /// Refuse a server that may evict lock keys (see [`strict`](Self::strict)).
+    pub(crate) strict: bool,
+    /// Keyspace notifications (see [`notifications`](Self::notifications)).
+    pub(crate) notifications: Notifications,
 }
 
 impl fmt::Debug for RedisConfig {
@@ -97,6 +125,8 @@ impl fmt::Debug for RedisConfig {
             .field("prefix", &self.prefix)
             .field("connect_timeout", &self.connect_timeout)
             .field("response_timeout", &self.response_timeout)
+            .field("strict", &self.strict)
+            .field("notifications", &self.notifications)
             .finish()
     }
 }
@@ -112,6 +142,8 @@ impl RedisConfig {
             response_timeout: DEFAULT_RESPONSE_TIMEOUT,
             tls_root_cert: None,
             tls: TlsOptions::default(),
+            strict: false,
+            notifications: Notifications::Set,
         }
     }
 
@@ -127,6 +159,8 @@ impl RedisConfig {
     /// | `tls_ca` | PEM root certificate(s) to trust instead of the system's (`rediss` only) | system roots | `tls_ca_file` |
     /// | `tls_cert`, `tls_key` | PEM client certificate and key for mutual TLS (`rediss` only) | none | |
     /// | `protocol` | `resp2` / `resp3` (or `2` / `3`) | `resp2` | |
+    /// | `strict` | `true`: refuse a server that may evict lock keys (see [`strict`](Self::strict)) | `false` (a warning) | |
+    /// | `notifications` | `set` / `use` / `off`: keyspace notifications for loss notices (see [`Notifications`]) | `set` | |
     ///
     /// The `#insecure` fragment (`rediss` only) skips certificate verification altogether. The
     /// database goes in the path (`/3`), not in `?db=3`. Any other parameter is an error (a typo
@@ -179,6 +213,13 @@ impl RedisConfig {
             Some("3" | "resp3") => ProtocolVersion::RESP3,
             Some(_) => return Err(Error::config("protocol must be resp2 or resp3")),
         };
+        let strict = u.take_bool("strict")?;
+        let notifications = match u.take("notifications", &[])?.as_deref() {
+            None | Some("set") => Notifications::Set,
+            Some("use") => Notifications::Use,
+            Some("off") => Notifications::Off,
+            Some(_) => return Err(Error::config("notifications must be set, use or off")),
+        };
         if u.take("db", &[])?.is_some() {
             return Err(Error::config(
                 "unknown redis URL parameter \"db\": the database goes in the path (redis://host:6379/3)",
@@ -213,6 +254,8 @@ impl RedisConfig {
         cfg.connect_timeout = common.connect_timeout.unwrap_or(DEFAULT_CONNECT_TIMEOUT);
         cfg.response_timeout = response_timeout.unwrap_or(DEFAULT_RESPONSE_TIMEOUT);
         cfg.tls = common.tls;
+        cfg.strict = strict.unwrap_or(false);
+        cfg.notifications = notifications;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -368,6 +411,44 @@ impl RedisConfig {
         self
     }
 
+    /// Refuses, at connect, a server configured so that it may free locks behind their holders'
+    /// backs (URL parameter `strict=true`; default `false`): a nonzero `maxmemory` with any
+    /// `maxmemory-policy` but `noeviction` (the `volatile-*` policies evict keys with a TTL,
+    /// which every lock key has; <https://redis.io/docs/latest/develop/reference/eviction/>), or
+    /// a policy that cannot be read (`CONFIG` and `INFO memory` both refused). Connecting then
+    /// fails with [`Error::InvalidConfig`] naming the policy. Without `strict` such a server is
+    /// used, with a warning logged (`tracing`, at connect).
+    ///
+    /// Keyspace notifications are not part of it: without them a holder hears of a lost key at
+    /// its next renewal instead of within milliseconds, which
+    /// [`Guarantees::loss_notice`](lockkit_core::Guarantees::loss_notice) tells.
+    pub fn strict(mut self, on: bool) -> Self {
+        self.strict = on;
+        self
+    }
+
+    /// Sets whether lockkit uses, and may turn on, the server's keyspace notifications (URL
+    /// parameter `notifications=set|use|off`; default [`Notifications::Set`]).
+    pub fn notifications(mut self, mode: Notifications) -> Self {
+        self.notifications = mode;
+        self
+    }
+
+    /// The [`Notifications`] mode.
+    pub fn notifications_mode(&self) -> Notifications {
+        self.notifications
+    }
+
+    /// Whether [`strict`](Self::strict) is on.
+    pub fn is_strict(&self) -> bool {
+        self.strict
+    }
+
+    /// The database number.
+    pub(crate) fn db_number(&self) -> i64 {
+        self.redis.db()
+    }
+
     /// The redis crate's connection settings.
     pub(crate) fn connection_info(&self) -> Result<ConnectionInfo> {
         Ok(self
@@ -521,6 +602,20 @@ mod tests {
         );
         assert_eq!(c.get_connect_timeout(), Duration::from_millis(750));
         assert_eq!(c.get_response_timeout(), Duration::from_millis(1500));
+        assert!(!c.is_strict());
+        let strict = RedisConfig::from_url("redis://localhost?strict=true").unwrap();
+        assert!(strict.is_strict() && format!("{strict:?}").contains("strict: true"));
+        assert!(RedisConfig::from_url("redis://localhost?strict=maybe").is_err());
+        assert_eq!(c.notifications_mode(), Notifications::Set);
+        for (v, mode) in [
+            ("set", Notifications::Set),
+            ("use", Notifications::Use),
+            ("off", Notifications::Off),
+        ] {
+            let c = RedisConfig::from_url(&format!("redis://localhost?notifications={v}")).unwrap();
+            assert_eq!(c.notifications_mode(), mode);
+        }
+        assert!(RedisConfig::from_url("redis://localhost?notifications=yes").is_err());
         let secret = "redis://:hunter2@localhost/x";
         let e = RedisConfig::from_url(secret).unwrap_err();
         assert!(!format!("{e:?} {e}").contains("hunter2"));

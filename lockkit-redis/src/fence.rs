@@ -9,8 +9,8 @@ use lockkit_core::{Error, FencingToken, Lease, Result};
 use redis::Script;
 
 use crate::conn::Conn;
+use crate::core::RedisLease;
 use crate::error::{bad_reply, from_redis};
-use crate::lease::RedisLease;
 
 /// Checks every key's guard record, then writes all keys or none.
 ///
@@ -211,16 +211,4 @@ impl RedisFence {
             .await
             .map_err(from_redis)
     }
-}
-
-/// Whether the lock key `lock_key` holds `owner` now (one `GET`), for `lease.check()`.
-///
-/// # Errors
-/// [`Error::Unavailable`] and others from the server.
-pub(crate) async fn holds(conn: &Conn, lock_key: &str, owner: &str) -> Result<bool> {
-    let held: Option<String> = conn
-        .query(redis::cmd("GET").arg(lock_key))
-        .await
-        .map_err(from_redis)?;
-    Ok(held.as_deref() == Some(owner))
 }

@@ -1,300 +1,46 @@
-//! The server side of a Redis lease: compare-and-pexpire and compare-and-delete on the owner
-//! value, as Lua scripts (<https://redis.io/docs/latest/develop/interact/programmability/eval-intro/>).
+//! The [`LeaseOps`] of a Redis grant ([`RedisLease`]): renew is compare-and-pexpire and
+//! release compare-and-delete on the owner value (a release frees the lock at once, without
+//! lock-delay), with the scripts of [`crate::core`].
 
 use std::any::Any;
-use std::fmt;
-use std::sync::{LazyLock, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use redis::Script;
-use tokio::time::Instant;
 
+use lockkit_core::Result;
 use lockkit_core::backend::LeaseOps;
-use lockkit_core::{Error, Result};
 
-use crate::conn::Conn;
-use crate::error::{bad_reply, from_redis};
-use crate::lock::Keys;
-use crate::renewer::Batched;
-
-/// Compare-and-pexpire. `KEYS[1]` lock key; `ARGV[1]` owner value, `ARGV[2]` TTL in ms.
-/// Returns 1 if the key held our owner value and its expiry was set, 0 otherwise. A lapsed lock
-/// (key gone or someone else's value) is never re-taken.
-pub(crate) static RENEW: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r"
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-return 0
-",
-    )
-});
-
-/// Lua shared by the scripts that may hand a free lock to the next waiter. `KEYS[1]` lock key,
-/// `KEYS[2]` fence counter key, `KEYS[3]` the lock's queue; `ARGV[1]` the waiter-key prefix
-/// (`P:waiter:`).
-///
-/// `bump()` is the one place a token is made: `INCR` of the fence counter, floored at the
-/// server's `TIME` in µs when the counter is new (a restart without persistence, an eviction or
-/// a deletion lost it), so tokens keep increasing across such losses while a grant costs no
-/// `TIME` call. `INCR` fails (and the script with it, before anything is written) if the counter
-/// is not an integer.
-///
-/// `serve(me)` hands the free lock to the first live waiter of the queue (a ZSET in arrival
-/// order, members are waiter IDs): a waiter is live while its key `P:waiter:ID` (value
-/// `"TTL_MS CHANNEL"`, with a short expiry the waiter refreshes) exists; dead ones are dropped on
-/// the way. The lock key becomes the waiter's ID with its TTL, the counter is bumped, and
-/// `"ID TOKEN"` is `PUBLISH`ed on that waiter's client channel only (a `pcall`: an ACL without
-/// channel permission still hands over; the waiter then finds its ID by polling). Returns the
-/// new holder's ID, or `false` if no other waiter is live. With `me` (a waiter's own acquire),
-/// the queue is only looked at up to `me`, which is removed: then the caller takes the lock.
-pub(crate) const SERVE_LUA: &str = r"
-local function bump()
-  local t = redis.call('INCR', KEYS[2])
-  if t == 1 then
-    local now = redis.call('TIME')
-    t = tonumber(now[1]) * 1000000 + tonumber(now[2])
-    redis.call('SET', KEYS[2], string.format('%d', t))
-  end
-  return t
-end
-local function serve(me)
-  while true do
-    local h
-    if me then
-      h = redis.call('ZRANGE', KEYS[3], 0, 0)[1]
-      if not h then return false end
-      redis.call('ZREM', KEYS[3], h)
-      if h == me then
-        redis.call('DEL', ARGV[1] .. me)
-        return false
-      end
-    else
-      h = redis.call('ZPOPMIN', KEYS[3])[1]
-      if not h then return false end
-    end
-    local w = redis.call('GETDEL', ARGV[1] .. h)
-    if w then
-      local sp = string.find(w, ' ', 1, true)
-      local t = bump()
-      redis.call('SET', KEYS[1], h, 'PX', string.sub(w, 1, sp - 1))
-      redis.pcall('PUBLISH', string.sub(w, sp + 1), h .. ' ' .. string.format('%d', t))
-      return h
-    end
-  end
-end
-";
-
-/// Compare-and-delete, handing the lock to the next live waiter if there is one (see
-/// [`SERVE_LUA`]; no `PUBLISH` when nobody waits). `KEYS[1..3]` as there; `ARGV[1]` waiter-key
-/// prefix, `ARGV[2]` owner value. Returns 1 if our value was deleted (or handed on), 0 otherwise.
-pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(&format!(
-        r"{SERVE_LUA}
-if redis.call('GET', KEYS[1]) ~= ARGV[2] then
-  return 0
-end
-if not serve(false) then
-  redis.call('DEL', KEYS[1])
-end
-return 1
-"
-    ))
-});
-
-/// Cleanup of an acquire that was cancelled, timed out or gave up (or whose reply was lost or
-/// came too late), for its waiter ID, sent with plain `EVAL` so that a flushed script cache
-/// cannot fail it. `KEYS[1..3]` as in [`SERVE_LUA`], `KEYS[4]` the ID's tombstone key;
-/// `ARGV[1]` waiter-key prefix, `ARGV[2]` the ID, `ARGV[3]` tombstone TTL in ms.
-///
-/// Leaves a tombstone for the ID (an acquire script still on its way, queued on another
-/// connection, finds it and does nothing), takes the ID out of the queue, and if the lock is
-/// held by the ID (it took it, or it was handed to it) gives it to the next live waiter or
-/// deletes it: then 1, else 0.
-fn cancel_script() -> String {
-    format!(
-        r"{SERVE_LUA}
-redis.call('SET', KEYS[4], '1', 'PX', ARGV[3])
-redis.call('ZREM', KEYS[3], ARGV[2])
-redis.call('DEL', ARGV[1] .. ARGV[2])
-if redis.call('GET', KEYS[1]) == ARGV[2] then
-  if not serve(false) then
-    redis.call('DEL', KEYS[1])
-  end
-  return 1
-end
-return 0
-"
-    )
-}
-
-static CANCEL: LazyLock<String> = LazyLock::new(cancel_script);
-
-/// How long a cancelled attempt's tombstone lives, and how long its cleanup keeps retrying:
-/// the attempt's TTL, but at least 60 s. An acquire script that reaches the server even later
-/// than that may still take the lock, which then lives for its TTL.
-pub(crate) fn cancel_horizon(ttl: Duration) -> Duration {
-    ttl.max(Duration::from_secs(60))
-}
-
-/// One run of the [`CANCEL`] script for the acquire attempt with `owner` (and TTL `ttl`):
-/// `Ok(true)` if it deleted the lock that attempt had taken.
-///
-/// # Errors
-/// The converted redis error.
-///
-/// # Cancel safety
-/// Cancel safe; the script may still run.
-pub(crate) async fn cancel_once(
-    conn: &Conn,
-    keys: &Keys,
-    owner: &str,
-    ttl: Duration,
-) -> Result<bool> {
-    let mut cmd = redis::cmd("EVAL");
-    cmd.arg(CANCEL.as_str())
-        .arg(4)
-        .arg(&keys.lock)
-        .arg(&keys.fence)
-        .arg(&keys.queue)
-        .arg(keys.tombstone(owner))
-        .arg(&keys.waiter_prefix)
-        .arg(owner)
-        .arg(ttl_millis(cancel_horizon(ttl)));
-    match conn.query::<i64>(&cmd).await.map_err(from_redis)? {
-        1 => Ok(true),
-        0 => Ok(false),
-        _ => Err(bad_reply("cleanup")),
-    }
-}
-
-/// Removes what the acquire attempt with `owner` (sent at `sent`) may have taken, retrying
-/// transient errors (with backoff, 50 ms up to 1 s) until [`cancel_horizon`] after `sent`.
-///
-/// # Cancel safety
-/// Meant to be spawned; dropping it stops the retries.
-pub(crate) async fn cancel_attempt(
-    conn: Conn,
-    keys: Keys,
-    owner: String,
-    sent: Instant,
-    ttl: Duration,
-) {
-    let until = sent.checked_add(cancel_horizon(ttl));
-    let mut delay = Duration::from_millis(50);
-    loop {
-        match cancel_once(&conn, &keys, &owner, ttl).await {
-            Ok(true) => {
-                tracing::debug!(key = %keys.lock, "removed the lock of a cancelled acquire");
-                return;
-            }
-            Ok(false) => return,
-            Err(e) if e.is_retryable() && until.is_none_or(|u| Instant::now() + delay < u) => {
-                tracing::debug!(key = %keys.lock, error = %e, "cleanup of a cancelled acquire failed; retrying");
-                tokio::time::sleep(delay).await;
-                delay = (delay * 2).min(Duration::from_secs(1));
-            }
-            Err(e) => {
-                tracing::warn!(key = %keys.lock, error = %e,
-                    "cleanup of a cancelled acquire failed; if it took the lock, its TTL frees it");
-                return;
-            }
-        }
-    }
-}
-
-/// A TTL in whole milliseconds, rounded **up**: the server must never free a lease earlier than
-/// the client's deadline assumes.
-pub(crate) fn ttl_millis(ttl: Duration) -> u64 {
-    let ms = ttl.as_nanos().div_ceil(1_000_000);
-    u64::try_from(ms).unwrap_or(u64::MAX)
-}
-
-/// Runs the release script for `owner`: `Ok(true)` if it deleted the lock (or handed it on).
-pub(crate) async fn compare_and_delete(conn: &Conn, keys: &Keys, owner: &str) -> Result<bool> {
-    let n: i64 = conn
-        .invoke(
-            RELEASE
-                .key(&keys.lock)
-                .key(&keys.fence)
-                .key(&keys.queue)
-                .arg(&keys.waiter_prefix)
-                .arg(owner),
-        )
-        .await
-        .map_err(from_redis)?;
-    match n {
-        1 => Ok(true),
-        0 => Ok(false),
-        _ => Err(bad_reply("release")),
-    }
-}
-
-/// One grant: the lock's keys and the owner value stored in its lock key (the grant's waiter
-/// ID).
-pub(crate) struct RedisLease {
-    pub(crate) conn: Conn,
-    pub(crate) name: String,
-    pub(crate) keys: Keys,
-    pub(crate) owner: String,
-    /// The lease's place in its connection's batched renewal; `None` for a lease renewed by hand
-    /// (`keepalive(false)`). Taken out at release.
-    pub(crate) batch: Mutex<Option<Batched>>,
-    pub(crate) self_renewing: bool,
-}
-
-impl fmt::Debug for RedisLease {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RedisLease")
-            .field("lock_key", &self.keys.lock)
-            .field("owner", &self.owner)
-            .field("batched", &self.self_renewing)
-            .finish()
-    }
-}
-
-impl RedisLease {
-    /// Whether the lease is still renewed by its connection's batch (not released).
-    pub(crate) fn is_batched(&self) -> bool {
-        self.batch
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .is_some()
-    }
-
-    pub(crate) fn not_held(&self) -> Error {
-        Error::NotHeld {
-            name: self.name.clone(),
-        }
-    }
-}
+use crate::core::{RedisLease, compare_and_delete, compare_and_pexpire, holds};
 
 #[async_trait]
 impl LeaseOps for RedisLease {
     async fn renew(&self, ttl: Duration) -> Result<()> {
-        let n: i64 = self
-            .conn
-            .invoke(
-                RENEW
-                    .key(&self.keys.lock)
-                    .arg(&self.owner)
-                    .arg(ttl_millis(ttl)),
-            )
-            .await
-            .map_err(from_redis)?;
-        match n {
-            1 => Ok(()),
-            0 => Err(self.not_held()),
-            _ => Err(bad_reply("renew")),
+        if compare_and_pexpire(&self.conn, &self.keys, &self.owner, ttl, self.delay).await? {
+            Ok(())
+        } else {
+            Err(self.not_held())
         }
     }
 
     async fn release(&self) -> Result<()> {
-        // Out of the batch first, so that no renewal of a released lease is sent.
+        // Out of the batch first, so that no renewal of a released lease is sent, and out of
+        // the loss notices, so that the release's own DEL is not taken for a loss.
         drop(self.batch.lock().unwrap_or_else(|p| p.into_inner()).take());
-        if compare_and_delete(&self.conn, &self.keys, &self.owner).await? {
+        drop(
+            self.watched
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .take(),
+        );
+        if compare_and_delete(&self.conn, &self.keys, &self.owner, None).await? {
+            Ok(())
+        } else {
+            Err(self.not_held())
+        }
+    }
+
+    async fn relinquish(&self) -> Result<()> {
+        if self.give_back_lapsed().await? {
             Ok(())
         } else {
             Err(self.not_held())
@@ -302,7 +48,7 @@ impl LeaseOps for RedisLease {
     }
 
     async fn check(&self) -> Result<()> {
-        crate::fence::holds(&self.conn, &self.keys.lock, &self.owner)
+        holds(&self.conn, &self.keys.lock, &self.owner)
             .await?
             .then_some(())
             .ok_or_else(|| self.not_held())
@@ -314,17 +60,5 @@ impl LeaseOps for RedisLease {
 
     fn as_any(&self) -> &dyn Any {
         self
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn ttl_rounds_up() {
-        assert_eq!(ttl_millis(Duration::from_millis(100)), 100);
-        assert_eq!(ttl_millis(Duration::from_micros(100_001)), 101);
-        assert_eq!(ttl_millis(Duration::from_secs(2)), 2000);
     }
 }

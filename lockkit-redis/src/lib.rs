@@ -67,13 +67,59 @@
 //!   new one). Waiters are served in FIFO order; one that stops looking (its process died)
 //!   leaves the queue after [`WAITER_TTL`], and a lock handed to it in that window is free
 //!   again after that lease's TTL.
+//! - **Lock-delay** ([`AcquireOptions::lock_delay`](lockkit_core::AcquireOptions::lock_delay)):
+//!   a grant with a delay `d` also sets the key `P:delay:N` (to its waiter ID) with `PX` TTL +
+//!   `d`, and every renewal sets it again with the lock key, so it outlives the lock key by `d`.
+//!   While it exists and the lock key does not (the holder lapsed: unrenewed, its process died,
+//!   its connection lost), the acquire script grants no one and hands the lock to no waiter: a
+//!   try-once acquire gets [`Error::Held`](lockkit_core::Error::Held), and waiters queue and are
+//!   answered the delay key's `PTTL`, so they sleep until it ends (capped as for a holder's
+//!   `PTTL`), then the first live waiter takes the lock. A release (and the cleanup of a cancelled
+//!   acquire, whose grant never reached a caller) deletes it, so the release's hand-off is
+//!   immediate; a hand-off sets it for the new holder from the delay its waiter key carries. A
+//!   kept-alive lease whose renewal was acknowledged only after its deadline is given back as
+//!   lapsed: its lock key is deleted and the delay key set to `d`. The Redis server measures the
+//!   delay from its own expiry of the lock key, so it is never shorter than `d`, and at most
+//!   [`EXPIRY_SLACK`] longer for a waiter.
 //! - **Keepalive** is batched: the leases of one [`RedisLock`] that are kept alive are renewed
 //!   together, by one script per [`RENEW_BATCH`] leases every TTL/3 (of the shortest TTL among
 //!   them), answering per lease: a lease whose key is gone is marked lost alone, and a failed
 //!   call marks its leases suspect and is retried after TTL/12. `keepalive(false)` leases renew
 //!   with [`Lease::renew`](lockkit_core::Lease::renew), one script each.
-//! - **ACL users** need the commands `EVAL`, `EVALSHA`, `SCRIPT`, `PING` and `SUBSCRIBE`,
-//!   and the keys and channels under the prefix
+//! - **Loss notices**: a lock key deleted (an admin's `DEL`), expired early (a server clock
+//!   step, a stray `PEXPIRE`) or evicted is heard of within [`LOSS_NOTICE`] (200 ms; a deletion
+//!   or eviction 0.3–5 ms measured on loopback, an early expiry at the server's next expiry
+//!   cycle, up to ~100 ms), not only at the next renewal (up to TTL/3 later): the waiters' pub/sub
+//!   connection also `PSUBSCRIBE`s to the keyspace channels of the prefix's lock keys
+//!   (`__keyspace@DB__:P:lock:*`,
+//!   <https://redis.io/docs/latest/develop/use/keyspace-notifications/>), and a `del`,
+//!   `expired` or `evicted` event for a key held through this client costs one `GET`: if the
+//!   key is no longer the lease's, the lease is lost
+//!   ([`NotHeldOnServer`](lockkit_core::LossReason::NotHeldOnServer)). Connecting reads
+//!   `notify-keyspace-events` and adds what is missing of `Kgxe` with `CONFIG SET` (keeping
+//!   the flags already set); where `CONFIG` is renamed or refused (managed services) a warning
+//!   is logged, holders hear at their next renewal, and
+//!   [`Guarantees::loss_notice`](lockkit_core::Guarantees::loss_notice) (and
+//!   [`RedisLock::loss_notice`]) is `None`. The connection is then kept up: reopened with
+//!   backoff when it drops, and `PING`ed once per keepalive tick (a silent one is replaced).
+//!   While it is down, holders hear at their next renewal.
+//! - **Server checks at connect**: a nonzero `maxmemory` with any `maxmemory-policy` but
+//!   `noeviction` can evict lock keys (the `volatile-*` policies evict keys with a TTL, which
+//!   lock keys have; read with `CONFIG GET`, or `INFO memory` without `CONFIG`): a warning, or
+//!   with [`RedisConfig::strict`] (`strict=true`) the connect fails with
+//!   [`Error::InvalidConfig`](lockkit_core::Error::InvalidConfig) naming the policy.
+//! - **Restarts**: the server's `run_id` (`INFO server`) is read at connect, when the pub/sub
+//!   connection comes back after a drop, and once per keepalive tick (one `INFO` per client,
+//!   not per lease). A new `run_id` means the server restarted: every lease held through the
+//!   client is lost ([`SessionExpired`](lockkit_core::LossReason::SessionExpired): the server
+//!   run that held it ended), even if persistence brought its key back, and its key is given
+//!   back as lapsed (compare-and-delete; a lock-delay is kept). A lease the new run granted before the client saw the new
+//!   `run_id` is lost too: which run granted it cannot be told cheaply, and stopping early is
+//!   the safe side.
+//! - **ACL users** need the commands `EVAL`, `EVALSHA`, `SCRIPT`, `PING`, `SUBSCRIBE`,
+//!   `PSUBSCRIBE` and `INFO` (and `CONFIG` for the checks above; without it they fall back as
+//!   described), and the keys and channels under the prefix (and the channel pattern
+//!   `__keyspace@DB__:P:lock:*`)
 //!   (<https://redis.io/docs/latest/operate/oss_and_stack/management/security/acl/>). Without
 //!   channel permission (Redis 7's default `acl-pubsub-default resetchannels`) locks still work:
 //!   the hand-off `PUBLISH` is best effort, and waiters poll about once a second (a warning is
@@ -121,7 +167,8 @@
 //! | `P:lock:N` | the holder's owner value, with the lease's TTL |
 //! | `P:fence:N` | the fence counter (the last token), no expiry |
 //! | `P:queue:N` | the waiters' queue: waiter IDs scored by arrival |
-//! | `P:waiter:ID` | a queued waiter's TTL and client channel, expires after [`WAITER_TTL`] |
+//! | `P:delay:N` | with a lock-delay: the holder's waiter ID, expiring the delay after its lock key (see *Lock-delay*) |
+//! | `P:waiter:ID` | a queued waiter's TTL, TTL + lock-delay and client channel, expires after [`WAITER_TTL`] |
 //! | `P:cancelled:ID` | tombstone of a cancelled acquire (see *Cancel safety*), expires |
 //! | `P:guard:K` | for a key `K` written through [`RedisFence`]: the lock guarding it and the highest token that wrote it, no expiry |
 //! | channel `P:client:CID` | hand-off messages for the waiters of one [`RedisLock`] |
@@ -140,7 +187,7 @@
 //!   patterns (`KEYS`, `SCAN MATCH`, `PSUBSCRIBE`) ever sees them. `*`, `?`, `[`, `:`, spaces
 //!   and any Unicode are plain bytes.
 //! - The prefix may not contain `:`, so in `P:kind:N` the first `:` ends the prefix and the
-//!   second ends the kind (`lock`, `fence` or `cancelled`); the rest is the name (or the owner
+//!   second ends the kind (`lock`, `fence`, `queue`, `delay`, `waiter` or `cancelled`); the rest is the name (or the owner
 //!   value), verbatim. The map
 //!   (prefix, kind, name) → key is therefore one-to-one: two names never share a key, a lock key
 //!   is never a fence key, and two prefixes never share a key.
@@ -159,7 +206,9 @@
 //! | tokens survive restart | yes, with the caveat below | |
 //! | FIFO waiters | yes | the release hands the lock to the first live waiter of the queue |
 //! | manual renewal | yes | `keepalive(false)` leases renew with [`Lease::renew`](lockkit_core::Lease::renew) |
+//! | lock-delay | yes | a key that outlives the lock key by the delay, deleted by a release (see *Lock-delay* above) |
 //! | expiry slack | [`EXPIRY_SLACK`] (50 ms) | a waiter wakes up to [`EXPIRY_JITTER`] after the holder's `PTTL`, then needs one round trip |
+//! | loss notice | [`LOSS_NOTICE`] (200 ms) with keyspace notifications, else none (at the next renewal) | see *Loss notices* above |
 //!
 //! **Tokens across restarts.** A server restarted without persistence (or with its data lost)
 //! forgets the fence counter. Because a missing counter starts at the server's `TIME` in
@@ -172,11 +221,12 @@
 //! numbers are doubles), which `TIME` in µs reaches in the year 2255.
 //!
 //! A lease's TTL also stops mattering if the server restarts with its data lost: the lock is
-//! free at once, and a waiter gets it while the old holder's lease still reads
-//! [`Held`](lockkit_core::LeaseState::Held) until its next renewal (the keepalive renews at
-//! about TTL/3, so for up to TTL/3) fails with [`Error::NotHeld`](lockkit_core::Error::NotHeld)
-//! and the lease becomes lost. This is why this is an efficiency lock: two holders can overlap,
-//! and only the new holder's larger token, checked by the fenced resource, keeps data safe.
+//! free at once, and a waiter may get it while the old holder's lease still reads
+//! [`Held`](lockkit_core::LeaseState::Held) until the client sees the new `run_id` (when its
+//! pub/sub connection comes back, with backoff of up to 4 s, or at the next keepalive tick,
+//! TTL/3) or a renewal fails with [`Error::NotHeld`](lockkit_core::Error::NotHeld), and the
+//! lease becomes lost. This is why this is an efficiency lock: two holders can overlap, and only
+//! the new holder's larger token, checked by the fenced resource, keeps data safe.
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations)]
 #![deny(rustdoc::broken_intra_doc_links)]
@@ -184,20 +234,24 @@
 
 mod config;
 mod conn;
+mod core;
 mod error;
 mod fence;
 mod lease;
 mod lock;
 mod renewer;
+mod server;
 mod waiters;
+mod watch;
 
 pub use config::{
     DEFAULT_CONNECT_TIMEOUT, DEFAULT_PREFIX, DEFAULT_RESPONSE_TIMEOUT, MAX_CA_FILE_BYTES,
-    MAX_PREFIX_BYTES, RedisConfig, validate_prefix,
+    MAX_PREFIX_BYTES, Notifications, RedisConfig, validate_prefix,
 };
 pub use fence::RedisFence;
 pub use lock::{EXPIRY_JITTER, EXPIRY_SLACK, MAX_WAIT_POLL, RedisLock, WAITER_TTL};
 pub use renewer::BATCH as RENEW_BATCH;
+pub use watch::LOSS_NOTICE;
 
 /// The redis crate this backend is built on, for users who need its types.
 #[doc(no_inline)]

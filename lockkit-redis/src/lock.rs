@@ -21,10 +21,15 @@ use lockkit_core::{
 
 use crate::config::{RedisConfig, TlsFiles, connect_error};
 use crate::conn::Conn;
+use crate::core::{
+    Keys, RedisLease, Registration, SERVE_LUA, cancel_attempt, cancel_once, compare_and_pexpire,
+    delay_px, ttl_millis,
+};
 use crate::error::{BACKEND, bad_reply, from_redis, timed_out};
-use crate::lease::{RENEW, RedisLease, SERVE_LUA, cancel_attempt, cancel_once, ttl_millis};
 use crate::renewer::Renewer;
+use crate::server;
 use crate::waiters::{Hub, Waiting};
+use crate::watch::{LOSS_NOTICE, Watch};
 
 /// The longest a waiter sleeps without looking at the lock again, when no release message
 /// arrives: about 1 s (jittered down by up to 10 %).
@@ -49,12 +54,16 @@ pub const EXPIRY_SLACK: Duration = Duration::from_millis(50);
 pub const WAITER_TTL: Duration = Duration::from_secs(3);
 
 /// The acquire script (with [`SERVE_LUA`]). `KEYS[1]` lock key, `KEYS[2]` fence counter key,
-/// `KEYS[3]` queue, `KEYS[4]` the waiter ID's tombstone key; `ARGV[1]` waiter-key prefix,
-/// `ARGV[2]` the acquire's waiter ID (also the owner value of its grant), `ARGV[3]` TTL in ms,
-/// `ARGV[4]` the client's hand-off channel (`''`: do not queue), `ARGV[5]` [`WAITER_TTL`] in ms.
+/// `KEYS[3]` queue, `KEYS[4]` lock-delay key, `KEYS[5]` the waiter ID's tombstone key; `ARGV[1]`
+/// waiter-key prefix, `ARGV[2]` the acquire's waiter ID (also the owner value of its grant),
+/// `ARGV[3]` TTL in ms, `ARGV[4]` the client's hand-off channel (`''`: do not queue), `ARGV[5]`
+/// [`WAITER_TTL`] in ms, `ARGV[6]` TTL + lock-delay in ms (`0`: no lock-delay).
 ///
 /// - A tombstone means the ID was retired and its cleanup ran first (it came on another
 ///   connection): `{2, 0, ''}`, nothing touched.
+/// - No lock key but a lock-delay key: the last holder lapsed with a lock-delay, and nobody gets
+///   the lock before the delay key expires. As for a held lock, but with the delay key's `PTTL`
+///   and no holder: `{0, PTTL, ''}`.
 /// - The lock key holds our ID (a release handed it to us): the TTL is set anew from now and
 ///   the token read back, `{1, token, ''}`.
 /// - Free lock (`SET NX PX … GET` set it to our ID, Redis 7.0+): if live waiters queue before
@@ -67,18 +76,37 @@ pub const WAITER_TTL: Duration = Duration::from_secs(3);
 ///   existing entry keeps its place) and refresh our waiter key; `{0, PTTL, holder}` (the holder's remaining TTL in ms, or -1 for a key without
 ///   expiry).
 ///
+/// A grant with a lock-delay sets the delay key to our ID with TTL + delay.
+///
 /// Lua numbers are doubles: tokens stay exact below 2^53 µs (the year 2255).
 /// See <https://redis.io/docs/latest/commands/set/> and <https://redis.io/docs/latest/commands/zadd/>.
 static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(&format!(
         r"{SERVE_LUA}
-if redis.call('EXISTS', KEYS[4]) == 1 then
+if redis.call('EXISTS', KEYS[5]) == 1 then
   return {{2, 0, ''}}
 end
 local me = ARGV[2]
+local function wait(pttl, holder)
+  if ARGV[4] ~= '' then
+    local now = redis.call('TIME')
+    redis.call('ZADD', KEYS[3], 'NX', tonumber(now[1]) * 1000000 + tonumber(now[2]), me)
+    redis.call('SET', ARGV[1] .. me, ARGV[3] .. ' ' .. ARGV[6] .. ' ' .. ARGV[4], 'PX', ARGV[5])
+  end
+  return {{0, pttl, holder}}
+end
+local function delay()
+  if ARGV[6] ~= '0' then
+    redis.call('SET', KEYS[4], me, 'PX', ARGV[6])
+  end
+end
+if redis.call('EXISTS', KEYS[1]) == 0 and redis.call('EXISTS', KEYS[4]) == 1 then
+  return wait(redis.call('PTTL', KEYS[4]), '')
+end
 local v = redis.call('SET', KEYS[1], me, 'NX', 'PX', ARGV[3], 'GET')
 if v == me then
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
+  delay()
   return {{1, tonumber(redis.call('GET', KEYS[2])) or bump(), ''}}
 end
 if not v then
@@ -89,15 +117,11 @@ if not v then
       redis.call('DEL', KEYS[1])
       return redis.error_reply('lockkit: the fence counter is not an integer')
     end
+    delay()
     return {{1, t, ''}}
   end
 end
-if ARGV[4] ~= '' then
-  local now = redis.call('TIME')
-  redis.call('ZADD', KEYS[3], 'NX', tonumber(now[1]) * 1000000 + tonumber(now[2]), me)
-  redis.call('SET', ARGV[1] .. me, ARGV[3] .. ' ' .. ARGV[4], 'PX', ARGV[5])
-end
-return {{0, redis.call('PTTL', KEYS[1]), v}}
+return wait(redis.call('PTTL', KEYS[1]), v)
 "
     ))
 });
@@ -121,40 +145,14 @@ expires, started at the server's TIME in µs whenever it is missing, so they kee
 restarts without persistence as long as the server's wall clock never steps backwards and the lock \
 is granted fewer than once per µs on average. A failover to an asynchronously replicated replica can \
 grant a held lock a second time, and so can a restart that loses the data: a waiter may get the \
-lock while the old holder still reads Held until its next renewal (up to TTL/3 later). Waiters are \
-served in queue order (a waiter that stops looking drops out after WAITER_TTL). Fence counters are \
-never deleted: one small key per lock name ever used.";
-
-/// The keys of one lock name. See the crate docs, "Keys".
-#[derive(Debug, Clone)]
-pub(crate) struct Keys {
-    pub(crate) lock: String,
-    pub(crate) fence: String,
-    /// The waiters' queue, a ZSET of waiter IDs in arrival order.
-    pub(crate) queue: String,
-    /// `P:waiter:`, to which a waiter ID is appended for its liveness key.
-    pub(crate) waiter_prefix: String,
-    /// `P:cancelled:`, to which a waiter ID is appended for its tombstone.
-    cancelled: String,
-}
-
-impl Keys {
-    pub(crate) fn new(prefix: &str, name: &str) -> Self {
-        Self {
-            lock: format!("{prefix}:lock:{name}"),
-            fence: format!("{prefix}:fence:{name}"),
-            queue: format!("{prefix}:queue:{name}"),
-            waiter_prefix: format!("{prefix}:waiter:"),
-            cancelled: format!("{prefix}:cancelled:"),
-        }
-    }
-
-    /// The tombstone key of a retired waiter ID. The lock name is not in it:
-    /// `P:cancelled:ID`, a kind of its own.
-    pub(crate) fn tombstone(&self, id: &str) -> String {
-        format!("{}{id}", self.cancelled)
-    }
-}
+lock while the old holder still reads Held until the client sees the server's new run_id (when its \
+pub/sub connection is back, or at the next keepalive tick) or its next renewal fails. A lock key \
+deleted, expired early or evicted is heard of within LOSS_NOTICE where the server sends keyspace \
+notifications (turned on at connect), else at the next renewal (up to TTL/3 later). Waiters are \
+served in queue order (a waiter that stops looking drops out after WAITER_TTL). Lock-delay: a \
+key with TTL + delay beside the lock key, so a holder that lapses keeps the lock from everyone \
+until the delay after its key expired; a release deletes it. Fence counters are never deleted: one \
+small key per lock name ever used.";
 
 /// A lock service on one Redis server (an **efficiency** lock: see [`Guarantees`] and the crate
 /// docs).
@@ -307,14 +305,55 @@ impl RedisLock {
             Err(_) => return Err(timed_out("connecting to redis", ct)),
         };
         let conn = Conn::new(client.clone(), manager, conn);
+        let facts = match tokio::time::timeout(
+            ct,
+            server::inspect(&conn, config.strict, config.notifications),
+        )
+        .await
+        {
+            Ok(r) => r?,
+            Err(_) => return Err(timed_out("checking the server's configuration", ct)),
+        };
+        let watch = Watch::new(
+            conn.clone(),
+            config.db_number(),
+            &config.prefix,
+            facts.notifications,
+            config.notifications,
+            facts.run_id,
+        );
+        let hub = Hub::new(client, &config.prefix, ct, rt, watch);
+        if hub.watch().notifications() {
+            // Subscribed before the first lease exists; if this fails, it is retried in the
+            // background (or, refused, notifications are off: see `loss_notice`).
+            if let Err(e) = hub.keep_up().await {
+                tracing::debug!(error = %e, "the pub/sub connection for loss notices is not up yet");
+            }
+        }
         Ok(Self {
             inner: Arc::new(Inner {
-                renewer: Renewer::new(conn.clone()),
+                renewer: Renewer::new(conn.clone(), hub.clone()),
                 conn,
-                hub: Hub::new(client, &config.prefix, ct, rt),
+                hub,
                 config,
             }),
         })
+    }
+
+    /// Within how long a holder hears that the server removed its lock key (deleted, expired
+    /// early, evicted): [`LOSS_NOTICE`] (200 ms) where the server sends keyspace notifications
+    /// (`notify-keyspace-events` with `Kgxe`, found or turned on at connect) and this client may
+    /// subscribe to them; `None` otherwise (`CONFIG` renamed or refused, an ACL without the
+    /// channel pattern): then a holder hears at its next renewal (the keepalive renews every
+    /// TTL/3) or [`check`](lockkit_core::Lease::check). Also
+    /// [`Guarantees::loss_notice`]. While the pub/sub connection is down (until it is
+    /// reopened, with backoff) holders hear at their next renewal too.
+    pub fn loss_notice(&self) -> Option<Duration> {
+        self.inner
+            .hub
+            .watch()
+            .notifications()
+            .then_some(LOSS_NOTICE)
     }
 
     /// The key prefix of this client.
@@ -367,6 +406,7 @@ impl RedisLock {
         &self,
         call: &Call,
         ttl: Duration,
+        delay: Option<Duration>,
         route: Option<&Waiting>,
     ) -> Result<Attempt> {
         let keys = &call.keys;
@@ -386,12 +426,14 @@ impl RedisLock {
                     .key(&keys.lock)
                     .key(&keys.fence)
                     .key(&keys.queue)
+                    .key(&keys.delay)
                     .key(keys.tombstone(&me))
                     .arg(&keys.waiter_prefix)
                     .arg(&me)
                     .arg(ttl_millis(ttl))
                     .arg(channel)
-                    .arg(ttl_millis(WAITER_TTL)),
+                    .arg(ttl_millis(WAITER_TTL))
+                    .arg(delay_px(ttl, delay)),
             )
             .await
         {
@@ -465,15 +507,20 @@ impl RedisLock {
             keys,
             owner,
             batch: Mutex::new(None),
+            watched: Mutex::new(None),
             self_renewing: opts.keepalive,
+            delay: opts.effective_lock_delay(),
         });
+        let watched = self.inner.hub.watch().register(&ops, &tracker);
+        *ops.watched.lock().unwrap_or_else(|p| p.into_inner()) = Some(Box::new(watched));
         if opts.keepalive {
             // Registered once the lease exists: the renewer drops entries whose lease is gone.
             let batch = self.inner.renewer.register(Arc::downgrade(&ops), &tracker);
             if batch.is_none() {
                 tracing::warn!(lock = %name, "no Tokio runtime: the lease will not be kept alive");
             }
-            *ops.batch.lock().unwrap_or_else(|p| p.into_inner()) = batch;
+            *ops.batch.lock().unwrap_or_else(|p| p.into_inner()) =
+                batch.map(|b| Box::new(b) as Registration);
         }
         Lease::new(
             name,
@@ -727,6 +774,7 @@ impl LockBackend for RedisLock {
         opts.validate()?;
         let start = Instant::now();
         let deadline = wait_deadline(opts.wait, start);
+        let delay = opts.effective_lock_delay();
         let keys = Keys::new(self.prefix(), name);
         let timeout = || Error::Timeout {
             name: name.to_owned(),
@@ -749,7 +797,7 @@ impl LockBackend for RedisLock {
                 }
             }
             let attempt = retry_transient(&opts, deadline, || {
-                self.attempt(&call, opts.ttl, route.as_ref())
+                self.attempt(&call, opts.ttl, delay, route.as_ref())
             })
             .await?;
             let pttl = match attempt {
@@ -830,13 +878,10 @@ impl LockBackend for RedisLock {
                         // now rather than hand it out suspect or lost. If that fails, the next
                         // look finds out where the lock stands.
                         let sent = Instant::now();
-                        let renewed: Result<i64> = self
-                            .inner
-                            .conn
-                            .invoke(RENEW.key(&keys.lock).arg(&me).arg(ttl_millis(opts.ttl)))
-                            .await
-                            .map_err(from_redis);
-                        if !matches!(renewed, Ok(1)) {
+                        let renewed =
+                            compare_and_pexpire(&self.inner.conn, &keys, &me, opts.ttl, delay)
+                                .await;
+                        if !matches!(renewed, Ok(true)) {
                             continue;
                         }
                         tracker = TrackerHandle::new(sent, opts.ttl);
@@ -855,7 +900,9 @@ impl LockBackend for RedisLock {
         g.safe_across_failover = false;
         g.fifo_waiters = true;
         g.manual_renewal = true;
+        g.lock_delay = true;
         g.expiry_slack = EXPIRY_SLACK;
+        g.loss_notice = self.loss_notice();
         g.notes = NOTES;
         g
     }
@@ -893,15 +940,6 @@ impl LockBackend for RedisLock {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn keys_are_distinct_and_keep_the_name_verbatim() {
-        let k = Keys::new("app", "a:lock:b *?[x]");
-        assert_eq!(k.lock, "app:lock:a:lock:b *?[x]");
-        assert_eq!(k.fence, "app:fence:a:lock:b *?[x]");
-        assert_eq!(k.queue, "app:queue:a:lock:b *?[x]");
-        assert_ne!(Keys::new("app", "x").lock, Keys::new("app", "x ").lock);
-    }
 
     #[test]
     fn fallback_is_bounded_and_follows_the_holder_ttl() {

@@ -9,6 +9,9 @@
 //! per lease, so a lease whose key is gone is marked lost alone, and a batch whose call failed
 //! marks only its own leases suspect (retried after `TTL/12`).
 //!
+//! Each tick also starts, in the background, the client's once-per-tick checks (see
+//! `waiters.rs`): a `PING` of the pub/sub connection and the server's `run_id`.
+//!
 //! The task runs while leases are registered and ends with the last one.
 
 use std::collections::HashMap;
@@ -20,27 +23,33 @@ use redis::Script;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use lockkit_core::backend::{LeaseOps, SuspectReason, TrackerHandle};
+use lockkit_core::backend::{SuspectReason, TrackerHandle};
 use lockkit_core::{LeaseState, LossReason};
 
 use crate::conn::Conn;
+use crate::core::{RedisLease, delay_px, ttl_millis};
 use crate::error::{bad_reply, from_redis};
-use crate::lease::{RedisLease, ttl_millis};
+use crate::waiters::Hub;
 
-/// The most leases renewed by one script call: 1,000 (a call then runs about 2,000 commands on
-/// the server, around a millisecond).
+/// The most leases renewed by one script call: 1,000 (a call then runs two or three commands
+/// per lease on the server, around a millisecond).
 pub const BATCH: usize = 1000;
 
-/// Batched compare-and-pexpire. `KEYS[i]` lock keys; `ARGV[2i-1]` owner value, `ARGV[2i]` TTL in
-/// ms. Returns one integer per key: 1 if it held our value and was extended, 0 otherwise (a
-/// lapsed lock is never re-taken).
+/// Batched compare-and-pexpire. `KEYS[2i-1]` lock keys, `KEYS[2i]` their lock-delay keys;
+/// `ARGV[3i-2]` owner value, `ARGV[3i-1]` TTL in ms, `ARGV[3i]` TTL + lock-delay in ms (`0`: no
+/// delay, the delay key is not touched). Returns one integer per lease: 1 if its lock key held
+/// our value and was extended (with its delay key), 0 otherwise (a lapsed lock is never
+/// re-taken).
 static RENEW_BATCH: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
 local r = {}
-for i = 1, #KEYS do
-  if redis.call('GET', KEYS[i]) == ARGV[2 * i - 1] then
-    r[i] = redis.call('PEXPIRE', KEYS[i], ARGV[2 * i])
+for i = 1, #KEYS / 2 do
+  if redis.call('GET', KEYS[2 * i - 1]) == ARGV[3 * i - 2] then
+    if ARGV[3 * i] ~= '0' then
+      redis.call('SET', KEYS[2 * i], ARGV[3 * i - 2], 'PX', ARGV[3 * i])
+    end
+    r[i] = redis.call('PEXPIRE', KEYS[2 * i - 1], ARGV[3 * i - 1])
   else
     r[i] = 0
   end
@@ -69,6 +78,8 @@ struct State {
 /// The renewer of one connection.
 pub(crate) struct Renewer {
     conn: Conn,
+    /// The client's pub/sub side, checked once per tick.
+    hub: Arc<Hub>,
     state: Mutex<State>,
     /// Wakes the task when a lease with a shorter TTL than the current tick arrives.
     notify: Notify,
@@ -99,9 +110,10 @@ impl Drop for Batched {
 }
 
 impl Renewer {
-    pub(crate) fn new(conn: Conn) -> Arc<Self> {
+    pub(crate) fn new(conn: Conn, hub: Arc<Hub>) -> Arc<Self> {
         Arc::new(Self {
             conn,
+            hub,
             state: Mutex::new(State::default()),
             notify: Notify::new(),
         })
@@ -183,6 +195,7 @@ impl Renewer {
                 _ = me.notify.notified() => continue,
             }
             last = Instant::now();
+            me.hub.tick();
             retry_at = if me.renew_all().await {
                 None
             } else {
@@ -211,8 +224,10 @@ impl Renewer {
         let mut inv = RENEW_BATCH.prepare_invoke();
         for (lease, tracker) in chunk {
             inv.key(&lease.keys.lock)
+                .key(&lease.keys.delay)
                 .arg(&lease.owner)
-                .arg(ttl_millis(tracker.ttl()));
+                .arg(ttl_millis(tracker.ttl()))
+                .arg(delay_px(tracker.ttl(), lease.delay));
         }
         let earliest = chunk
             .iter()
@@ -244,10 +259,11 @@ impl Renewer {
             if flag == 1 {
                 if !tracker.confirm(sent) {
                     // Acknowledged too late: the holder has been told it lost the lock, so give
-                    // the lock back rather than keep a lease nobody uses.
+                    // the lock back rather than keep a lease nobody uses — as lapsed, keeping
+                    // its lock-delay (the holder may still have writes in flight).
                     let lease = lease.clone();
                     tokio::spawn(async move {
-                        let _ = lease.release().await;
+                        let _ = lease.give_back_lapsed().await;
                     });
                 }
             } else if tracker.state() != LeaseState::Lost && lease.is_batched() {

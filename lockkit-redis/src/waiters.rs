@@ -12,6 +12,11 @@
 //! Pub/sub delivery is at-most-once (a dropped connection loses messages), so waiters also look
 //! at the lock on a bounded, jittered timer (see `lock.rs`): a waiter that was handed the lock
 //! finds its own ID in the lock key.
+//!
+//! The same connection carries the keyspace notifications of the prefix's lock keys (a
+//! `PSUBSCRIBE`, see `watch.rs`). Where the server sends them, the connection is opened at
+//! connect and kept up: when it drops it is opened again (with backoff), and once per keepalive
+//! tick a `PING` checks that it still answers (a silent connection is dropped and replaced).
 
 use std::collections::HashMap;
 use std::fmt;
@@ -24,9 +29,11 @@ use redis::aio::PubSubSink;
 use tokio::sync::oneshot;
 use tokio::task::AbortHandle;
 
+use lockkit_core::backend::Backoff;
 use lockkit_core::{Error, Result};
 
 use crate::error::{from_redis, timed_out};
+use crate::watch::Watch;
 
 #[derive(Default)]
 struct State {
@@ -56,6 +63,16 @@ pub(crate) struct Hub {
     state: Mutex<State>,
     /// Serializes connecting, so that concurrent waiters open one connection.
     ops: tokio::sync::Mutex<()>,
+    /// Where keyspace events go.
+    watch: Arc<Watch>,
+    /// Keep the connection up (reopen it when it drops): set while the server sends keyspace
+    /// notifications.
+    keep: AtomicBool,
+    /// Whether a refused PSUBSCRIBE was logged at warn level already.
+    warned_pattern: AtomicBool,
+    /// A [`tick`](Self::tick) is running.
+    ticking: AtomicBool,
+    me: Weak<Hub>,
 }
 
 impl fmt::Debug for Hub {
@@ -140,8 +157,9 @@ impl Hub {
         prefix: &str,
         connect_timeout: Duration,
         timeout: Duration,
+        watch: Arc<Watch>,
     ) -> Arc<Self> {
-        Arc::new(Self {
+        Arc::new_cyclic(|me| Self {
             client,
             channel: format!("{prefix}:client:{:032x}", rand::random::<u128>()),
             connect_timeout,
@@ -149,7 +167,116 @@ impl Hub {
             warned: AtomicBool::new(false),
             state: Mutex::new(State::default()),
             ops: tokio::sync::Mutex::new(()),
+            watch,
+            keep: AtomicBool::new(false),
+            warned_pattern: AtomicBool::new(false),
+            ticking: AtomicBool::new(false),
+            me: me.clone(),
         })
+    }
+
+    /// Opens the connection now and keeps it up from now on (reopened with backoff when it
+    /// drops), for keyspace notifications.
+    ///
+    /// # Errors
+    /// As [`ensure`](Self::ensure).
+    ///
+    /// # Cancel safety
+    /// Cancel safe, as [`ensure`](Self::ensure).
+    pub(crate) async fn keep_up(self: &Arc<Self>) -> Result<()> {
+        self.keep.store(true, Ordering::Relaxed);
+        match self.ensure().await {
+            Ok(()) => Ok(()),
+            Err(e) if e.is_retryable() => {
+                self.spawn_reconnect();
+                Err(e)
+            }
+            Err(e) => {
+                // Refused (an ACL without channel permission): no notifications, and waiters
+                // poll; retrying would only be refused again.
+                self.keep.store(false, Ordering::Relaxed);
+                self.watch.disable_notifications();
+                self.refused(&e);
+                Err(e)
+            }
+        }
+    }
+
+    /// Where this connection's keyspace events go.
+    pub(crate) fn watch(&self) -> &Arc<Watch> {
+        &self.watch
+    }
+
+    /// Once per keepalive tick, in the background so that it never delays a renewal: checks
+    /// that the pub/sub connection answers ([`probe`](Self::probe)) and whether the server
+    /// restarted ([`Watch::check_run`]). Skipped while the previous one still runs.
+    pub(crate) fn tick(self: &Arc<Self>) {
+        if self.ticking.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            self.ticking.store(false, Ordering::Release);
+            return;
+        };
+        let hub = self.clone();
+        rt.spawn(async move {
+            let _ = futures_util::future::join(hub.probe(), hub.watch.check_run()).await;
+            hub.ticking.store(false, Ordering::Release);
+        });
+    }
+
+    /// Checks that the connection still answers (one `PING`, bounded by the response timeout);
+    /// drops it if not, which reopens it when it is kept up. Nothing without a connection.
+    ///
+    /// # Cancel safety
+    /// Cancel safe.
+    pub(crate) async fn probe(&self) {
+        let Some((generation, mut sink)) = lock(&self.state).conn.clone() else {
+            return;
+        };
+        match tokio::time::timeout(self.timeout, sink.ping::<redis::Value>()).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "the pub/sub connection failed a PING");
+                self.drop_connection(generation);
+            }
+            Err(_) => {
+                tracing::debug!("the pub/sub connection did not answer a PING in time");
+                self.drop_connection(generation);
+            }
+        }
+    }
+
+    /// Reopens the connection in the background, with backoff (50 ms up to 2 s), while it is
+    /// kept up and the hub lives; then checks whether the server restarted meanwhile.
+    fn spawn_reconnect(&self) {
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let weak = self.me.clone();
+        rt.spawn(async move {
+            let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
+            loop {
+                tokio::time::sleep(backoff.next_delay()).await;
+                let Some(hub) = weak.upgrade() else { return };
+                match hub.ensure().await {
+                    Ok(()) => {
+                        // The command connection may still be reconnecting: retry the check.
+                        backoff.reset();
+                        for _ in 0..8 {
+                            if hub.watch.check_run().await {
+                                break;
+                            }
+                            tokio::time::sleep(backoff.next_delay()).await;
+                        }
+                        return;
+                    }
+                    Err(e) => {
+                        tracing::debug!(error = %e, "reopening the pub/sub connection failed");
+                    }
+                }
+            }
+        });
     }
 
     /// This client's hand-off channel.
@@ -201,6 +328,16 @@ impl Hub {
             Ok(Err(e)) => return Err(from_redis(e)),
             Err(_) => return Err(timed_out("SUBSCRIBE", self.timeout)),
         }
+        // The lock keys' keyspace events; without them (an ACL without permission for the
+        // pattern) hand-offs still work and holders hear of losses at their next renewal.
+        match tokio::time::timeout(self.timeout, sink.psubscribe(self.watch.pattern())).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                self.watch.disable_notifications();
+                self.pattern_refused(&from_redis(e));
+            }
+            Err(_) => return Err(timed_out("PSUBSCRIBE", self.timeout)),
+        }
         let mut st = lock(&self.state);
         st.generation += 1;
         let generation = st.generation;
@@ -211,6 +348,10 @@ impl Hub {
                 let Ok(payload) = msg.get_payload::<String>() else {
                     continue;
                 };
+                if msg.from_pattern() {
+                    hub.watch.on_event(msg.get_channel_name(), &payload);
+                    continue;
+                }
                 let Some((id, token)) = payload.split_once(' ') else {
                     continue;
                 };
@@ -249,18 +390,36 @@ impl Hub {
         }
     }
 
-    /// Drops pub/sub connection `generation` if it is still the current one: its reader stops,
-    /// and every route is removed, which wakes their waiters.
-    fn drop_connection(&self, generation: u64) {
-        let mut st = lock(&self.state);
-        if st.conn.as_ref().map(|c| c.0) != Some(generation) {
-            return;
+    /// Logs, once per hub at warn level (then at debug), that the server refused the
+    /// PSUBSCRIBE to the lock keys' keyspace channels.
+    fn pattern_refused(&self, e: &Error) {
+        if self.warned_pattern.swap(true, Ordering::Relaxed) || !self.watch.notifications() {
+            tracing::debug!(error = %e, "PSUBSCRIBE to the lock keys' keyspace events refused");
+        } else {
+            tracing::warn!(error = %e,
+                "the redis server refused PSUBSCRIBE to the lock keys' keyspace channels (an \
+                 ACL without channel permission?): holders hear of a lost lock key only at \
+                 their next renewal (within TTL/3)");
         }
-        tracing::debug!("the pub/sub connection is gone; dropping it");
-        st.conn = None;
-        st.routes.clear();
-        if let Some(h) = st.reader.take() {
-            h.abort();
+    }
+
+    /// Drops pub/sub connection `generation` if it is still the current one: its reader stops,
+    /// and every route is removed, which wakes their waiters. A connection kept up is reopened.
+    fn drop_connection(&self, generation: u64) {
+        {
+            let mut st = lock(&self.state);
+            if st.conn.as_ref().map(|c| c.0) != Some(generation) {
+                return;
+            }
+            tracing::debug!("the pub/sub connection is gone; dropping it");
+            st.conn = None;
+            st.routes.clear();
+            if let Some(h) = st.reader.take() {
+                h.abort();
+            }
+        }
+        if self.keep.load(Ordering::Relaxed) {
+            self.spawn_reconnect();
         }
     }
 }

@@ -39,6 +39,10 @@ pub const CONTROL_SESSION_TTL: Duration = lockkit_core::DEFAULT_TTL;
 /// assert_eq!(cfg.connect_string(), "zk1:2181,zk2:2181,zk3:2181/apps/billing");
 /// // The password never shows.
 /// assert!(!format!("{cfg:?}").contains("s3cret"));
+///
+/// // SASL DIGEST-MD5 instead of the digest scheme (the server's JAAS `Server` section).
+/// let sasl = ZkConfig::new(["zk1:2181"]).sasl_digest_md5("billing", "s3cret");
+/// assert!(!format!("{sasl:?}").contains("s3cret"));
 /// ```
 ///
 /// With the `serde` feature it deserializes from its URL string.
@@ -47,7 +51,7 @@ pub struct ZkConfig {
     hosts: Vec<String>,
     chroot: Option<String>,
     prefix: String,
-    digest: Option<(String, String)>,
+    credentials: Option<Credentials>,
     connect_timeout: Duration,
     tls: Option<TlsOptions>,
 }
@@ -59,10 +63,11 @@ impl fmt::Debug for ZkConfig {
             .field("chroot", &self.chroot)
             .field("prefix", &self.prefix)
             .field(
-                "digest_user",
-                &self.digest.as_ref().map(|(user, _)| user.as_str()),
+                "auth",
+                &self.credentials.as_ref().map(|c| c.mechanism.name()),
             )
-            .field("password", &self.digest.as_ref().map(|_| "<hidden>"))
+            .field("user", &self.credentials.as_ref().map(|c| c.user.as_str()))
+            .field("password", &self.credentials.as_ref().map(|_| "<hidden>"))
             .field("connect_timeout", &self.connect_timeout)
             .field("tls", &self.tls)
             .finish()
@@ -81,13 +86,13 @@ impl ZkConfig {
             hosts: hosts.into_iter().map(Into::into).collect(),
             chroot: None,
             prefix: DEFAULT_PREFIX.to_owned(),
-            digest: None,
+            credentials: None,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             tls: None,
         }
     }
 
-    /// Parses `zk://[user:password@]host:port[,host:port…][/chroot][?prefix=…&connect_timeout=…]`,
+    /// Parses `zk://[user:password@]host:port[,host:port…][/chroot][?prefix=…&sasl=…&connect_timeout=…]`,
     /// by the grammar all lockkit backends share
     /// ([`BackendUrl`](lockkit_core::backend::BackendUrl)).
     ///
@@ -96,6 +101,12 @@ impl ZkConfig {
     ///   identity can touch them; the shared parents (prefix node, lock container nodes) stay
     ///   open to everyone, so that clients with other credentials can queue on the same locks.
     ///   ZooKeeper's `digest` scheme never refuses a password: a wrong one is another identity.
+    /// - `sasl=digest-md5` authenticates `user:password` by
+    ///   [SASL DIGEST-MD5](https://cwiki.apache.org/confluence/display/ZOOKEEPER/Client-Server+mutual+authentication)
+    ///   instead (against the server's JAAS `Server` section, `DigestLoginModule`): the server
+    ///   checks the password and refuses a wrong one ([`Error::Auth`]); the identity in ACLs is
+    ///   `sasl:user`. Needs `user:password` in the URL. A server without SASL configured,
+    ///   which would let the client on unauthenticated, is refused with [`Error::Auth`] too.
     /// - `/chroot` is ZooKeeper's chroot suffix of the connect string: every path lives under it
     ///   (it must exist).
     /// - `prefix` (default `lockkit`) is the node under which lock nodes live.
@@ -119,8 +130,29 @@ impl ZkConfig {
         }
         let hosts = u.host_list(None)?;
         let mut cfg = ZkConfig::new(hosts.iter().map(|h| h.to_string()));
+        let sasl = u.take("sasl", &[])?;
+        let mechanism = match sasl.as_deref() {
+            None => Mechanism::Digest,
+            Some(m) if m.eq_ignore_ascii_case("digest-md5") => Mechanism::SaslDigestMd5,
+            Some(_) => {
+                return Err(Error::config(
+                    "sasl must be digest-md5 (the only SASL mechanism the ZooKeeper backend supports)",
+                ));
+            }
+        };
         match (u.username(), u.password()) {
-            (Some(user), Some(pass)) => cfg = cfg.digest(user, pass),
+            (Some(user), Some(pass)) => {
+                cfg.credentials = Some(Credentials {
+                    mechanism,
+                    user: user.to_owned(),
+                    password: pass.to_owned(),
+                });
+            }
+            (None, None) if sasl.is_some() => {
+                return Err(Error::config(
+                    "sasl=digest-md5 needs user:password in the ZooKeeper URL",
+                ));
+            }
             (None, None) => {}
             _ => {
                 return Err(Error::config(
@@ -144,7 +176,14 @@ impl ZkConfig {
         }
         u.finish(
             "ZooKeeper",
-            &["prefix", "connect_timeout", "tls_ca", "tls_cert", "tls_key"],
+            &[
+                "prefix",
+                "sasl",
+                "connect_timeout",
+                "tls_ca",
+                "tls_cert",
+                "tls_key",
+            ],
         )?;
         cfg.validate()?;
         Ok(cfg)
@@ -162,9 +201,28 @@ impl ZkConfig {
         self
     }
 
-    /// Turns on `digest` authentication as `user` with `password`.
+    /// Turns on `digest` authentication as `user` with `password` (replacing
+    /// [`sasl_digest_md5`](Self::sasl_digest_md5)). The server never refuses a digest password:
+    /// a wrong one is another identity.
     pub fn digest(mut self, user: impl Into<String>, password: impl Into<String>) -> Self {
-        self.digest = Some((user.into(), password.into()));
+        self.credentials = Some(Credentials {
+            mechanism: Mechanism::Digest,
+            user: user.into(),
+            password: password.into(),
+        });
+        self
+    }
+
+    /// Authenticates as `user` with `password` by SASL DIGEST-MD5 (URL: `sasl=digest-md5`),
+    /// replacing [`digest`](Self::digest). The server checks the password against its JAAS
+    /// `Server` section and refuses a wrong one ([`Error::Auth`]); lock nodes are creator-only,
+    /// for the identity `sasl:user`.
+    pub fn sasl_digest_md5(mut self, user: impl Into<String>, password: impl Into<String>) -> Self {
+        self.credentials = Some(Credentials {
+            mechanism: Mechanism::SaslDigestMd5,
+            user: user.into(),
+            password: password.into(),
+        });
         self
     }
 
@@ -253,10 +311,32 @@ impl ZkConfig {
         s
     }
 
+    /// The user name authenticated as, if any (never the password).
+    pub fn get_user(&self) -> Option<&str> {
+        self.credentials.as_ref().map(|c| c.user.as_str())
+    }
+
+    /// Whether the client authenticates at all (lock nodes are then creator-only).
+    pub(crate) fn authenticated(&self) -> bool {
+        self.credentials.is_some()
+    }
+
+    /// The `digest` scheme's `user:password`, when that is the mechanism.
     pub(crate) fn digest_auth(&self) -> Option<Vec<u8>> {
-        self.digest
+        self.credentials
             .as_ref()
-            .map(|(u, p)| format!("{u}:{p}").into_bytes())
+            .filter(|c| c.mechanism == Mechanism::Digest)
+            .map(|c| format!("{}:{}", c.user, c.password).into_bytes())
+    }
+
+    /// zookeeper-client's SASL options, when the mechanism is SASL DIGEST-MD5.
+    pub(crate) fn sasl_options(&self) -> Option<zookeeper_client::SaslOptions> {
+        self.credentials
+            .as_ref()
+            .filter(|c| c.mechanism == Mechanism::SaslDigestMd5)
+            .map(|c| {
+                zookeeper_client::SaslOptions::digest_md5(c.user.clone(), c.password.clone()).into()
+            })
     }
 
     /// Checks hosts, chroot, prefix and timeout (non-zero, at most [`MAX_CONNECT_TIMEOUT`]).
@@ -324,6 +404,32 @@ impl ZkConfig {
 }
 
 lockkit_core::impl_url_config!(ZkConfig);
+
+/// How `user:password` is presented to the server.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mechanism {
+    /// `addauth digest user:password`: an identity, never refused.
+    Digest,
+    /// SASL DIGEST-MD5, checked by the server.
+    SaslDigestMd5,
+}
+
+impl Mechanism {
+    fn name(self) -> &'static str {
+        match self {
+            Mechanism::Digest => "digest",
+            Mechanism::SaslDigestMd5 => "sasl-digest-md5",
+        }
+    }
+}
+
+/// Credentials; no `Debug` (the password): [`ZkConfig`]'s own `Debug` shows the user only.
+#[derive(Clone, PartialEq, Eq)]
+struct Credentials {
+    mechanism: Mechanism,
+    user: String,
+    password: String,
+}
 
 /// Characters ZooKeeper refuses in node names (`PathUtils.validatePath`): U+0000–U+001F,
 /// U+007F–U+009F, U+D800–U+F8FF, U+FFF0–U+FFFF, and, because the server works in UTF-16, every
@@ -440,6 +546,35 @@ mod tests {
             .unwrap();
         assert!(c.get_tls().is_some_and(|t| t.ca.is_some()));
         assert_eq!(c.get_connect_timeout(), Duration::from_millis(750));
+    }
+
+    #[test]
+    fn sasl_digest_md5() {
+        let cfg = ZkConfig::from_url("zk://app:s%40cret@h:1?sasl=digest-md5").unwrap();
+        assert!(cfg.sasl_options().is_some());
+        assert!(cfg.digest_auth().is_none() && cfg.authenticated());
+        assert_eq!(cfg.get_user(), Some("app"));
+        let dbg = format!("{cfg:?}");
+        assert!(
+            !dbg.contains("s@cret") && !dbg.contains("s%40cret"),
+            "{dbg}"
+        );
+        assert!(dbg.contains("sasl-digest-md5"), "{dbg}");
+        assert_eq!(cfg, ZkConfig::new(["h:1"]).sasl_digest_md5("app", "s@cret"));
+        assert!(ZkConfig::from_url("zk://app:pw@h:1?sasl=DIGEST-MD5").is_ok());
+        for bad in [
+            "zk://h:1?sasl=digest-md5",
+            "zk://app:pw@h:1?sasl=gssapi",
+            "zk://app:pw@h:1?sasl=",
+            "zk://app:pw@h:1?sasl=digest-md5&sasl=digest-md5",
+        ] {
+            match ZkConfig::from_url(bad) {
+                Err(e @ Error::InvalidConfig { .. }) => {
+                    assert!(!format!("{e:?} {e}").contains("pw"), "{bad}: {e}")
+                }
+                other => panic!("{bad:?}: {other:?}"),
+            }
+        }
     }
 
     #[test]

@@ -6,12 +6,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use lockkit_core::backend::{LeaseOps, TrackerHandle};
+use lockkit_core::backend::{Backoff, LeaseOps, TrackerHandle};
 use lockkit_core::{Error, Instant, LossReason, Result, async_trait};
 use zookeeper_client as zk;
 
 use crate::error::{connection_lost, from_zk, unavailable};
-use crate::session::{Session, spawn_delete};
+use crate::session::{Session, spawn_release};
 
 /// The ZooKeeper side of a [`Lease`](lockkit_core::Lease): the lock node it owns and the session
 /// that carries it. Reach it from a lease with
@@ -24,6 +24,9 @@ pub struct ZkLease {
     pub(crate) name: String,
     pub(crate) path: String,
     pub(crate) czxid: i64,
+    /// The lock-delay marker this grant created (see `DELAY_MARKER` in the lock module), which
+    /// only a release deletes.
+    pub(crate) marker: Option<String>,
     pub(crate) reg: u64,
     /// A release was sent: the node's deletion from then on is ours, not a loss.
     pub(crate) release_attempted: AtomicBool,
@@ -77,30 +80,42 @@ impl ZkLease {
 /// One watch on one node, which the server fires once, on the node's change. A watch lost with
 /// a connection is set again (zookeeper-client re-registers watches on reconnect; a session
 /// event wakes us and we set a fresh one); the session's expiry is the session monitor's to
-/// report. The task ends with the lease (its tracker lost for any reason).
+/// report. The task ends with the lease (its tracker lost for any reason). It holds the session
+/// weakly (and a clone of its client): a released lease's session must count as idle at once,
+/// not once this task has noticed the release.
 pub(crate) fn watch_own_node(lease: &Arc<ZkLease>, tracker: TrackerHandle) {
     let Ok(rt) = tokio::runtime::Handle::try_current() else {
         return;
     };
     let weak = Arc::downgrade(lease);
-    let (session, path, czxid) = (lease.session.clone(), lease.path.clone(), lease.czxid);
+    let (client, path, czxid) = (
+        lease.session.client.clone(),
+        lease.path.clone(),
+        lease.czxid,
+    );
+    let session = Arc::downgrade(&lease.session);
+    let dead = move || session.upgrade().is_none_or(|s| s.is_dead());
     let ended = tracker.view().lost();
     rt.spawn(async move {
         let gone = async {
+            let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(1));
             loop {
-                let watcher = match session.client.check_and_watch_stat(&path).await {
-                    Ok((Some(stat), w)) if stat.czxid == czxid => w,
+                let watcher = match client.check_and_watch_stat(&path).await {
+                    Ok((Some(stat), w)) if stat.czxid == czxid => {
+                        backoff.reset();
+                        w
+                    }
                     Ok(_) => return true,
-                    Err(_) if session.is_dead() => return false,
+                    Err(_) if dead() => return false,
                     Err(_) => {
-                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        tokio::time::sleep(backoff.next_delay()).await;
                         continue;
                     }
                 };
                 let event = watcher.changed().await;
                 match event.event_type {
                     zk::EventType::NodeDeleted => return true,
-                    _ if session.is_dead() || event.session_state.is_terminated() => return false,
+                    _ if dead() || event.session_state.is_terminated() => return false,
                     _ => {}
                 }
             }
@@ -162,8 +177,10 @@ impl LeaseOps for ZkLease {
         }
     }
 
-    /// Deletes this lease's node, version-checked (`version 0`: lock nodes are never written).
-    /// The node's name holds this acquire's unique id, so no other holder's node can be hit.
+    /// Deletes this lease's node, version-checked (`version 0`: lock nodes are never written),
+    /// and in the same multi-op its lock-delay marker if it was granted with a lock-delay, so
+    /// that the next in line is granted at once. The node's name holds this acquire's unique
+    /// id, so no other holder's node can be hit.
     ///
     /// A lost connection is retried for up to one TTL (the client resends once it reconnects;
     /// after that the session has expired and the server deleted the node). A retry that finds
@@ -182,7 +199,8 @@ impl LeaseOps for ZkLease {
         let (res, retried) = self
             .session
             .retry_loss_seen(Some(deadline), || {
-                self.session.client.delete(&self.path, Some(0))
+                self.session
+                    .delete_holder(&self.path, self.marker.as_deref())
             })
             .await;
         match res {
@@ -201,7 +219,12 @@ impl LeaseOps for ZkLease {
                 Err(self.not_held())
             }
             Err(e) if connection_lost(&e) || e == zk::Error::Timeout => {
-                spawn_delete(self.session.clone(), self.path.clone(), Some(self.reg));
+                spawn_release(
+                    self.session.clone(),
+                    self.path.clone(),
+                    self.marker.clone(),
+                    Some(self.reg),
+                );
                 Err(unavailable(
                     "release not acknowledged; the lock node is deleted in the background, or \
                      with its session when that expires",

@@ -10,7 +10,7 @@
 //! use lockkit_zk::{ZkFence, ZkLock};
 //!
 //! # #[tokio::main] async fn main() -> lockkit_core::Result<()> {
-//! // zk://[user:password@]host:port[,host:port…][/chroot][?prefix=…&connect_timeout=…&tls_ca=…]
+//! // zk://[user:password@]host:port[,host:port…][/chroot][?prefix=…&sasl=digest-md5&connect_timeout=…&tls_ca=…]
 //! let locks = ZkLock::connect("zk://127.0.0.1:2181,127.0.0.1:2182/apps/billing?prefix=locks").await?;
 //! let opts = AcquireOptions::new()
 //!     .ttl(Duration::from_secs(10)) // = the ZooKeeper session timeout of this lease
@@ -61,6 +61,18 @@
 //! - **Release** is a version-checked delete of the lease's own node. If it cannot be
 //!   acknowledged, it keeps going in the background and the lease stays registered with its
 //!   session until the node is gone (deleted, or with its expired session).
+//! - **Lock-delay** ([`AcquireOptions::lock_delay`](lockkit_core::AcquireOptions::lock_delay)):
+//!   ZooKeeper deletes an expired session's nodes and tells no one when. So a grant with a
+//!   delay creates a persistent marker node `lock-delay` in the lock's container node (open to
+//!   everyone like the container, naming the holder's node and the delay), and its release
+//!   deletes it in one multi-op with the holder's node. The next in line that finds a marker
+//!   whose holder node is gone stamps it (`setData`: its `mtime` on the server's clock is when
+//!   the lock was seen free), waits out the rest of the delay in one sleep, deletes it and is
+//!   granted; a
+//!   try-once acquire gets [`Held`](lockkit_core::Error::Held) (and deletes its node) until the
+//!   server's clock shows the delay passed since the stamp (its own node's `ctime` − the stamp's
+//!   `mtime`). A lapsed holder's node deleted by this client at its deadline (a leaked lease)
+//!   leaves its marker too.
 //! - [`ZkFence::from_lease`] writes your own ZooKeeper data only while a lease holds its lock: a
 //!   multi-op checking the lease's node and the data node's guard record, which binds the node to
 //!   the lock of its first fenced write (a holder of another lock gets
@@ -81,9 +93,18 @@
 //!   the shared prefix and lock container nodes are open to everyone, so clients with other or
 //!   no credentials can queue on the same locks. ZooKeeper's `digest` scheme never refuses a
 //!   password: a wrong one is another identity, and an ACL refusing it is
-//!   [`Backend`](lockkit_core::Error::Backend) "no permission", not `Auth`.
+//!   [`Backend`](lockkit_core::Error::Backend) "no permission", not `Auth`. With
+//!   `sasl=digest-md5` ([`ZkConfig::sasl_digest_md5`]) the same `user:password` is presented by
+//!   SASL DIGEST-MD5 instead: the server checks it (JAAS `DigestLoginModule`), a wrong password
+//!   is [`Auth`](lockkit_core::Error::Auth) at connect, and the ACL identity is `sasl:user`.
 //! - Expiry granularity: the server expires sessions on tick boundaries, up to one `tickTime`
 //!   (default 2 s, [`EXPIRY_SLACK`]) after the timeout.
+//! - Lock-delay counts from when the next acquirer saw the lock free (later than the server
+//!   freed it, never earlier). The one that stamps the marker sleeps the whole delay on its
+//!   own monotonic clock; later ones (a try-once acquire, a waiter whose node is younger than
+//!   the stamp) subtract what the server's wall clock (the leader's) shows passed between the
+//!   stamp and their own node's creation: a leader change between the two to a server whose
+//!   clock is behind, or a clock step, can shorten the delay they see by that much.
 //! - Tokens survive restarts only if the server's transaction log is fsynced (`forceSync=yes`,
 //!   the default): with `forceSync=no` a crash can lose the last zxids, which are then reused.
 #![forbid(unsafe_code)]

@@ -32,6 +32,11 @@ pub const EXPIRY_SLACK: Duration = Duration::from_secs(2);
 /// (60 by default) connections from one IP address, for every client on that host together.
 pub const MAX_SESSIONS: usize = 16;
 
+/// How soon a holder hears that the server deleted its node ([`Guarantees::loss_notice`]): the
+/// watch on its own node fires on the delete (1–4 ms measured); a session the server expired
+/// is heard at the session's expiry event, or at the holder's own deadline.
+const LOSS_NOTICE: Duration = Duration::from_millis(500);
+
 /// Counters of the waiting machinery, for tests (herd checks; feature `test-hooks`). Not part
 /// of the API.
 #[doc(hidden)]
@@ -118,7 +123,8 @@ impl ZkLock {
     /// # Errors
     /// - [`Error::InvalidConfig`]: invalid `cfg`, or the chroot does not exist.
     /// - [`Error::Unavailable`]: no server answered within the connect timeout.
-    /// - [`Error::Auth`]: the server refused the credentials.
+    /// - [`Error::Auth`]: the server refused the credentials, or (`sasl=digest-md5`) did not
+    ///   authenticate them (no SASL configured on the server).
     /// - [`Error::Backend`]: the credentials may not read the prefix node (its ACL, set by
     ///   an older version of this crate or by hand, does not grant them).
     ///
@@ -335,7 +341,7 @@ impl ZkLock {
             path: None,
             armed: true,
         };
-        let (node, czxid, mut created_at) = self
+        let (node, Created { czxid, ctime }, mut created_at) = self
             .create_node(&session, dir, &own, io_deadline, &mut pending)
             .await
             .map_err(|e| self.fail(e, name, start, opts))?;
@@ -360,7 +366,7 @@ impl ZkLock {
                 ),
                 None => {
                     let at = Instant::now();
-                    (at, synced_children(&session, dir, io_deadline).await)
+                    (at, session.synced_children(dir, io_deadline).await)
                 }
             };
             let children = children.map_err(|e| self.fail(e, name, start, opts))?;
@@ -375,6 +381,61 @@ impl ZkLock {
                 ));
             };
             if pos == 0 {
+                // First in line. A lock-delay marker left by a holder that did not release
+                // holds the grant back until its delay is over.
+                if children.iter().any(|c| c == DELAY_MARKER) {
+                    let marker = format!("{dir}/{DELAY_MARKER}");
+                    let Some((remaining, version)) = self
+                        .delay_left(&session, &marker, &node_name, ctime, io_deadline)
+                        .await
+                        .map_err(|e| self.fail(e, name, start, opts))?
+                    else {
+                        continue; // gone meanwhile (or ours): look again
+                    };
+                    if !remaining.is_zero() {
+                        if opts.wait == Wait::No {
+                            pending.delete_now().await;
+                            return Err(Error::Held {
+                                name: name.to_owned(),
+                            });
+                        }
+                        let end = Instant::now() + remaining;
+                        // One sleep: nothing wakes a lock-delay early.
+                        if let Some(d) = deadline.filter(|d| *d < end) {
+                            tokio::time::sleep_until(d).await;
+                            pending.delete_now().await;
+                            return Err(Error::Timeout {
+                                name: name.to_owned(),
+                                waited: start.elapsed(),
+                            });
+                        }
+                        tokio::time::sleep_until(end).await;
+                    }
+                    match session
+                        .retry_loss(io_deadline, || {
+                            session.client.delete(&marker, Some(version))
+                        })
+                        .await
+                    {
+                        Ok(()) | Err(zk::Error::NoNode | zk::Error::BadVersion) => {}
+                        Err(e) => return Err(self.fail(e, name, start, opts)),
+                    }
+                    continue; // list again: a fresh proof of the session for the lease's start
+                }
+                let marker = match opts.effective_lock_delay() {
+                    None => None,
+                    Some(delay) => {
+                        let marker = format!("{dir}/{DELAY_MARKER}");
+                        if !self
+                            .create_marker(&session, &marker, delay, &node_name, io_deadline)
+                            .await
+                            .map_err(|e| self.fail(e, name, start, opts))?
+                        {
+                            continue; // another marker is there: deal with it first
+                        }
+                        Some(marker)
+                    }
+                };
                 // Granted. `sent` is the lease's start (see above).
                 let tracker = TrackerHandle::new(sent, session.ttl);
                 let Some(reg) = session.register(tracker.clone(), node.clone()) else {
@@ -389,6 +450,7 @@ impl ZkLock {
                     name: name.to_owned(),
                     path: node,
                     czxid,
+                    marker,
                     reg,
                     release_attempted: AtomicBool::new(false),
                 });
@@ -445,7 +507,7 @@ impl ZkLock {
         own: &str,
         io_deadline: Option<Instant>,
         pending: &mut Pending,
-    ) -> Result<(String, i64, Option<Instant>), zk::Error> {
+    ) -> Result<(String, Created, Option<Instant>), zk::Error> {
         let prefix = format!("{dir}/{own}");
         let mode = zk::CreateMode::EphemeralSequential.with_acls(session.own_acls());
         for _ in 0..8 {
@@ -462,18 +524,21 @@ impl ZkLock {
                 Ok((stat, seq)) => {
                     let path = format!("{prefix}{seq}");
                     pending.path = Some(path.clone());
-                    let czxid = if stat.czxid > 0 {
-                        stat.czxid
+                    let created = if stat.czxid > 0 {
+                        Created {
+                            czxid: stat.czxid,
+                            ctime: stat.ctime,
+                        }
                     } else {
-                        self.czxid_of(session, &path, io_deadline).await?
+                        self.created_stat(session, &path, io_deadline).await?
                     };
-                    return Ok((path, czxid, Some(sent)));
+                    return Ok((path, created, Some(sent)));
                 }
                 Err(zk::Error::NoNode) => self.ensure_dirs(session, dir, io_deadline).await?,
                 Err(e) if connection_lost(&e) => {
                     // `sync` first: a follower that lags behind the leader could otherwise list
                     // `dir` without the create, whose commit it has not applied yet.
-                    let children = synced_children(session, dir, io_deadline).await;
+                    let children = session.synced_children(dir, io_deadline).await;
                     let mine = match children {
                         Ok(c) => c.into_iter().find(|c| c.starts_with(own)),
                         Err(zk::Error::NoNode) => None,
@@ -482,8 +547,8 @@ impl ZkLock {
                     if let Some(child) = mine {
                         let path = format!("{dir}/{child}");
                         pending.path = Some(path.clone());
-                        let czxid = self.czxid_of(session, &path, io_deadline).await?;
-                        return Ok((path, czxid, None));
+                        let created = self.created_stat(session, &path, io_deadline).await?;
+                        return Ok((path, created, None));
                     }
                 }
                 Err(e) => return Err(e),
@@ -492,18 +557,110 @@ impl ZkLock {
         Err(zk::Error::ConnectionLoss)
     }
 
-    async fn czxid_of(
+    async fn created_stat(
         &self,
         session: &Session,
         path: &str,
         io_deadline: Option<Instant>,
-    ) -> Result<i64, zk::Error> {
+    ) -> Result<Created, zk::Error> {
         match session
             .retry_loss(io_deadline, || session.client.check_stat(path))
             .await?
         {
-            Some(stat) => Ok(stat.czxid),
+            Some(stat) => Ok(Created {
+                czxid: stat.czxid,
+                ctime: stat.ctime,
+            }),
             None => Err(zk::Error::NoNode),
+        }
+    }
+
+    /// What is left of the lock-delay of the marker `marker`, seen by the first in line (whose
+    /// node `own` was created at server time `own_ctime`), and the marker's version to delete
+    /// it by once the delay is over (none left for a marker of our own); `None` if the marker
+    /// is gone or was stamped meanwhile: look again.
+    ///
+    /// The marker names the holder node that created it. First in line, every node before
+    /// ours is gone, so a marker naming another node was left by a holder that did not
+    /// release. The first acquirer to find it so stamps it (a `setData`, version 0 → 1): the
+    /// stamp's `mtime`, on the server's clock, is when the lock was seen free. The delay then
+    /// counts from the stamp: all of it when we stamp now, else less what the server's clock
+    /// shows passed between the stamp and our own node's creation (`ctime`; no credit when
+    /// our node is older than the stamp).
+    async fn delay_left(
+        &self,
+        session: &Session,
+        marker: &str,
+        own: &str,
+        own_ctime: i64,
+        io_deadline: Option<Instant>,
+    ) -> Result<Option<(Duration, i32)>, zk::Error> {
+        let (data, stat) = match session
+            .retry_loss(io_deadline, || session.client.get_data(marker))
+            .await
+        {
+            Ok(found) => found,
+            Err(zk::Error::NoNode) => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        let (delay, holder) = parse_marker(&data);
+        if holder == own {
+            // Ours, from an attempt of this acquire that went no further: remove it now.
+            return Ok(Some((Duration::ZERO, stat.version)));
+        }
+        if stat.version == 0 {
+            return match session
+                .retry_loss(io_deadline, || {
+                    session.client.set_data(marker, &data, Some(0))
+                })
+                .await
+            {
+                Ok(stamped) => Ok(Some((delay, stamped.version))),
+                // Stamped or deleted meanwhile (or our own lost stamp, applied): look again.
+                Err(zk::Error::NoNode | zk::Error::BadVersion) => Ok(None),
+                Err(e) => Err(e),
+            };
+        }
+        let passed = u64::try_from(own_ctime.saturating_sub(stat.mtime)).unwrap_or(0);
+        Ok(Some((
+            delay.saturating_sub(Duration::from_millis(passed)),
+            stat.version,
+        )))
+    }
+
+    /// Creates this grant's lock-delay marker `marker` (persistent, naming our node `own`, open
+    /// to everyone like the lock's container node: whoever comes next, with whatever
+    /// credentials, must be able to remove it once its delay is over). `false` if another
+    /// marker is in the way.
+    async fn create_marker(
+        &self,
+        session: &Session,
+        marker: &str,
+        delay: Duration,
+        own: &str,
+        io_deadline: Option<Instant>,
+    ) -> Result<bool, zk::Error> {
+        let data = format!("{} {own}", delay.as_millis());
+        let mode = zk::CreateMode::Persistent.with_acls(shared_acls());
+        match session
+            .retry_loss(io_deadline, || {
+                session.client.create(marker, data.as_bytes(), &mode)
+            })
+            .await
+        {
+            Ok(_) => Ok(true),
+            Err(zk::Error::NodeExists) => {
+                // Ours if an earlier attempt whose reply was lost created it.
+                match session
+                    .retry_loss(io_deadline, || session.client.get_data(marker))
+                    .await
+                {
+                    Ok((found, _)) => Ok(parse_marker(&found).1 == own),
+                    Err(zk::Error::NoNode) => Ok(false),
+                    Err(e) => Err(e),
+                }
+            }
+            Err(e) => Err(e),
         }
     }
 
@@ -535,26 +692,6 @@ impl ZkLock {
         }
         Ok(())
     }
-}
-
-/// `sync(dir)` then `list_children(dir)`, queued together (a session answers in order): a listing
-/// that reflects every transaction the leader committed before the `sync` reached it.
-pub(crate) async fn synced_children(
-    session: &Session,
-    dir: &str,
-    io_deadline: Option<Instant>,
-) -> Result<Vec<String>, zk::Error> {
-    session
-        .retry_loss(io_deadline, || {
-            let sync = session.client.sync(dir);
-            let list = session.client.list_children(dir);
-            async move {
-                let (synced, list) = tokio::join!(sync, list);
-                synced?;
-                list
-            }
-        })
-        .await
 }
 
 /// Closes `session` once it has been idle (used by nothing but the map) at two checks one TTL
@@ -591,6 +728,32 @@ fn spawn_janitor(inner: Weak<Inner>, session: Weak<Session>) {
 
 /// Marker error: the chroot does not exist (reported as [`Error::InvalidConfig`]).
 const CHROOT_GONE: zk::Error = zk::Error::BadArguments(&"the chroot does not exist");
+
+/// The name, in a lock's container node, of the lock-delay marker: a persistent node created by
+/// a holder granted with a lock-delay, deleted by its release (in one multi-op with its lock
+/// node). A marker that outlives its holder's node tells the next in line that the holder
+/// ended without a release. Never taken for a lock node (no `-lock-NNNN`).
+pub(crate) const DELAY_MARKER: &str = "lock-delay";
+
+/// A lock node's creation: its `czxid` (the token) and `ctime` (server clock, ms since epoch).
+#[derive(Clone, Copy)]
+struct Created {
+    czxid: i64,
+    ctime: i64,
+}
+
+/// A marker's data, `{delay in ms} {holder node}`: its delay (at most
+/// [`MAX_LOCK_DELAY`](lockkit_core::MAX_LOCK_DELAY); that much for data this crate did not
+/// write) and the holder node's name.
+fn parse_marker(data: &[u8]) -> (Duration, &str) {
+    let text = std::str::from_utf8(data).unwrap_or_default();
+    let (ms, holder) = text.split_once(' ').unwrap_or(("", ""));
+    let delay = ms
+        .parse::<u64>()
+        .map(Duration::from_millis)
+        .unwrap_or(lockkit_core::MAX_LOCK_DELAY);
+    (delay.min(lockkit_core::MAX_LOCK_DELAY), holder)
+}
 
 /// The sequence number of a lock node `…-lock-NNNNNNNNNN`.
 fn sequence_of(child: &str) -> Option<i64> {
@@ -677,6 +840,9 @@ impl LockBackend for ZkLock {
     ///   granted even with a zero wait), so it may return up to that long after its deadline when
     ///   the server does not answer.
     /// - [`Error::Backend`] if [`MAX_SESSIONS`] sessions (distinct TTLs) are already in use.
+    /// - [`Error::Held`] for a try-once acquire during a lock-delay left by a holder that ended
+    ///   without a release (see the crate docs, "Lock-delay"); a waiting acquire sleeps it out
+    ///   (at most until its deadline: [`Error::Timeout`]).
     ///
     /// # Cancel safety
     /// Cancel safe: a node created by a dropped acquire is deleted in the background (found by
@@ -718,9 +884,12 @@ impl LockBackend for ZkLock {
         g.fifo_waiters = true;
         g.manual_renewal = false;
         g.expiry_slack = EXPIRY_SLACK;
+        g.lock_delay = true;
+        g.loss_notice = Some(LOSS_NOTICE);
         g.notes = "ZooKeeper: consensus-backed (ZAB); lease = session, TTL = negotiated session \
                    timeout; token = holder node czxid; FIFO by sequence number; tokens durable \
-                   when the transaction log is fsynced (forceSync=yes, the default)";
+                   when the transaction log is fsynced (forceSync=yes, the default); lock-delay \
+                   through a marker node, counted from when the next acquirer saw the lock free";
         g
     }
 
@@ -770,5 +939,20 @@ mod tests {
         assert_eq!(sequence_of("abc-lock-"), None);
         assert_eq!(sequence_of("abc-lock-12x"), None);
         assert_eq!(sequence_of("other"), None);
+        assert_eq!(sequence_of(DELAY_MARKER), None);
+    }
+
+    #[test]
+    fn markers() {
+        assert_eq!(
+            parse_marker(b"1500 abc-lock-0000000001"),
+            (Duration::from_millis(1500), "abc-lock-0000000001")
+        );
+        assert_eq!(
+            parse_marker(b"9999999 x"),
+            (lockkit_core::MAX_LOCK_DELAY, "x")
+        );
+        assert_eq!(parse_marker(b"\xff"), (lockkit_core::MAX_LOCK_DELAY, ""));
+        assert_eq!(parse_marker(b""), (lockkit_core::MAX_LOCK_DELAY, ""));
     }
 }

@@ -31,7 +31,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
-use lockkit_core::backend::{SuspectReason, TrackerHandle};
+use lockkit_core::backend::{Backoff, SuspectReason, TrackerHandle};
 use lockkit_core::{Error, Instant, LossReason, Result};
 use tokio::task::AbortHandle;
 use zookeeper_client as zk;
@@ -99,6 +99,9 @@ impl Session {
         if let Some(auth) = cfg.digest_auth() {
             connector = connector.with_auth("digest", &auth);
         }
+        if let Some(sasl) = cfg.sasl_options() {
+            connector = connector.with_sasl(sasl);
+        }
         let tls = cfg.tls_options().await?;
         let secure = tls.is_some();
         if let Some(tls) = tls {
@@ -148,6 +151,9 @@ impl Session {
             Ok(Err(e)) => return Err(from_zk(e)),
             Ok(Ok(c)) => c,
         };
+        if cfg.sasl_options().is_some() {
+            check_sasl(&client, cfg.get_connect_timeout()).await?;
+        }
         let negotiated = client.session_timeout();
         if strict && negotiated != ttl {
             return Err(Error::config(format!(
@@ -159,7 +165,7 @@ impl Session {
         let session = Arc::new(Session {
             id: client.session_id().0,
             ttl: negotiated,
-            creator_acl: cfg.digest_auth().is_some(),
+            creator_acl: cfg.authenticated(),
             client,
             leases: Mutex::new(HashMap::new()),
             confirmed: Mutex::new(Some(opened)),
@@ -313,7 +319,7 @@ impl Session {
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<T, zk::Error>>,
     {
-        let mut pause = Duration::from_millis(10);
+        let mut backoff = Backoff::new(Duration::from_millis(10), Duration::from_millis(500));
         let mut lost = false;
         loop {
             let attempt = op();
@@ -327,15 +333,82 @@ impl Session {
             match res {
                 Err(e) if connection_lost(&e) && !self.is_dead() => {
                     lost = true;
+                    let pause = backoff.next_delay();
                     if deadline.is_some_and(|d| Instant::now() + pause >= d) {
                         return (Err(e), lost);
                     }
                     tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(Duration::from_millis(500));
                 }
                 other => return (other, lost),
             }
         }
+    }
+
+    /// Deletes a holder's lock node `path` (version 0: lock nodes are never written) and, in the
+    /// same multi-op, its lock-delay marker `marker` if it has one: a release frees the lock
+    /// at once. A marker found gone (deleted by hand) does not stop the node's delete.
+    pub(crate) async fn delete_holder(
+        &self,
+        path: &str,
+        marker: Option<&str>,
+    ) -> Result<(), zk::Error> {
+        let Some(marker) = marker else {
+            return self.client.delete(path, Some(0)).await;
+        };
+        let mut w = self.client.new_multi_writer();
+        w.add_delete(path, Some(0))?;
+        w.add_delete(marker, None)?;
+        match w.commit().await {
+            Ok(_) => Ok(()),
+            Err(zk::MultiWriteError::OperationFailed {
+                index: 1,
+                source: zk::Error::NoNode,
+            }) => self.client.delete(path, Some(0)).await,
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// `sync(dir)` then `list_children(dir)`, queued together (a session answers in order): a
+    /// listing that reflects every transaction the leader committed before the `sync` reached
+    /// it.
+    pub(crate) async fn synced_children(
+        &self,
+        dir: &str,
+        io_deadline: Option<Instant>,
+    ) -> Result<Vec<String>, zk::Error> {
+        self.retry_loss(io_deadline, || {
+            let sync = self.client.sync(dir);
+            let list = self.client.list_children(dir);
+            async move {
+                let (synced, list) = tokio::join!(sync, list);
+                synced?;
+                list
+            }
+        })
+        .await
+    }
+}
+
+/// A server without SASL (no JAAS `Server` section, no `SASLAuthenticationProvider`) lets a
+/// SASL client on without authenticating it: lock nodes would then fail with `InvalidACL`
+/// (creator-only ACL, no identity) and fenced writes likewise. Asks the server who this session
+/// is (`whoami`, ZooKeeper ≥ 3.7; skipped on older servers) and refuses a session without a
+/// `sasl` identity with [`Error::Auth`].
+async fn check_sasl(client: &zk::Client, timeout: Duration) -> Result<()> {
+    match tokio::time::timeout(timeout, client.list_auth_users()).await {
+        Err(_) => Err(unavailable(
+            "no answer from ZooKeeper to whoami within the connect timeout",
+        )),
+        Ok(Ok(users)) if users.iter().any(|u| u.scheme() == "sasl") => Ok(()),
+        Ok(Ok(_)) => Err(Error::Auth {
+            backend: crate::error::BACKEND,
+            source: "the ZooKeeper server did not authenticate the SASL user: it has no SASL \
+                     configured (a JAAS Server section and authProvider \
+                     SASLAuthenticationProvider)"
+                .into(),
+        }),
+        Ok(Err(zk::Error::Unimplemented)) => Ok(()),
+        Ok(Err(e)) => Err(from_zk(e)),
     }
 }
 
@@ -343,12 +416,24 @@ impl Session {
 /// until the delete is acknowledged, the node is found gone, or the session ends (its ephemeral
 /// nodes then go with it). Then deregisters `lease_id`.
 pub(crate) fn spawn_delete(session: Arc<Session>, path: String, lease_id: Option<u64>) {
+    spawn_release(session, path, None, lease_id);
+}
+
+/// [`spawn_delete`] of a released holder's node together with its lock-delay `marker`
+/// ([`Session::delete_holder`]). If the session ends first, the marker stays: the lease then
+/// ended without a release as far as the next holder can tell.
+pub(crate) fn spawn_release(
+    session: Arc<Session>,
+    path: String,
+    marker: Option<String>,
+    lease_id: Option<u64>,
+) {
     let Ok(rt) = tokio::runtime::Handle::try_current() else {
         return; // no runtime: the session's end frees the node
     };
     rt.spawn(async move {
         let res = session
-            .retry_loss(None, || session.client.delete(&path, Some(0)))
+            .retry_loss(None, || session.delete_holder(&path, marker.as_deref()))
             .await;
         if let Err(e) = &res {
             if !matches!(e, zk::Error::NoNode | zk::Error::BadVersion) && !session.is_dead() {
@@ -385,7 +470,7 @@ pub(crate) fn spawn_delete_own(session: Arc<Session>, dir: String, own_prefix: S
     rt.spawn(async move {
         // Requests on one session are answered in order, so this listing sees a create that was
         // sent before it; the `sync` makes a lagging follower catch up with the leader first.
-        let children = match crate::lock::synced_children(&session, &dir, None).await {
+        let children = match session.synced_children(&dir, None).await {
             Ok(c) => c,
             Err(_) => return, // no parent, or the session ended: nothing of ours remains
         };

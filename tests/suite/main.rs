@@ -8,6 +8,13 @@
 mod common;
 mod memory;
 mod observability;
+/// TLS needs a network backend.
+#[cfg(any(
+    feature = "etcd",
+    feature = "postgres",
+    feature = "redis",
+    feature = "zk"
+))]
 mod tls;
 mod urls;
 

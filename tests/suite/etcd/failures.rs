@@ -959,3 +959,146 @@ async fn short_waits_are_bounded_when_etcd_hangs() {
         .expect("acquire once etcd answers");
     lease.release().await.unwrap();
 }
+
+/// Reads one gauge from etcd's `/metrics` (served on the client port), summed over its labels.
+async fn etcd_gauge(endpoint: &str, name: &str) -> f64 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut sock = tokio::net::TcpStream::connect(endpoint).await.unwrap();
+    sock.write_all(b"GET /metrics HTTP/1.0\r\nHost: etcd\r\n\r\n")
+        .await
+        .unwrap();
+    let mut body = String::new();
+    sock.read_to_string(&mut body).await.unwrap();
+    body.lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{']))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Many locks held by one client share one watch stream (not a stream each), and an admin's
+/// revoke of their session lease, or a delete of one key, still turns exactly those locks Lost
+/// within the loss-notice bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_held_locks_share_one_watch_stream() {
+    let data = support::fresh_data_dir();
+    let m = support::start_single(data.path(), free_port(), free_port()).await;
+    let url = format!("etcd://{}", m.endpoint());
+    let a = EtcdLock::connect(&url).await.unwrap();
+    let notice = a.guarantees().loss_notice.expect("a loss-notice bound");
+    let admin = Client::connect([m.endpoint()], None).await.unwrap();
+    let ttl = Duration::from_secs(30);
+    const N: usize = 300;
+    let mut held = Vec::new();
+    for i in 0..N {
+        held.push(a.try_acquire(&format!("many-{i}"), ttl).await.unwrap());
+    }
+    // A manual lease's key is watched on the same stream.
+    let manual = a
+        .acquire(
+            "manual",
+            AcquireOptions::new()
+                .ttl(ttl)
+                .keepalive(false)
+                .wait(Wait::No),
+        )
+        .await
+        .unwrap();
+    let streams = etcd_gauge(&m.endpoint(), "etcd_debugging_mvcc_watch_stream_total").await;
+    let watchers = etcd_gauge(&m.endpoint(), "etcd_debugging_mvcc_watcher_total").await;
+    eprintln!(
+        "etcd: {} held locks -> {streams} watch streams, {watchers} watchers",
+        N + 1
+    );
+    assert_eq!(streams, 1.0, "one watch stream for every held lock");
+    // (The watchers may still be being set up: the deletes below show they are.)
+    // A delete of one key: that lock only.
+    let t = Instant::now();
+    admin
+        .kv_client()
+        .delete(etcd_of(&held[7]).key().to_vec(), None)
+        .await
+        .unwrap();
+    tokio::time::timeout(notice, held[7].lost())
+        .await
+        .expect("the delete was not heard within the loss-notice bound");
+    eprintln!("etcd: delete of 1 of {N} keys -> Lost in {:?}", t.elapsed());
+    assert_eq!(held[8].state(), LeaseState::Held);
+    assert_eq!(manual.state(), LeaseState::Held);
+    // A revoke of the session lease: every lock on it.
+    let t = Instant::now();
+    admin
+        .lease_client()
+        .revoke(etcd_of(&held[0]).lease_id())
+        .await
+        .unwrap();
+    for l in &held {
+        tokio::time::timeout(notice, l.lost())
+            .await
+            .expect("the revoke was not heard within the loss-notice bound");
+    }
+    eprintln!(
+        "etcd: revoke of a lease with {N} keys -> all Lost in {:?}",
+        t.elapsed()
+    );
+    assert!(
+        held.iter()
+            .all(|l| l.loss_reason() == Some(lockkit::LossReason::NotHeldOnServer))
+    );
+    assert_eq!(manual.state(), LeaseState::Held);
+    manual.release().await.unwrap();
+}
+
+/// The client's key watch stream reopens after the member restarts and sets its watchers up
+/// again from their keys' revisions (1,000 of them): an admin's delete of a held key right after the restart
+/// is still heard from the watch (long before the next keepalive, TTL/3 = 10 s later).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn key_watch_reconnects_after_a_member_restart() {
+    let data = support::fresh_data_dir();
+    let (cp, pp) = (free_port(), free_port());
+    let mut m = support::start_single(data.path(), cp, pp).await;
+    let url = format!("etcd://{}", m.endpoint());
+    let a = EtcdLock::connect(&url).await.unwrap();
+    let ttl = Duration::from_secs(30);
+    // Enough watchers that the new stream's creates must be interleaved with reading answers.
+    let mut many = Vec::new();
+    for i in 0..1000 {
+        many.push(a.try_acquire(&format!("many-{i}"), ttl).await.unwrap());
+    }
+    let gone = a.try_acquire("gone", ttl).await.unwrap();
+    let kept = a.try_acquire("kept", ttl).await.unwrap();
+    m.proc.kill();
+    let m = support::start_single(data.path(), cp, pp).await;
+    let admin = Client::connect([m.endpoint()], None).await.unwrap();
+    let t = Instant::now();
+    admin
+        .kv_client()
+        .delete(etcd_of(&gone).key().to_vec(), None)
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(5), gone.lost())
+        .await
+        .expect("the delete after a restart was not heard from the watch");
+    eprintln!("etcd: delete after a restart -> Lost in {:?}", t.elapsed());
+    assert_eq!(
+        gone.loss_reason(),
+        Some(lockkit::LossReason::NotHeldOnServer)
+    );
+    assert_ne!(kept.state(), LeaseState::Lost);
+    kept.release().await.unwrap();
+    // Every watcher was set up again: deletes of a spread of the other keys are heard too.
+    for l in many.iter().step_by(97) {
+        admin
+            .kv_client()
+            .delete(etcd_of(l).key().to_vec(), None)
+            .await
+            .unwrap();
+        tokio::time::timeout(Duration::from_secs(5), l.lost())
+            .await
+            .expect("a delete after a restart was not heard");
+    }
+    let lost = many
+        .iter()
+        .filter(|l| l.state() == LeaseState::Lost)
+        .count();
+    assert_eq!(lost, many.iter().step_by(97).count());
+}

@@ -2,6 +2,7 @@
 //! connects, and failure tests on private etcd processes (`cluster`, `failures`).
 
 mod cluster;
+mod delay;
 mod failures;
 mod fence;
 mod support;
@@ -38,7 +39,7 @@ async fn connect_plain_url_and_guarantees() {
     assert_eq!(g.backend, "etcd");
     assert_eq!(g.kind, lockkit::LockKind::Correctness);
     assert!(g.tokens_survive_restart && g.safe_across_failover && g.fifo_waiters);
-    assert!(g.manual_renewal);
+    assert!(g.manual_renewal && g.lock_delay);
     assert!(g.expiry_slack >= Duration::from_millis(1500));
 }
 

@@ -210,8 +210,8 @@ async fn paused_holder_is_fenced_out() {
 }
 
 /// `pg_terminate_backend` on the holder's session frees the lock at once; the holder learns it
-/// from its session watch within about a second (long before its deadline), and the next token
-/// is larger.
+/// by reading the close on its connection (long before its deadline), and the next token is
+/// larger.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_session_releases_and_tells_holder() {
     let url = with_prefix(&base_url(), &fresh_prefix());
@@ -241,14 +241,11 @@ async fn killed_session_releases_and_tells_holder() {
         .expect("the killed session's lock was not freed");
     assert!(killed.elapsed() < Duration::from_secs(3));
     assert!(next.token() > lease.token());
-    // The session watch checks every SESSION_CHECK (1 s): the holder is told then, before its
-    // first keepalive (TTL/3 = 3 s) and well before its deadline.
-    tokio::time::timeout(
-        lockkit::postgres::SESSION_CHECK + Duration::from_millis(1500),
-        lease.lost(),
-    )
-    .await
-    .expect("the holder was not told its session was killed");
+    // The close watch reads the close at once (see loss.rs for the bound): before the first
+    // keepalive (TTL/3 = 3 s) and well before the deadline.
+    tokio::time::timeout(Duration::from_secs(1), lease.lost())
+        .await
+        .expect("the holder was not told its session was killed");
     assert_eq!(lease.state(), LeaseState::Lost);
     assert!(
         Instant::now() < lease.valid_until(),

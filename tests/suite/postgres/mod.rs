@@ -2,8 +2,10 @@
 //! bad connects, the fence, key collisions, migration, pooler detection, and (in `failures`)
 //! paused holders, killed sessions, server restarts and cancelled waits.
 
+mod delay;
 mod failures;
 mod fence;
+mod loss;
 mod review;
 mod server;
 mod slots;

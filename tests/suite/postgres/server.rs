@@ -165,6 +165,11 @@ impl PgServer {
         self.pg_ctl_start();
     }
 
+    /// Starts the server again after [`stop_immediate`](Self::stop_immediate).
+    pub fn start_again(&self) {
+        self.pg_ctl_start();
+    }
+
     pub fn stop_immediate(&self) {
         let _ = as_postgres(&self.bin, "pg_ctl")
             .arg("-D")

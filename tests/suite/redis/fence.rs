@@ -1,4 +1,4 @@
-//! `RedisFence` on the shared server, made from leases of `lockkit::connect`, and `lease.check()`.
+//! `RedisFence` on the shared server (one test on a private one), made from leases of `lockkit::connect`, and `lease.check()`.
 
 use std::time::Duration;
 
@@ -17,9 +17,9 @@ fn url() -> String {
     with_prefix(&server_url("LOCKKIT_REDIS_URL"), &fresh_prefix())
 }
 
-/// Deletes lock `name`'s key, behind its holder's back.
-async fn delete_lock_key(locks: &RedisLock, name: &str) {
-    let mut raw = redis::Client::open(server_url("LOCKKIT_REDIS_URL"))
+/// Deletes lock `name`'s key on the server at `server`, behind its holder's back.
+async fn delete_lock_key(server: &str, locks: &RedisLock, name: &str) {
+    let mut raw = redis::Client::open(server)
         .unwrap()
         .get_multiplexed_async_connection()
         .await
@@ -89,10 +89,12 @@ async fn fence_from_a_connected_lease_binds_keys_to_its_lock() {
 
 /// The server frees A's lock behind its back (here: its key is deleted), B gets the lock and
 /// writes; A's own write is then rejected as stale, and A's lease is Lost at once, not at its
-/// deadline.
-#[tokio::test]
+/// deadline. On a server without `CONFIG` (no keyspace notifications), so that A cannot hear
+/// of the deletion before its write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn own_stale_write_loses_the_lease() {
-    let url = url();
+    let server = super::PrivateRedis::start_with(None, &["--rename-command", "CONFIG", ""]).await;
+    let url = with_prefix(&server.url(), &fresh_prefix());
     let locks = RedisLock::connect(&url).await.expect("connect");
     let (a, b) = (
         lockkit::connect(&url).await.unwrap(),
@@ -103,7 +105,8 @@ async fn own_stale_write_loses_the_lease() {
     let fence_a = RedisFence::from_lease(&lease_a).unwrap();
     fence_a.set(&key, "A1").await.expect("A writes");
 
-    delete_lock_key(&locks, "s").await;
+    assert_eq!(locks.loss_notice(), None);
+    delete_lock_key(&server.url(), &locks, "s").await;
     let lease_b = b.try_acquire("s", TTL).await.expect("B acquires");
     assert!(lease_b.token() > lease_a.token());
     RedisFence::from_lease(&lease_b)
@@ -142,6 +145,6 @@ async fn check_sees_a_lock_freed_behind_the_leases_back() {
     let locks = RedisLock::connect(&url).await.expect("connect");
     let lease = locks.try_acquire("c", TTL).await.expect("acquire");
     lease.check().await.expect("held");
-    delete_lock_key(&locks, "c").await;
+    delete_lock_key(&server_url("LOCKKIT_REDIS_URL"), &locks, "c").await;
     assert_check_finds_it_freed(&lease, TTL).await;
 }

@@ -12,8 +12,11 @@ use tokio::time::Instant;
 
 use crate::common::{ServerProcess, free_port, fresh_prefix, server_url, wait_until, with_prefix};
 
+mod breaker;
+mod delay;
 mod failures;
 mod fence;
+mod notify;
 mod queue;
 
 mod contract {
@@ -594,8 +597,9 @@ async fn waiter_resubscribes_after_its_pubsub_connection_dies() {
         .query_async(&mut conn.clone())
         .await
         .expect("CLIENT KILL");
-    assert_eq!(
-        killed, 1,
+    // The holder's too: both keep one up for keyspace notifications.
+    assert!(
+        killed >= 1,
         "expected to kill the waiter's pub/sub connection"
     );
     until_subscribed("the waiter did not subscribe again").await;

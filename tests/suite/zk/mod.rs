@@ -42,4 +42,5 @@ mod ensemble;
 mod failures;
 mod fence;
 mod private;
+mod sasl;
 mod server;

@@ -101,12 +101,13 @@ async fn sessions_per_ttl_are_capped_and_closed_when_idle() {
     assert!(connections(server.port).await <= MAX_SESSIONS);
 
     // Live leases on MAX_SESSIONS - 1 distinct TTLs (plus the control session): the next TTL
-    // has no room, and says so.
+    // has no room, and says so. TTLs of 5 s and more: these leases must outlive the rest of the
+    // test on a loaded machine (2 s ones lost their heartbeats at a load average of 9).
     let mut held = Vec::new();
     for i in 0..(MAX_SESSIONS as u64 - 1) {
         held.push(
             locks
-                .try_acquire(&format!("held-{i}"), ttl(100 + i))
+                .try_acquire(&format!("held-{i}"), ttl(400 + i))
                 .await
                 .expect("acquire"),
         );
@@ -150,7 +151,8 @@ async fn sessions_per_ttl_are_capped_and_closed_when_idle() {
 
     // Idle sessions close one to two TTLs after their last lease; only the control session
     // stays. Polled: the server offers no signal for a closed connection.
-    let deadline = tokio::time::Instant::now() + ttl(200) * 2 + Duration::from_secs(5);
+    let deadline =
+        tokio::time::Instant::now() + ttl(400 + MAX_SESSIONS as u64) * 2 + Duration::from_secs(5);
     loop {
         let open = connections(server.port).await;
         if open <= 1 {

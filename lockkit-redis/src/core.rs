@@ -1,0 +1,449 @@
+//! What the lock, its leases and the batched renewer share: the keys of a lock name, the Lua
+//! scripts that renew, release and cancel on the server
+//! (<https://redis.io/docs/latest/develop/interact/programmability/eval-intro/>), and the
+//! grant's state on the client ([`RedisLease`]). No other module of the crate is imported here
+//! but the connection and error helpers, so no two modules import each other.
+
+use std::fmt;
+use std::sync::{LazyLock, Mutex};
+use std::time::Duration;
+
+use redis::Script;
+use tokio::time::Instant;
+
+use lockkit_core::backend::Backoff;
+use lockkit_core::{Error, Result};
+
+use crate::conn::Conn;
+use crate::error::{bad_reply, from_redis};
+
+/// The keys of one lock name. See the crate docs, "Keys".
+#[derive(Debug, Clone)]
+pub(crate) struct Keys {
+    pub(crate) lock: String,
+    pub(crate) fence: String,
+    /// The waiters' queue, a ZSET of waiter IDs in arrival order.
+    pub(crate) queue: String,
+    /// The lock-delay key: while it exists and the lock key does not, the lock is granted to no
+    /// one (its holder lapsed with a lock-delay). Set with the lock key to TTL + delay.
+    pub(crate) delay: String,
+    /// `P:waiter:`, to which a waiter ID is appended for its liveness key.
+    pub(crate) waiter_prefix: String,
+    /// `P:cancelled:`, to which a waiter ID is appended for its tombstone.
+    cancelled: String,
+}
+
+impl Keys {
+    pub(crate) fn new(prefix: &str, name: &str) -> Self {
+        Self {
+            lock: format!("{prefix}:lock:{name}"),
+            fence: format!("{prefix}:fence:{name}"),
+            queue: format!("{prefix}:queue:{name}"),
+            delay: format!("{prefix}:delay:{name}"),
+            waiter_prefix: format!("{prefix}:waiter:"),
+            cancelled: format!("{prefix}:cancelled:"),
+        }
+    }
+
+    /// The tombstone key of a retired waiter ID. The lock name is not in it:
+    /// `P:cancelled:ID`, a kind of its own.
+    pub(crate) fn tombstone(&self, id: &str) -> String {
+        format!("{}{id}", self.cancelled)
+    }
+}
+
+/// Compare-and-pexpire. `KEYS[1]` lock key, `KEYS[2]` lock-delay key; `ARGV[1]` owner value,
+/// `ARGV[2]` TTL in ms, `ARGV[3]` TTL + lock-delay in ms (`0`: no delay). Returns 1 if the key
+/// held our owner value and its expiry was set (and the delay key's, to TTL + delay), 0
+/// otherwise. A lapsed lock (key gone or someone else's value) is never re-taken.
+pub(crate) static RENEW: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  if ARGV[3] ~= '0' then
+    redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[3])
+  end
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+",
+    )
+});
+
+/// Lua shared by the scripts that may hand a free lock to the next waiter. `KEYS[1]` lock key,
+/// `KEYS[2]` fence counter key, `KEYS[3]` the lock's queue, `KEYS[4]` the lock-delay key;
+/// `ARGV[1]` the waiter-key prefix (`P:waiter:`).
+///
+/// `bump()` is the one place a token is made: `INCR` of the fence counter, floored at the
+/// server's `TIME` in µs when the counter is new (a restart without persistence, an eviction or
+/// a deletion lost it), so tokens keep increasing across such losses while a grant costs no
+/// `TIME` call. `INCR` fails (and the script with it, before anything is written) if the counter
+/// is not an integer.
+///
+/// `serve(me)` hands the free lock to the first live waiter of the queue (a ZSET in arrival
+/// order, members are waiter IDs): a waiter is live while its key `P:waiter:ID` (value
+/// `"TTL_MS DELAY_MS CHANNEL"`, with a short expiry the waiter refreshes; `DELAY_MS` is TTL +
+/// lock-delay, `0` without a delay) exists; dead ones are dropped on the way. The lock key
+/// becomes the waiter's ID with its TTL (and the delay key its ID with TTL + delay, if it asked
+/// for a delay), the counter is bumped, and
+/// `"ID TOKEN"` is `PUBLISH`ed on that waiter's client channel only (a `pcall`: an ACL without
+/// channel permission still hands over; the waiter then finds its ID by polling). Returns the
+/// new holder's ID, or `false` if no other waiter is live. With `me` (a waiter's own acquire),
+/// the queue is only looked at up to `me`, which is removed: then the caller takes the lock.
+pub(crate) const SERVE_LUA: &str = r"
+local function bump()
+  local t = redis.call('INCR', KEYS[2])
+  if t == 1 then
+    local now = redis.call('TIME')
+    t = tonumber(now[1]) * 1000000 + tonumber(now[2])
+    redis.call('SET', KEYS[2], string.format('%d', t))
+  end
+  return t
+end
+local function serve(me)
+  while true do
+    local h
+    if me then
+      h = redis.call('ZRANGE', KEYS[3], 0, 0)[1]
+      if not h then return false end
+      redis.call('ZREM', KEYS[3], h)
+      if h == me then
+        redis.call('DEL', ARGV[1] .. me)
+        return false
+      end
+    else
+      h = redis.call('ZPOPMIN', KEYS[3])[1]
+      if not h then return false end
+    end
+    local w = redis.call('GETDEL', ARGV[1] .. h)
+    if w then
+      local ttl, dpx, ch = string.match(w, '^(%d+) (%d+) (.*)$')
+      if not ttl then
+        -- queued by an older client: no delay field
+        dpx = '0'
+        ttl, ch = string.match(w, '^(%d+) (.*)$')
+      end
+      local t = bump()
+      redis.call('SET', KEYS[1], h, 'PX', ttl)
+      if dpx ~= '0' then
+        redis.call('SET', KEYS[4], h, 'PX', dpx)
+      end
+      redis.pcall('PUBLISH', ch, h .. ' ' .. string.format('%d', t))
+      return h
+    end
+  end
+end
+";
+
+/// Compare-and-delete, handing the lock to the next live waiter if there is one (see
+/// [`SERVE_LUA`]; no `PUBLISH` when nobody waits). `KEYS[1..4]` as there; `ARGV[1]` waiter-key
+/// prefix, `ARGV[2]` owner value, `ARGV[3]` `0` for a release (the lock-delay key is deleted:
+/// a release frees the lock at once), or a lock-delay in ms for a lease given back as lapsed
+/// (the lock key is deleted and the delay key set to expire after the delay; nobody is served).
+/// Returns 1 if our value was deleted (or handed on), 0 otherwise.
+pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(&format!(
+        r"{SERVE_LUA}
+if redis.call('GET', KEYS[1]) ~= ARGV[2] then
+  return 0
+end
+if ARGV[3] ~= '0' then
+  redis.call('SET', KEYS[4], ARGV[2], 'PX', ARGV[3])
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+redis.call('DEL', KEYS[4])
+if not serve(false) then
+  redis.call('DEL', KEYS[1])
+end
+return 1
+"
+    ))
+});
+
+/// Cleanup of an acquire that was cancelled, timed out or gave up (or whose reply was lost or
+/// came too late), for its waiter ID, sent with plain `EVAL` so that a flushed script cache
+/// cannot fail it. `KEYS[1..4]` as in [`SERVE_LUA`], `KEYS[5]` the ID's tombstone key;
+/// `ARGV[1]` waiter-key prefix, `ARGV[2]` the ID, `ARGV[3]` tombstone TTL in ms.
+///
+/// Leaves a tombstone for the ID (an acquire script still on its way, queued on another
+/// connection, finds it and does nothing), takes the ID out of the queue, and if the lock is
+/// held by the ID (it took it, or it was handed to it) deletes its lock-delay key (the grant
+/// never reached a caller: no lock-delay) and gives the lock to the next live waiter or deletes
+/// it: then 1, else 0.
+fn cancel_script() -> String {
+    format!(
+        r"{SERVE_LUA}
+redis.call('SET', KEYS[5], '1', 'PX', ARGV[3])
+redis.call('ZREM', KEYS[3], ARGV[2])
+redis.call('DEL', ARGV[1] .. ARGV[2])
+if redis.call('GET', KEYS[1]) == ARGV[2] then
+  redis.call('DEL', KEYS[4])
+  if not serve(false) then
+    redis.call('DEL', KEYS[1])
+  end
+  return 1
+end
+return 0
+"
+    )
+}
+
+static CANCEL: LazyLock<String> = LazyLock::new(cancel_script);
+
+/// How long a cancelled attempt's tombstone lives, and how long its cleanup keeps retrying:
+/// the attempt's TTL, but at least 60 s. An acquire script that reaches the server even later
+/// than that may still take the lock, which then lives for its TTL.
+pub(crate) fn cancel_horizon(ttl: Duration) -> Duration {
+    ttl.max(Duration::from_secs(60))
+}
+
+/// One run of the [`CANCEL`] script for the acquire attempt with `owner` (and TTL `ttl`):
+/// `Ok(true)` if it deleted the lock that attempt had taken.
+///
+/// # Errors
+/// The converted redis error.
+///
+/// # Cancel safety
+/// Cancel safe; the script may still run.
+pub(crate) async fn cancel_once(
+    conn: &Conn,
+    keys: &Keys,
+    owner: &str,
+    ttl: Duration,
+) -> Result<bool> {
+    let mut cmd = redis::cmd("EVAL");
+    cmd.arg(CANCEL.as_str())
+        .arg(5)
+        .arg(&keys.lock)
+        .arg(&keys.fence)
+        .arg(&keys.queue)
+        .arg(&keys.delay)
+        .arg(keys.tombstone(owner))
+        .arg(&keys.waiter_prefix)
+        .arg(owner)
+        .arg(ttl_millis(cancel_horizon(ttl)));
+    match conn.query::<i64>(&cmd).await.map_err(from_redis)? {
+        1 => Ok(true),
+        0 => Ok(false),
+        _ => Err(bad_reply("cleanup")),
+    }
+}
+
+/// Removes what the acquire attempt with `owner` (sent at `sent`) may have taken, retrying
+/// transient errors (with [`Backoff`], steps of 50 ms doubling up to 1 s, jittered) until [`cancel_horizon`] after `sent`.
+///
+/// # Cancel safety
+/// Meant to be spawned; dropping it stops the retries.
+pub(crate) async fn cancel_attempt(
+    conn: Conn,
+    keys: Keys,
+    owner: String,
+    sent: Instant,
+    ttl: Duration,
+) {
+    let until = sent.checked_add(cancel_horizon(ttl));
+    let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
+    loop {
+        match cancel_once(&conn, &keys, &owner, ttl).await {
+            Ok(true) => {
+                tracing::debug!(key = %keys.lock, "removed the lock of a cancelled acquire");
+                return;
+            }
+            Ok(false) => return,
+            Err(e) => {
+                let delay = backoff.next_delay();
+                if e.is_retryable() && until.is_none_or(|u| Instant::now() + delay < u) {
+                    tracing::debug!(key = %keys.lock, error = %e, "cleanup of a cancelled acquire failed; retrying");
+                    tokio::time::sleep(delay).await;
+                } else {
+                    tracing::warn!(key = %keys.lock, error = %e,
+                        "cleanup of a cancelled acquire failed; if it took the lock, its TTL frees it");
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// A TTL in whole milliseconds, rounded **up**: the server must never free a lease earlier than
+/// the client's deadline assumes.
+pub(crate) fn ttl_millis(ttl: Duration) -> u64 {
+    let ms = ttl.as_nanos().div_ceil(1_000_000);
+    u64::try_from(ms).unwrap_or(u64::MAX)
+}
+
+/// What the delay key's expiry is set to with a lock key of TTL `ttl`, in ms: `ttl` plus the
+/// lock-delay (both rounded up), or 0 without a delay.
+pub(crate) fn delay_px(ttl: Duration, delay: Option<Duration>) -> u64 {
+    delay.map_or(0, |d| ttl_millis(ttl).saturating_add(ttl_millis(d)))
+}
+
+/// Runs the renew script for `owner`: `Ok(true)` if the lock key held it and now expires after
+/// `ttl` (and the delay key after `ttl` + `delay`).
+///
+/// # Errors
+/// The converted redis error; [`Error::Backend`] for a reply that is not 0 or 1.
+///
+/// # Cancel safety
+/// Cancel safe; the script may still run.
+pub(crate) async fn compare_and_pexpire(
+    conn: &Conn,
+    keys: &Keys,
+    owner: &str,
+    ttl: Duration,
+    delay: Option<Duration>,
+) -> Result<bool> {
+    let n: i64 = conn
+        .invoke(
+            RENEW
+                .key(&keys.lock)
+                .key(&keys.delay)
+                .arg(owner)
+                .arg(ttl_millis(ttl))
+                .arg(delay_px(ttl, delay)),
+        )
+        .await
+        .map_err(from_redis)?;
+    match n {
+        1 => Ok(true),
+        0 => Ok(false),
+        _ => Err(bad_reply("renew")),
+    }
+}
+
+/// Runs the release script for `owner`: `Ok(true)` if it deleted the lock (or handed it on).
+/// With `lapse` (a lock-delay), the lock is given back as a lease that lapsed: it is granted to
+/// no one for that long (see [`RELEASE`]).
+///
+/// # Errors
+/// The converted redis error; [`Error::Backend`] for a reply that is not 0 or 1.
+///
+/// # Cancel safety
+/// Cancel safe; the script may still run.
+pub(crate) async fn compare_and_delete(
+    conn: &Conn,
+    keys: &Keys,
+    owner: &str,
+    lapse: Option<Duration>,
+) -> Result<bool> {
+    let n: i64 = conn
+        .invoke(
+            RELEASE
+                .key(&keys.lock)
+                .key(&keys.fence)
+                .key(&keys.queue)
+                .key(&keys.delay)
+                .arg(&keys.waiter_prefix)
+                .arg(owner)
+                .arg(lapse.map_or(0, ttl_millis)),
+        )
+        .await
+        .map_err(from_redis)?;
+    match n {
+        1 => Ok(true),
+        0 => Ok(false),
+        _ => Err(bad_reply("release")),
+    }
+}
+
+/// Whether the lock key `lock_key` holds `owner` now (one `GET`), for `lease.check()` and the
+/// fence.
+///
+/// # Errors
+/// [`Error::Unavailable`] and others from the server.
+pub(crate) async fn holds(conn: &Conn, lock_key: &str, owner: &str) -> Result<bool> {
+    let held: Option<String> = conn
+        .query(redis::cmd("GET").arg(lock_key))
+        .await
+        .map_err(from_redis)?;
+    Ok(held.as_deref() == Some(owner))
+}
+
+/// A lease's place in its connection's batched renewal (a `renewer::Batched`) or in its
+/// client's loss notices (a `watch::Watched`), opaque here so that this module need not import
+/// the modules that import it: dropping it stops the lease's renewal, or its notices.
+pub(crate) type Registration = Box<dyn Send + Sync>;
+
+/// One grant: the lock's keys and the owner value stored in its lock key (the grant's waiter
+/// ID).
+pub(crate) struct RedisLease {
+    pub(crate) conn: Conn,
+    pub(crate) name: String,
+    pub(crate) keys: Keys,
+    pub(crate) owner: String,
+    /// The lease's place in its connection's batched renewal; `None` for a lease renewed by hand
+    /// (`keepalive(false)`). Taken out at release.
+    pub(crate) batch: Mutex<Option<Registration>>,
+    /// The lease's place in its client's loss notices (keyspace events, restarts). Taken out at
+    /// release, before the release's own `DEL`.
+    pub(crate) watched: Mutex<Option<Registration>>,
+    pub(crate) self_renewing: bool,
+    /// The grant's lock-delay ([`AcquireOptions::effective_lock_delay`](lockkit_core::AcquireOptions::effective_lock_delay)).
+    pub(crate) delay: Option<Duration>,
+}
+
+impl fmt::Debug for RedisLease {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisLease")
+            .field("lock_key", &self.keys.lock)
+            .field("owner", &self.owner)
+            .field("batched", &self.self_renewing)
+            .finish()
+    }
+}
+
+impl RedisLease {
+    /// Whether the lease is still renewed by its connection's batch (not released).
+    pub(crate) fn is_batched(&self) -> bool {
+        self.batch
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some()
+    }
+
+    /// Gives the lock back as a lease that *lapsed*, keeping its lock-delay: for a lease whose
+    /// renewal was acknowledged after its deadline, so that its holder has been told it lost the
+    /// lock (and may still have writes in flight). Out of the batch first. `Ok(true)` if the
+    /// lock key still held this lease.
+    ///
+    /// # Errors
+    /// As [`compare_and_delete`].
+    pub(crate) async fn give_back_lapsed(&self) -> Result<bool> {
+        drop(self.batch.lock().unwrap_or_else(|p| p.into_inner()).take());
+        drop(
+            self.watched
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .take(),
+        );
+        compare_and_delete(&self.conn, &self.keys, &self.owner, self.delay).await
+    }
+
+    pub(crate) fn not_held(&self) -> Error {
+        Error::NotHeld {
+            name: self.name.clone(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ttl_rounds_up() {
+        assert_eq!(ttl_millis(Duration::from_millis(100)), 100);
+        assert_eq!(ttl_millis(Duration::from_micros(100_001)), 101);
+        assert_eq!(ttl_millis(Duration::from_secs(2)), 2000);
+    }
+
+    #[test]
+    fn keys_are_distinct_and_keep_the_name_verbatim() {
+        let k = Keys::new("app", "a:lock:b *?[x]");
+        assert_eq!(k.lock, "app:lock:a:lock:b *?[x]");
+        assert_eq!(k.fence, "app:fence:a:lock:b *?[x]");
+        assert_eq!(k.queue, "app:queue:a:lock:b *?[x]");
+        assert_ne!(Keys::new("app", "x").lock, Keys::new("app", "x ").lock);
+    }
+}

@@ -73,6 +73,9 @@ pub(crate) struct Sql {
     /// Whether key `$1` is held (`pg_locks`), with its fence token and stored name.
     pub(crate) holder: String,
     pub(crate) table_exists: String,
+    /// Whether all of lockkit's tables exist: the lock's (fence, delay) and the slots'
+    /// (elections, semaphores).
+    pub(crate) all_tables_exist: String,
     pub(crate) migrate: String,
 }
 
@@ -154,6 +157,13 @@ impl Sql {
                 "SELECT to_regclass('{s}.fence') IS NOT NULL AND to_regclass('{s}.delay') IS NOT NULL",
                 s = q.replace('\'', "''")
             ),
+            all_tables_exist: format!(
+                "SELECT to_regclass('{s}.fence') IS NOT NULL \
+                 AND to_regclass('{s}.delay') IS NOT NULL \
+                 AND to_regclass('{s}.slot_names') IS NOT NULL \
+                 AND to_regclass('{s}.slot_holders') IS NOT NULL",
+                s = q.replace('\'', "''")
+            ),
             migrate: format!(
                 "BEGIN; \
                  SELECT pg_advisory_xact_lock({mk}); \
@@ -171,8 +181,25 @@ impl Sql {
                    free_since timestamptz); \
                  COMMENT ON TABLE {q}.delay IS \
                    'lockkit: lock-delay of the holder of an advisory lock key; free_since: when an acquirer first found the lock free without a release'; \
+                 CREATE TABLE IF NOT EXISTS {q}.slot_names ( \
+                   key bigint PRIMARY KEY, \
+                   name text NOT NULL, \
+                   permits integer NOT NULL CHECK (permits > 0)); \
+                 COMMENT ON TABLE {q}.slot_names IS \
+                   'lockkit: the number of permits of a semaphore (name = prefix/sem/name)'; \
+                 CREATE TABLE IF NOT EXISTS {q}.slot_holders ( \
+                   key bigint PRIMARY KEY, \
+                   name text NOT NULL, \
+                   slot integer NOT NULL, \
+                   token bigint NOT NULL, \
+                   pid integer NOT NULL, \
+                   ttl_ms bigint NOT NULL, \
+                   version bigint NOT NULL DEFAULT 0, \
+                   value bytea NOT NULL); \
+                 COMMENT ON TABLE {q}.slot_holders IS \
+                   'lockkit: the value, token and session of an election or semaphore slot holder'; \
                  COMMIT;",
-                mk = migrate_key()
+                mk = migrate_key(),
             ),
         }
     }
@@ -328,6 +355,14 @@ impl Inner {
     pub(crate) async fn table_exists(&self, c: &mut Conn) -> Result<bool> {
         c.last_sent = Instant::now();
         sqlx::query_scalar(&self.sql.table_exists)
+            .fetch_one(&mut c.conn)
+            .await
+            .map_err(from_sqlx)
+    }
+
+    pub(crate) async fn all_tables_exist(&self, c: &mut Conn) -> Result<bool> {
+        c.last_sent = Instant::now();
+        sqlx::query_scalar(&self.sql.all_tables_exist)
             .fetch_one(&mut c.conn)
             .await
             .map_err(from_sqlx)

@@ -153,6 +153,16 @@
 //! [`lock_key_in`], so two schemas on one database never share a lock). The fence row stores the full name, so a collision between two names is
 //! reported as an error instead of making them share a lock.
 //!
+//! ## Elections and semaphores
+//! [`PgLock`] also implements [`SlotBackend`](lockkit_core::backend::SlotBackend), so it is an
+//! [`Election`](lockkit_core::Election) and a [`Semaphore`](lockkit_core::Semaphore): a
+//! leadership is the lock lease of `elect/{name}`, permit k of a semaphore the lock lease of
+//! `sem/{name}/{k}` (tokens per derived name in the fence table), with the holder's value in
+//! `{schema}.slot_holders` and a semaphore's N in `{schema}.slot_names`. Permit waiters queue
+//! FIFO on a per-name gate lock; releases `NOTIFY` the name's channel, which observers
+//! `LISTEN` to. See
+//! [docs/election-semaphore.md](https://example.invalid/lockkit/blob/main/docs/election-semaphore.md).
+//!
 //! ## Connection poolers
 //! A transaction-mode pooler (PgBouncer `pool_mode = transaction`) hands a server session to
 //! other clients between transactions, which breaks session advisory locks. lockkit sends its
@@ -190,6 +200,7 @@ mod error;
 mod fence;
 mod lease;
 mod lock;
+mod slots;
 
 pub use config::{
     DEFAULT_CONNECT_TIMEOUT, DEFAULT_PREFIX, DEFAULT_SCHEMA, MIN_CONNECT_TIMEOUT, PgConfig,

@@ -87,7 +87,7 @@ pub fn lock_key_in(schema: &str, prefix: &str, name: &str) -> i64 {
     }
 }
 
-fn full_name(prefix: &str, name: &str) -> String {
+pub(crate) fn full_name(prefix: &str, name: &str) -> String {
     format!("{prefix}/{name}")
 }
 
@@ -100,7 +100,7 @@ impl Inner {
     /// A timed wait gets no more than its deadline to obtain a connection (else
     /// [`Error::Timeout`]) and its deadline plus a grace period in all; a try-once is bounded
     /// by the caller ([`PgLock::acquire`] gives it the connect timeout in all).
-    async fn attempt(&self, req: &Request<'_>) -> Result<Granted> {
+    pub(crate) async fn attempt(&self, req: &Request<'_>) -> Result<Granted> {
         let mut may_retry = true;
         loop {
             let timed = matches!(req.opts.wait, Wait::Timeout(_));
@@ -383,7 +383,7 @@ impl Inner {
     /// keepalive / `tcp_user_timeout` (about 16 s), and a cut-off client cannot open the check
     /// connection. Either way the wait ends with [`Error::Unavailable`] (the caller drops the
     /// connection).
-    async fn watched<T>(&self, pid: i32, wait: impl Future<Output = T>) -> Result<T> {
+    pub(crate) async fn watched<T>(&self, pid: i32, wait: impl Future<Output = T>) -> Result<T> {
         tokio::pin!(wait);
         loop {
             tokio::select! {
@@ -429,13 +429,13 @@ fn collision_error(req: &Request<'_>, stored: Option<&str>) -> Error {
     )))
 }
 
-struct Request<'a> {
-    name: &'a str,
-    full: &'a str,
-    key: i64,
-    opts: &'a AcquireOptions,
-    start: Instant,
-    deadline: Option<Instant>,
+pub(crate) struct Request<'a> {
+    pub(crate) name: &'a str,
+    pub(crate) full: &'a str,
+    pub(crate) key: i64,
+    pub(crate) opts: &'a AcquireOptions,
+    pub(crate) start: Instant,
+    pub(crate) deadline: Option<Instant>,
 }
 
 enum Outcome {
@@ -453,7 +453,7 @@ impl Request<'_> {
             .map_or(0, |d| i64::try_from(duration_ms(d)).unwrap_or(i64::MAX))
     }
 
-    fn timeout(&self) -> Error {
+    pub(crate) fn timeout(&self) -> Error {
         Error::Timeout {
             name: self.name.to_owned(),
             waited: self.start.elapsed(),
@@ -461,10 +461,10 @@ impl Request<'_> {
     }
 }
 
-struct Granted {
-    conn: Conn,
-    token: i64,
-    sent: Instant,
+pub(crate) struct Granted {
+    pub(crate) conn: Conn,
+    pub(crate) token: i64,
+    pub(crate) sent: Instant,
 }
 
 /// Distributed locks on one PostgreSQL server (14 or newer): each lease is a session-level
@@ -475,7 +475,7 @@ struct Granted {
 /// the configuration and the cache of idle connections.
 #[derive(Clone)]
 pub struct PgLock {
-    inner: Arc<Inner>,
+    pub(crate) inner: Arc<Inner>,
 }
 
 impl fmt::Debug for PgLock {
@@ -542,7 +542,7 @@ impl PgLock {
             watch: Mutex::new(Watch::default()),
         });
         let mut c = inner.open().await?;
-        if inner.config.auto_migrate && !inner.table_exists(&mut c).await? {
+        if inner.config.auto_migrate && !inner.all_tables_exist(&mut c).await? {
             inner.migrate_on(&mut c).await?;
         }
         inner.put_idle(c);
@@ -565,6 +565,12 @@ impl PgLock {
     ///     delay_ms   bigint NOT NULL CHECK (delay_ms > 0),  -- the holder's lock-delay
     ///     free_since timestamptz           -- when an acquirer first found the lock free
     /// );
+    /// -- elections and semaphores: a semaphore's N, and each slot holder's value
+    /// CREATE TABLE IF NOT EXISTS lockkit.slot_names (key bigint PRIMARY KEY, name text NOT NULL,
+    ///     permits integer NOT NULL CHECK (permits > 0));
+    /// CREATE TABLE IF NOT EXISTS lockkit.slot_holders (key bigint PRIMARY KEY, name text NOT NULL,
+    ///     slot integer NOT NULL, token bigint NOT NULL, pid integer NOT NULL,
+    ///     ttl_ms bigint NOT NULL, version bigint NOT NULL DEFAULT 0, value bytea NOT NULL);
     /// ```
     ///
     /// [`connect`](Self::connect) runs it when a table is missing (so a schema made by an older

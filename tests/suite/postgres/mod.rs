@@ -8,6 +8,7 @@ mod fence;
 mod loss;
 mod review;
 mod server;
+mod slots;
 mod slow_grants;
 
 use std::time::Duration;

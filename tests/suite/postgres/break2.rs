@@ -1,0 +1,63 @@
+//! Findings of breaker "break2" on PostgreSQL (see each test's doc for whether it fails on main).
+
+use std::time::Duration;
+
+use lockkit::postgres::PgLock;
+use lockkit::postgres::sqlx;
+use lockkit::{AcquireOptions, Lock, LockExt, Wait};
+use tokio::time::Instant;
+
+use super::base_url;
+use super::server::admin;
+use crate::common::{fresh_prefix, with_prefix};
+
+/// FAILS on main (1b8b097). A waiter queued in the server's lock queue (`SELECT
+/// pg_advisory_lock($1)`) whose statement an admin cancels with `pg_cancel_backend` (what a DBA
+/// or a "cancel long-running queries" job does to a statement active for minutes) ends its
+/// acquire with a non-retryable `Error::Backend` ("canceling statement due to user request",
+/// SQLSTATE 57014), although it was asked to wait 30 s and the lock is released right after.
+/// Expected: the waiter goes on waiting (or retries) and is granted after the release.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiter_survives_pg_cancel_backend() {
+    let url = with_prefix(&base_url(), &fresh_prefix());
+    let (a, b) = (
+        PgLock::connect(&url).await.unwrap(),
+        PgLock::connect(&url).await.unwrap(),
+    );
+    let held = a.try_acquire("c", Duration::from_secs(30)).await.unwrap();
+    let waiter = tokio::spawn(async move {
+        let opts = AcquireOptions::new()
+            .ttl(Duration::from_secs(30))
+            .wait(Wait::Timeout(Duration::from_secs(30)));
+        b.acquire("c", opts).await.map(|l| l.token())
+    });
+    let mut db = admin(&base_url()).await;
+    // No signal for "the waiter is queued": poll the server's view of it.
+    let until = Instant::now() + Duration::from_secs(10);
+    let pid: i32 = loop {
+        let pid: Option<i32> = sqlx::query_scalar(
+            "SELECT pid FROM pg_stat_activity WHERE state = 'active' \
+             AND query = 'SELECT pg_advisory_lock($1)' AND pid <> pg_backend_pid() LIMIT 1",
+        )
+        .fetch_optional(&mut db)
+        .await
+        .unwrap();
+        if let Some(pid) = pid {
+            break pid;
+        }
+        assert!(Instant::now() < until, "the waiter never queued");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let cancelled: bool = sqlx::query_scalar("SELECT pg_cancel_backend($1)")
+        .bind(pid)
+        .fetch_one(&mut db)
+        .await
+        .unwrap();
+    assert!(cancelled);
+    held.release().await.unwrap();
+    let got = waiter.await.unwrap();
+    assert!(
+        got.is_ok(),
+        "the waiter's acquire ended after pg_cancel_backend of its wait: {got:?}"
+    );
+}

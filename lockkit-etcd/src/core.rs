@@ -84,10 +84,14 @@ where
     let start = Instant::now();
     let end = start.checked_add(total).unwrap_or(start);
     let per = per.min(total);
-    let pause = Duration::from_millis(20);
+    // A member that refuses connections answers at once: back off (20 ms up to 500 ms, with
+    // jitter) rather than ask again every 20 ms while the cluster comes back.
+    let mut backoff = Backoff::new(Duration::from_millis(20), Duration::from_millis(500));
     loop {
         let left = end.saturating_duration_since(Instant::now());
-        match timed(per.min(left).max(Duration::from_millis(1)), what, f()).await {
+        let res = timed(per.min(left).max(Duration::from_millis(1)), what, f()).await;
+        let pause = backoff.next_delay();
+        match res {
             Ok(v) => return Ok(v),
             Err(e) if e.is_retryable() && Instant::now() + pause < end => {
                 tracing::debug!(error = %e, what, "etcd request failed; retrying");

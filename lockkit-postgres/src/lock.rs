@@ -152,6 +152,10 @@ impl Inner {
                     self.put_idle(c);
                     return Err(e);
                 }
+                Ok(Outcome::Cancelled) => {
+                    tracing::debug!(lock = %req.name, "the server cancelled the wait (pg_cancel_backend); waiting again on a new session");
+                    drop(c); // ends the session, and a lock a racing grant left on it
+                }
                 Err(e) if reused && may_retry && e.is_retryable() => {
                     // Most likely the server restarted or killed idle sessions: the other
                     // cached connections are dead too.
@@ -275,6 +279,9 @@ impl Inner {
             Err(e) if sqlstate(&e).as_deref() == Some("55P03") => {
                 return Ok(Outcome::Timeout { reusable: false });
             }
+            // query_canceled: an admin's `pg_cancel_backend` of the waiting statement (a routine
+            // action against long queries), not a reason to give up a wait.
+            Err(e) if sqlstate(&e).as_deref() == Some("57014") => return Ok(Outcome::Cancelled),
             Err(e) => return Err(from_sqlx(e)),
         }
         // Granted. The bump restarts the session's idle timer (which the server started when
@@ -439,9 +446,17 @@ pub(crate) struct Request<'a> {
 }
 
 enum Outcome {
-    Granted { token: i64, sent: Instant },
+    Granted {
+        token: i64,
+        sent: Instant,
+    },
     Held,
-    Timeout { reusable: bool },
+    Timeout {
+        reusable: bool,
+    },
+    /// The wait statement was cancelled by the server (`pg_cancel_backend`, sqlstate 57014):
+    /// wait again on a new session (this one may hold the lock if the cancel raced the grant).
+    Cancelled,
     Collision(Error),
 }
 

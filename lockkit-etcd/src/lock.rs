@@ -1085,7 +1085,8 @@ impl LockBackend for EtcdLock {
     }
 
     /// Reads the key with the lowest create revision under the name's prefix (the holder; its
-    /// create revision is the token), then its lease's remaining TTL (whole seconds, as etcd
+    /// create revision is the token; no holder while another grant's lock-delay marker says a
+    /// failed holder's delay runs), then its lease's remaining TTL (whole seconds, as etcd
     /// reports it; the lease may be a session lease shared by other locks).
     ///
     /// # Errors
@@ -1110,6 +1111,23 @@ impl LockBackend for EtcdLock {
         let Some(first) = resp.kvs().first() else {
             return Ok(None);
         };
+        // A lock-delay marker of another grant (`{key}#{seq}`): a failed holder's delay runs,
+        // and the first key is a waiter sitting it out, not a holder.
+        let marker = timed(
+            self.request_timeout(),
+            "a lock-delay marker read",
+            kv.get(marker_key(&self.name_prefix(name), name), None),
+        )
+        .await?;
+        if let Some(m) = marker.kvs().first() {
+            let own = m
+                .value()
+                .strip_prefix(first.key())
+                .is_some_and(|rest| rest.starts_with(b"#"));
+            if !own {
+                return Ok(None);
+            }
+        }
         let token = u64::try_from(first.create_revision())
             .ok()
             .map(|rev| FencingToken::new(self.lock_id(name), rev));

@@ -1,11 +1,11 @@
 //! etcd backend: the contract suite on the shared single-member etcd (`LOCKKIT_ETCD_URL`), bad
 //! connects, and failure tests on private etcd processes (`cluster`, `failures`).
 
-mod break2;
 mod cluster;
 mod delay;
 mod failures;
 mod fence;
+mod holder_during_delay;
 mod support;
 
 use std::time::Duration;

@@ -2,7 +2,7 @@
 //! bad connects, the fence, key collisions, migration, pooler detection, and (in `failures`)
 //! paused holders, killed sessions, server restarts and cancelled waits.
 
-mod break2;
+mod cancelled_wait;
 mod delay;
 mod failures;
 mod fence;

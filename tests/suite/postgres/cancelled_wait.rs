@@ -1,4 +1,4 @@
-//! Findings of breaker "break2" on PostgreSQL (see each test's doc for whether it fails on main).
+//! A waiter whose waiting statement an admin cancels (`pg_cancel_backend`) keeps waiting.
 
 use std::time::Duration;
 
@@ -11,12 +11,10 @@ use super::base_url;
 use super::server::admin;
 use crate::common::{fresh_prefix, with_prefix};
 
-/// FAILS on main (1b8b097). A waiter queued in the server's lock queue (`SELECT
-/// pg_advisory_lock($1)`) whose statement an admin cancels with `pg_cancel_backend` (what a DBA
-/// or a "cancel long-running queries" job does to a statement active for minutes) ends its
-/// acquire with a non-retryable `Error::Backend` ("canceling statement due to user request",
-/// SQLSTATE 57014), although it was asked to wait 30 s and the lock is released right after.
-/// Expected: the waiter goes on waiting (or retries) and is granted after the release.
+/// A waiter queued in the server's lock queue (`SELECT pg_advisory_lock($1)`) whose statement
+/// an admin cancels with `pg_cancel_backend` (what a DBA or a "cancel long-running queries" job
+/// does) keeps waiting on a new session; before the fix its acquire ended with a non-retryable
+/// `Error::Backend` (SQLSTATE 57014) although it was asked to wait 30 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn waiter_survives_pg_cancel_backend() {
     let url = with_prefix(&base_url(), &fresh_prefix());

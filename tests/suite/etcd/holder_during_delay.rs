@@ -1,4 +1,4 @@
-//! Findings of breaker "break2" on etcd (see each test's doc for whether it fails on main).
+//! `Lock::holder` during a lock-delay: a waiter sitting out a failed holder's delay is not reported as the holder.
 
 use std::time::Duration;
 
@@ -9,11 +9,9 @@ use lockkit::{AcquireOptions, Lock, Wait};
 use super::support::PrefixWatch;
 use crate::common::{fresh_prefix, server_url, with_prefix};
 
-/// FAILS on main (1b8b097). The crate docs (lockkit-etcd/src/lib.rs, "Lock-delay") say: "During
-/// a delay `Lock::holder` reports no holder (there is no key)". With a waiter queued during the
-/// delay there is a key — the waiter's — and `holder()` reports it as the holder: a token (and a
-/// lease TTL) that no one has been granted yet. The CLI's waiting line shows the same ("held with
-/// token N" where N is the waiter's own future token).
+/// During a delay `Lock::holder` reports no holder (the crate docs, "Lock-delay"), also with a
+/// waiter queued: its key is first in line but it holds nothing yet (before the fix `holder()`
+/// reported the waiter's future token and lease TTL, and the CLI printed "held with token N").
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn holder_during_a_delay_with_a_waiter_reports_no_holder() {
     let url = with_prefix(&server_url("LOCKKIT_ETCD_URL"), &fresh_prefix());

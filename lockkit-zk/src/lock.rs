@@ -893,7 +893,8 @@ impl LockBackend for ZkLock {
         g
     }
 
-    /// Lists the lock's nodes and reads the first one's `czxid` (the holder's token). The
+    /// Lists the lock's nodes and reads the first one's `czxid` (the holder's token; no holder
+    /// while another node's lock-delay marker says a failed holder's delay runs). The
     /// remaining time is unknown: a node does not tell its owner session's timeout to others.
     /// A holder node deleted between the two reads makes the next one the holder: read again.
     ///
@@ -909,12 +910,24 @@ impl LockBackend for ZkLock {
                 return Ok(None);
             };
             let path = format!("{dir}/{first}");
-            let stat = self
+            let marker = format!("{dir}/{DELAY_MARKER}");
+            let (stat, delay_holder) = self
                 .bounded(async {
                     let session = self.control_session().await?;
-                    session.client.check_stat(&path).await.map_err(from_zk)
+                    let stat = session.client.check_stat(&path).await.map_err(from_zk)?;
+                    let delay_holder = match session.client.get_data(&marker).await {
+                        Ok((data, _)) => Some(parse_marker(&data).1.to_owned()),
+                        Err(zk::Error::NoNode) => None,
+                        Err(e) => return Err(from_zk(e)),
+                    };
+                    Ok((stat, delay_holder))
                 })
                 .await?;
+            if delay_holder.is_some_and(|h| h != first) {
+                // Another grant's lock-delay marker: a failed holder's delay runs, and the first
+                // node is a waiter sitting it out, not a holder.
+                return Ok(None);
+            }
             if let Some(stat) = stat {
                 let token = u64::try_from(stat.czxid)
                     .ok()

@@ -903,15 +903,34 @@ async fn lock_delay_after_an_expired_holder() {
         .expect("A acquires");
     let vanished = holder_node_vanishes(&b, &name).await;
     proxy.freeze();
-    let lease_b = b
-        .acquire(
-            &name,
-            waiting(Duration::from_secs(10), TTL * 3 + TOLERANCE + DELAY),
-        )
-        .await
-        .expect("B gets the lock after A's session expired and the delay");
-    let granted = Instant::now();
+    let waiter = {
+        let (b, name) = (b.clone(), name.clone());
+        tokio::spawn(async move {
+            let lease = b
+                .acquire(
+                    &name,
+                    waiting(Duration::from_secs(10), TTL * 3 + TOLERANCE + DELAY),
+                )
+                .await
+                .expect("B gets the lock after A's session expired and the delay");
+            (lease, Instant::now())
+        })
+    };
     let vanished = vanished.await.unwrap();
+    // During the delay B's node is first in line, but B holds nothing: `holder` says so (it
+    // reported B's future token before). B queues within moments of A's node vanishing.
+    let b_first = async {
+        while b.contenders(&name).await.unwrap().is_empty() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    tokio::time::timeout(DELAY / 2, b_first)
+        .await
+        .expect("B queued");
+    if !waiter.is_finished() {
+        assert_eq!(b.holder(&name).await.expect("holder"), None);
+    }
+    let (lease_b, granted) = waiter.await.unwrap();
     assert!(
         granted - vanished >= DELAY,
         "B was granted {:?} after A's node vanished, before the lock-delay of {DELAY:?}",

@@ -611,7 +611,10 @@ fn waiting_note(name: &str, waited: Duration, holder: &HolderNote) -> String {
                 None => format!("held with token {token}"),
             }
         }
-        HolderNote::Known(None) => "free now, the grant is on its way".into(),
+        HolderNote::Known(None) => {
+            "no holder now (free, the grant is on its way; or a failed holder's lock-delay runs)"
+                .into()
+        }
         HolderNote::Unknown(why) => format!("holder unknown ({why})"),
     };
     format!("waiting for lock {name:?} for {}: {about}", rounded(waited))

@@ -259,31 +259,6 @@ async fn grant_with_min_validity<B: LockBackend + ?Sized>(
             backend: backend.guarantees().backend,
         });
     }
-    with_min_validity(
-        name,
-        &opts,
-        |attempt| backend.grant(name, attempt),
-        |l| l,
-        |l| l,
-    )
-    .await
-}
-
-/// The loop of [`grant_with_min_validity`], for locks and for election/semaphore slots alike:
-/// asks `grant` (with what is left of the wait), cuts a timed acquire off [`CUT_GRACE`] after its
-/// deadline, and gives back (`into_lease(..).release()`) a grant with less than the minimum
-/// validity left, asking again or failing as `grant_with_min_validity` documents.
-pub(crate) async fn with_min_validity<T, F, Fut>(
-    name: &str,
-    opts: &AcquireOptions,
-    mut grant: F,
-    lease_ref: fn(&T) -> &Lease,
-    into_lease: fn(T) -> Lease,
-) -> Result<T>
-where
-    F: FnMut(AcquireOptions) -> Fut,
-    Fut: Future<Output = Result<T>>,
-{
     let start = Instant::now();
     let deadline = wait_deadline(opts.wait, start);
     let min_validity = opts.effective_min_validity();
@@ -292,10 +267,10 @@ where
         if let (Wait::Timeout(_), Some(d)) = (opts.wait, deadline) {
             attempt.wait = Wait::Timeout(d.saturating_duration_since(Instant::now()));
         }
-        let granted = grant(attempt);
-        let granted = match (opts.wait, deadline) {
+        let grant = backend.grant(name, attempt);
+        let lease = match (opts.wait, deadline) {
             (Wait::Timeout(_), Some(d)) => {
-                match tokio::time::timeout_at(d + CUT_GRACE, granted).await {
+                match tokio::time::timeout_at(d + CUT_GRACE, grant).await {
                     Ok(res) => res?,
                     Err(_) => {
                         return Err(Error::Timeout {
@@ -305,11 +280,11 @@ where
                     }
                 }
             }
-            _ => granted.await?,
+            _ => grant.await?,
         };
-        let remaining = lease_ref(&granted).remaining();
+        let remaining = lease.remaining();
         if remaining >= min_validity {
-            return Ok(granted);
+            return Ok(lease);
         }
         tracing::warn!(
             target: TARGET,
@@ -320,7 +295,7 @@ where
         );
         // Compare-and-delete: frees the lock unless it already lapsed. A failed give-back
         // leaves the release-on-drop retry and then the TTL.
-        let _ = into_lease(granted).release().await;
+        let _ = lease.release().await;
         match (opts.wait, deadline) {
             (Wait::No, _) => {
                 return Err(Error::GrantTooShort {

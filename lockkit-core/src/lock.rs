@@ -259,6 +259,31 @@ async fn grant_with_min_validity<B: LockBackend + ?Sized>(
             backend: backend.guarantees().backend,
         });
     }
+    with_min_validity(
+        name,
+        &opts,
+        |attempt| backend.grant(name, attempt),
+        |l| l,
+        |l| l,
+    )
+    .await
+}
+
+/// The loop of [`grant_with_min_validity`], for locks and for election/semaphore slots alike:
+/// asks `grant` (with what is left of the wait), cuts a timed acquire off [`CUT_GRACE`] after its
+/// deadline, and gives back (`into_lease(..).release()`) a grant with less than the minimum
+/// validity left, asking again or failing as `grant_with_min_validity` documents.
+pub(crate) async fn with_min_validity<T, F, Fut>(
+    name: &str,
+    opts: &AcquireOptions,
+    mut grant: F,
+    lease_ref: fn(&T) -> &Lease,
+    into_lease: fn(T) -> Lease,
+) -> Result<T>
+where
+    F: FnMut(AcquireOptions) -> Fut,
+    Fut: Future<Output = Result<T>>,
+{
     let start = Instant::now();
     let deadline = wait_deadline(opts.wait, start);
     let min_validity = opts.effective_min_validity();
@@ -267,10 +292,10 @@ async fn grant_with_min_validity<B: LockBackend + ?Sized>(
         if let (Wait::Timeout(_), Some(d)) = (opts.wait, deadline) {
             attempt.wait = Wait::Timeout(d.saturating_duration_since(Instant::now()));
         }
-        let grant = backend.grant(name, attempt);
-        let lease = match (opts.wait, deadline) {
+        let granted = grant(attempt);
+        let granted = match (opts.wait, deadline) {
             (Wait::Timeout(_), Some(d)) => {
-                match tokio::time::timeout_at(d + CUT_GRACE, grant).await {
+                match tokio::time::timeout_at(d + CUT_GRACE, granted).await {
                     Ok(res) => res?,
                     Err(_) => {
                         return Err(Error::Timeout {
@@ -280,11 +305,11 @@ async fn grant_with_min_validity<B: LockBackend + ?Sized>(
                     }
                 }
             }
-            _ => grant.await?,
+            _ => granted.await?,
         };
-        let remaining = lease.remaining();
+        let remaining = lease_ref(&granted).remaining();
         if remaining >= min_validity {
-            return Ok(lease);
+            return Ok(granted);
         }
         tracing::warn!(
             target: TARGET,
@@ -295,7 +320,7 @@ async fn grant_with_min_validity<B: LockBackend + ?Sized>(
         );
         // Compare-and-delete: frees the lock unless it already lapsed. A failed give-back
         // leaves the release-on-drop retry and then the TTL.
-        let _ = lease.release().await;
+        let _ = into_lease(granted).release().await;
         match (opts.wait, deadline) {
             (Wait::No, _) => {
                 return Err(Error::GrantTooShort {

@@ -12,11 +12,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use tokio::time::Instant;
 
-use crate::backend::{validate_name, wait_deadline};
-use crate::observe::TARGET;
-use crate::{AcquireOptions, Error, FencingToken, Guarantees, Lease, Result, Wait};
+use crate::backend::validate_name;
+use crate::lock::with_min_validity;
+use crate::{AcquireOptions, Error, FencingToken, Guarantees, Lease, Result};
 
 /// The largest number of permits of a semaphore: 1024. More is almost surely a mistake (a
 /// semaphore that large is a rate limiter), and some backends try each slot in turn.
@@ -25,9 +24,6 @@ pub const MAX_PERMITS: u32 = 1024;
 /// The longest value a leader or slot holder may carry, in bytes: 4096. Values travel with
 /// every observer event; keep them to an address or a small document.
 pub const MAX_VALUE_BYTES: usize = 4096;
-
-/// How long after its deadline a timed grant still in flight is cut off (as for locks).
-const CUT_GRACE: Duration = Duration::from_millis(100);
 
 /// Which kind of slot a request is for. Each kind has a key space of its own on every backend:
 /// the election `x`, the semaphore `x` and the lock `x` are three different things.
@@ -348,53 +344,14 @@ pub(crate) async fn grant_checked<B: SlotBackend + ?Sized>(
         });
     }
     opts.observed_backend = Some(g.lock.backend);
-    let name = req.name;
-    let start = Instant::now();
-    let deadline = wait_deadline(opts.wait, start);
-    let min_validity = opts.effective_min_validity();
-    loop {
-        let mut attempt = opts.clone();
-        if let (Wait::Timeout(_), Some(d)) = (opts.wait, deadline) {
-            attempt.wait = Wait::Timeout(d.saturating_duration_since(Instant::now()));
-        }
-        let grant = backend.grant_slot(req, attempt);
-        let grant = match (opts.wait, deadline) {
-            (Wait::Timeout(_), Some(d)) => {
-                match tokio::time::timeout_at(d + CUT_GRACE, grant).await {
-                    Ok(res) => res?,
-                    Err(_) => {
-                        return Err(Error::Timeout {
-                            name: name.to_owned(),
-                            waited: start.elapsed(),
-                        });
-                    }
-                }
-            }
-            _ => grant.await?,
-        };
-        let remaining = grant.lease.remaining();
-        if remaining >= min_validity {
-            return Ok(grant);
-        }
-        tracing::warn!(target: TARGET, name, ?remaining, ?min_validity, "slot granted with less than the minimum validity left; giving it back");
-        let _ = grant.lease.release().await;
-        match (opts.wait, deadline) {
-            (Wait::No, _) => {
-                return Err(Error::GrantTooShort {
-                    name: name.to_owned(),
-                    remaining,
-                    min_validity,
-                });
-            }
-            (_, Some(d)) if Instant::now() >= d => {
-                return Err(Error::Timeout {
-                    name: name.to_owned(),
-                    waited: start.elapsed(),
-                });
-            }
-            _ => {}
-        }
-    }
+    with_min_validity(
+        req.name,
+        &opts,
+        |attempt| backend.grant_slot(req, attempt),
+        |g| &g.lease,
+        |g| g.lease,
+    )
+    .await
 }
 
 /// The `outcome` of a grant span.

@@ -43,9 +43,30 @@ fn data_dir() -> tempfile::TempDir {
 
 /// Starts `n` members forming one cluster (fast timers: 50 ms heartbeat, 500 ms election
 /// timeout, so the minimum lease TTL is 1 s) and waits until it has a leader. Waits for any
-/// other test's cluster to be dropped first.
+/// other test's cluster to be dropped first. A new cluster that elects no leader within 20 s
+/// (seen once in a full CI run: a member that could not bind a port picked by `free_port`,
+/// or starved by the rest of the suite) is killed and started again on fresh ports and data
+/// directories, up to three times.
 pub async fn start_cluster(n: usize) -> Vec<Member> {
-    let mut slot = Some(CLUSTER_SLOT.clone().lock_owned().await);
+    let slot = CLUSTER_SLOT.clone().lock_owned().await;
+    let mut slot = Some(slot);
+    for attempt in 1..=3 {
+        let members = spawn_cluster(n, &mut slot);
+        let eps: Vec<String> = members.iter().map(|m| m.endpoint()).collect();
+        match leader_within(&eps, Duration::from_secs(20)).await {
+            Ok(()) => return members,
+            Err(seen) if attempt < 3 => {
+                eprintln!("etcd cluster attempt {attempt}: no leader in 20 s ({seen}); again");
+                // The first member holds the cluster slot: keep it across the restart.
+                slot = members.into_iter().find_map(|mut m| m._slot.take());
+            }
+            Err(seen) => panic!("etcd cluster has no leader after 3 starts: {seen}"),
+        }
+    }
+    unreachable!("the loop returns or panics")
+}
+
+fn spawn_cluster(n: usize, slot: &mut Option<tokio::sync::OwnedMutexGuard<()>>) -> Vec<Member> {
     let ports: Vec<(u16, u16)> = (0..n).map(|_| (free_port(), free_port())).collect();
     let initial: Vec<String> = ports
         .iter()
@@ -93,8 +114,6 @@ pub async fn start_cluster(n: usize) -> Vec<Member> {
             _slot: slot.take(),
         });
     }
-    let eps: Vec<String> = members.iter().map(|m| m.endpoint()).collect();
-    wait_for_leader(&eps, Duration::from_secs(20)).await;
     members
 }
 
@@ -124,6 +143,14 @@ async fn status(endpoint: &str) -> Option<(u64, u64)> {
 
 /// Waits until every endpoint in `eps` answers and reports the same, nonzero leader.
 pub async fn wait_for_leader(eps: &[String], limit: Duration) {
+    if let Err(seen) = leader_within(eps, limit).await {
+        panic!("etcd cluster has no leader: {seen}");
+    }
+}
+
+/// `Ok` once every endpoint in `eps` answers and reports the same, nonzero leader; after
+/// `limit`, `Err` with what each endpoint last said.
+async fn leader_within(eps: &[String], limit: Duration) -> Result<(), String> {
     let deadline = Instant::now() + limit;
     loop {
         let mut leaders = Vec::new();
@@ -132,13 +159,12 @@ pub async fn wait_for_leader(eps: &[String], limit: Duration) {
         }
         if let Some(Some(l)) = leaders.first() {
             if *l != 0 && leaders.iter().all(|x| *x == Some(*l)) {
-                return;
+                return Ok(());
             }
         }
-        assert!(
-            Instant::now() < deadline,
-            "etcd cluster has no leader: {leaders:?}"
-        );
+        if Instant::now() >= deadline {
+            return Err(format!("{leaders:?}"));
+        }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }

@@ -3,15 +3,16 @@
 //! Distributed locks that stay correct when holders pause, crash or lose the network: every lock
 //! is a **lease** with a TTL, every grant carries a strictly increasing [`FencingToken`], and the
 //! holder is told on a deadline when its lease is lost. One API on every backend, chosen at run
-//! time from a URL:
+//! time from a URL: [`connect`] gives locks, [`connect_election`] leader elections and
+//! [`connect_semaphore`] counting semaphores (each a lease with a fencing token as well):
 //!
-//! | URL | backend | Cargo feature |
-//! |---|---|---|
-//! | `memory://` | in-process ([`MemoryLock`]) | always on |
-//! | `redis://host:port`, `rediss://…` (TLS) | Redis (efficiency lock) | `redis` |
-//! | `etcd://host:port[,host:port]`, `etcds://…` (TLS) | etcd v3 (correctness lock) | `etcd` |
-//! | `zk://host:port[,host:port][/chroot]` | ZooKeeper (correctness lock) | `zk` |
-//! | `postgres://user@host:port/db` (TLS with `sslmode`, `tls_ca`, …) | PostgreSQL advisory locks | `postgres` |
+//! | URL | backend | Cargo feature | elections, semaphores |
+//! |---|---|---|---|
+//! | `memory://` | in-process ([`MemoryLock`]) | always on | yes |
+//! | `redis://host:port`, `rediss://…` (TLS) | Redis (efficiency lock) | `redis` | coming (`NotSupported` for now) |
+//! | `etcd://host:port[,host:port]`, `etcds://…` (TLS) | etcd v3 (correctness lock) | `etcd` | coming (`NotSupported` for now) |
+//! | `zk://host:port[,host:port][/chroot]` | ZooKeeper (correctness lock) | `zk` | coming (`NotSupported` for now) |
+//! | `postgres://user@host:port/db` (TLS with `sslmode`, `tls_ca`, …) | PostgreSQL advisory locks | `postgres` | yes |
 //!
 //! ```
 //! use std::time::Duration;
@@ -74,6 +75,15 @@
 //!
 //! Every grant has at least `AcquireOptions::min_validity` left (default half the TTL); the
 //! README's table has the fine print.
+//!
+//! Elections and semaphores ([`Election::election_guarantees`], [`SlotGuarantees`]) keep the
+//! lease promises above (without lock-delay) and add what observers see:
+//!
+//! | backend | FIFO candidates and permit waiters | observers ([`Election::observe`]) can miss |
+//! |---|---|---|
+//! | memory | yes | nothing, unless more than 1024 changes behind ([`LeaderEvent::Missed`]) |
+//! | PostgreSQL | yes (the server's lock queue; permit waiters on a gate lock) | changes while the observer's connection is down (`LISTEN` is not durable): `Missed`, then the state |
+//! | etcd, ZooKeeper, Redis | coming | coming |
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations)]
 #![deny(rustdoc::broken_intra_doc_links)]
@@ -116,57 +126,191 @@ pub use lockkit_zk as zk;
 /// - [`Error::Unavailable`] if the server cannot be reached, [`Error::Auth`] if it refuses the
 ///   credentials.
 pub async fn connect(url: &str) -> Result<Arc<dyn Lock>> {
-    let Some((scheme, _)) = url.split_once("://") else {
-        return Err(Error::config(
-            "malformed lock service URL: expected scheme://…, e.g. redis://127.0.0.1:6379",
-        ));
-    };
-    // Schemes are case-insensitive (RFC 3986 §3.1); each backend's parser lowercases them too.
-    let scheme = scheme.to_ascii_lowercase();
-    match scheme.as_str() {
-        "memory" => {
-            memory_url(url)?;
-            Ok(Arc::new(MemoryLock::new()))
+    Ok(Connected::open(url).await?.lock())
+}
+
+/// Connects to the service named by `url` and returns its leader elections as
+/// `Arc<dyn Election>` (see [`Election`] and
+/// [docs/election-semaphore.md](https://example.invalid/lockkit/blob/main/docs/election-semaphore.md)).
+///
+/// The URL is the one [`connect`] takes; the same server and prefix give the same elections to
+/// every process. `memory://` returns a fresh in-process backend each time (nothing is shared
+/// with another call). Elections and semaphores are on `memory://` and PostgreSQL so far; the
+/// crate docs' table says which backend has them.
+///
+/// ```
+/// use lockkit::{AcquireOptions, LeaderEvent};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> lockkit::Result<()> {
+/// let elections = lockkit::connect_election("memory://").await?;
+/// let leader = elections.campaign("scheduler", b"10.0.0.7:8080", AcquireOptions::new()).await?;
+/// let now = elections.leader("scheduler").await?.expect("we lead");
+/// assert_eq!((now.term, now.value), (leader.term(), b"10.0.0.7:8080".to_vec()));
+/// leader.resign().await?;
+/// let mut observer = elections.observe("scheduler").await?;
+/// assert_eq!(observer.next().await?, LeaderEvent::NoLeader);
+/// # Ok(()) }
+/// ```
+///
+/// # Errors
+/// As [`connect`], and [`Error::NotSupported`] (naming the backend) where the backend has no
+/// elections yet (etcd, ZooKeeper and Redis, for now).
+pub async fn connect_election(url: &str) -> Result<Arc<dyn Election>> {
+    Ok(Connected::open(url).await?.slots()?.election)
+}
+
+/// Connects to the service named by `url` and returns its counting semaphores as
+/// `Arc<dyn Semaphore>` (see [`Semaphore`] and
+/// [docs/election-semaphore.md](https://example.invalid/lockkit/blob/main/docs/election-semaphore.md)).
+///
+/// The URL is the one [`connect`] takes; `memory://` returns a fresh in-process backend each
+/// time.
+///
+/// ```
+/// use lockkit::{AcquireOptions, Error, Wait};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> lockkit::Result<()> {
+/// let semaphores = lockkit::connect_semaphore("memory://").await?;
+/// let once = || AcquireOptions::new().wait(Wait::No);
+/// let a = semaphores.acquire_permit("transcoders", 2, once()).await?;
+/// let b = semaphores.acquire_permit("transcoders", 2, once()).await?;
+/// assert_ne!(a.slot(), b.slot());
+/// let third = semaphores.acquire_permit("transcoders", 2, once()).await;
+/// assert!(matches!(third, Err(Error::Held { .. })));
+/// # Ok(()) }
+/// ```
+///
+/// # Errors
+/// As [`connect_election`].
+pub async fn connect_semaphore(url: &str) -> Result<Arc<dyn Semaphore>> {
+    Ok(Connected::open(url).await?.slots()?.semaphore)
+}
+
+/// One backend, connected: what [`connect`], [`connect_election`] and [`connect_semaphore`]
+/// share (the scheme dispatch, done once).
+enum Connected {
+    Memory(MemoryLock),
+    #[cfg(feature = "redis")]
+    Redis(lockkit_redis::RedisLock),
+    #[cfg(feature = "etcd")]
+    Etcd(lockkit_etcd::EtcdLock),
+    #[cfg(feature = "zk")]
+    Zk(lockkit_zk::ZkLock),
+    #[cfg(feature = "postgres")]
+    Postgres(lockkit_postgres::PgLock),
+}
+
+/// A backend's elections and semaphores: the same object behind both.
+struct Slots {
+    election: Arc<dyn Election>,
+    semaphore: Arc<dyn Semaphore>,
+}
+
+impl Slots {
+    fn of<B: backend::SlotBackend + 'static>(backend: B) -> Self {
+        let b = Arc::new(backend);
+        Self {
+            election: b.clone(),
+            semaphore: b,
         }
-        "redis" | "rediss" => {
+    }
+}
+
+/// `NotSupported` for a backend that has no [`backend::SlotBackend`] yet.
+#[allow(dead_code)] // unused when no such backend is compiled in
+fn no_slots(backend: &'static str) -> Error {
+    Error::NotSupported {
+        operation: "elections and semaphores (not implemented yet)",
+        backend,
+    }
+}
+
+impl Connected {
+    async fn open(url: &str) -> Result<Self> {
+        let Some((scheme, _)) = url.split_once("://") else {
+            return Err(Error::config(
+                "malformed lock service URL: expected scheme://…, e.g. redis://127.0.0.1:6379",
+            ));
+        };
+        // Schemes are case-insensitive (RFC 3986 §3.1); each backend's parser lowercases them too.
+        let scheme = scheme.to_ascii_lowercase();
+        match scheme.as_str() {
+            "memory" => {
+                memory_url(url)?;
+                Ok(Self::Memory(MemoryLock::new()))
+            }
+            "redis" | "rediss" => {
+                #[cfg(feature = "redis")]
+                return Ok(Self::Redis(lockkit_redis::RedisLock::connect(url).await?));
+                #[cfg(not(feature = "redis"))]
+                return Err(feature_off(&scheme, "redis"));
+            }
+            "etcd" | "etcds" => {
+                #[cfg(feature = "etcd")]
+                return Ok(Self::Etcd(lockkit_etcd::EtcdLock::connect(url).await?));
+                #[cfg(not(feature = "etcd"))]
+                return Err(feature_off(&scheme, "etcd"));
+            }
+            "zk" => {
+                #[cfg(feature = "zk")]
+                return Ok(Self::Zk(lockkit_zk::ZkLock::connect(url).await?));
+                #[cfg(not(feature = "zk"))]
+                return Err(feature_off(&scheme, "zk"));
+            }
+            "postgres" | "postgresql" => {
+                #[cfg(feature = "postgres")]
+                return Ok(Self::Postgres(
+                    lockkit_postgres::PgLock::connect(url).await?,
+                ));
+                #[cfg(not(feature = "postgres"))]
+                return Err(feature_off(&scheme, "postgres"));
+            }
+            other => {
+                let plausible = !other.is_empty()
+                    && other.len() <= 16
+                    && other
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b"+-.".contains(&b));
+                let named = if plausible {
+                    format!(" {other:?}")
+                } else {
+                    String::new()
+                };
+                Err(Error::config(format!(
+                    "unknown lock service scheme{named}: expected memory, redis, rediss, etcd, \
+                     zk, postgres or postgresql"
+                )))
+            }
+        }
+    }
+
+    fn lock(self) -> Arc<dyn Lock> {
+        match self {
+            Self::Memory(b) => Arc::new(b),
             #[cfg(feature = "redis")]
-            return Ok(Arc::new(lockkit_redis::RedisLock::connect(url).await?));
-            #[cfg(not(feature = "redis"))]
-            return Err(feature_off(&scheme, "redis"));
-        }
-        "etcd" | "etcds" => {
+            Self::Redis(b) => Arc::new(b),
             #[cfg(feature = "etcd")]
-            return Ok(Arc::new(lockkit_etcd::EtcdLock::connect(url).await?));
-            #[cfg(not(feature = "etcd"))]
-            return Err(feature_off(&scheme, "etcd"));
-        }
-        "zk" => {
+            Self::Etcd(b) => Arc::new(b),
             #[cfg(feature = "zk")]
-            return Ok(Arc::new(lockkit_zk::ZkLock::connect(url).await?));
-            #[cfg(not(feature = "zk"))]
-            return Err(feature_off(&scheme, "zk"));
-        }
-        "postgres" | "postgresql" => {
+            Self::Zk(b) => Arc::new(b),
             #[cfg(feature = "postgres")]
-            return Ok(Arc::new(lockkit_postgres::PgLock::connect(url).await?));
-            #[cfg(not(feature = "postgres"))]
-            return Err(feature_off(&scheme, "postgres"));
+            Self::Postgres(b) => Arc::new(b),
         }
-        other => {
-            let plausible = !other.is_empty()
-                && other.len() <= 16
-                && other
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b"+-.".contains(&b));
-            let named = if plausible {
-                format!(" {other:?}")
-            } else {
-                String::new()
-            };
-            Err(Error::config(format!(
-                "unknown lock service scheme{named}: expected memory, redis, rediss, etcd, zk, \
-                 postgres or postgresql"
-            )))
+    }
+
+    /// The backend's elections and semaphores. A backend without a `SlotBackend` yet says so
+    /// here, in its one line (it becomes `Self::X(b) => Ok(Slots::of(b))` when it has one).
+    fn slots(self) -> Result<Slots> {
+        match self {
+            Self::Memory(b) => Ok(Slots::of(b)),
+            #[cfg(feature = "redis")]
+            Self::Redis(_) => Err(no_slots("redis")),
+            #[cfg(feature = "etcd")]
+            Self::Etcd(_) => Err(no_slots("etcd")),
+            #[cfg(feature = "zk")]
+            Self::Zk(_) => Err(no_slots("zk")),
+            #[cfg(feature = "postgres")]
+            Self::Postgres(b) => Ok(Slots::of(b)),
         }
     }
 }
@@ -226,5 +370,36 @@ mod tests {
         let huge = format!("{}://x", "s".repeat(40_000));
         let e = connect(&huge).await.err().unwrap();
         assert!(e.to_string().len() < 200);
+    }
+
+    /// Elections and semaphores take the same URLs, through the same dispatch.
+    #[tokio::test]
+    async fn election_and_semaphore_urls() {
+        for url in [
+            "",
+            "no-scheme",
+            "ftp://x",
+            "memory://host",
+            "memory://?prefix=a",
+        ] {
+            assert!(
+                matches!(
+                    connect_election(url).await,
+                    Err(Error::InvalidConfig { .. })
+                ),
+                "{url:?}"
+            );
+            assert!(
+                matches!(
+                    connect_semaphore(url).await,
+                    Err(Error::InvalidConfig { .. })
+                ),
+                "{url:?}"
+            );
+        }
+        let e = connect_election("MEMORY://").await.unwrap();
+        assert_eq!(e.election_guarantees().lock.backend, "memory");
+        let s = connect_semaphore("memory://").await.unwrap();
+        assert!(s.semaphore_guarantees().observe);
     }
 }

@@ -4,7 +4,19 @@
 //! lockkit run --backend etcd://127.0.0.1:2379 --ttl 30s --wait 1m nightly-report -- ./report.sh
 //! lockkit hold --backend redis://127.0.0.1:6379 deploy      # prints the token, holds until stdin closes
 //! lockkit guarantees redis://127.0.0.1:6379 [--json]   # or --backend URL, or LOCKKIT_URL
+//! lockkit elect --backend postgres://… --value 10.0.0.7:8080 scheduler -- ./scheduler
+//! lockkit leader --backend postgres://… [--watch] [--json] scheduler
+//! lockkit permit --backend postgres://… --permits 2 transcoders -- ./transcode.sh
 //! ```
+//!
+//! `elect` and `permit` are `run` for a leadership and a semaphore permit: the same code starts,
+//! signals and ends the command, with the same exit statuses. `elect` gives the command
+//! `LOCKKIT_TERM` (the term's number), `LOCKKIT_FENCING_TOKEN` (the term's token) and
+//! `LOCKKIT_ELECTION`; `permit` gives `LOCKKIT_SLOT` (0..N), `LOCKKIT_PERMITS`,
+//! `LOCKKIT_FENCING_TOKEN` (the slot's token) and `LOCKKIT_SEMAPHORE`. A `--permits` other than
+//! the one in force while the semaphore is in use exits 64. `leader` prints `leader TERM VALUE`
+//! (exit 0) or `no-leader` (exit 1); `--watch` prints every change, and `missed` where changes
+//! may have been lost, until a signal (exit 0).
 //!
 //! `--lock-delay D` (`run`, `hold`): should this holder die or its lease lapse without a release,
 //! nobody gets the lock until D after the server freed it (refused with 64 where the backend's
@@ -62,7 +74,8 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use lockkit::{
-    AcquireOptions, Error, HolderInfo, Lease, Lock, MAX_LOCK_DELAY, MAX_TTL, MIN_TTL, Wait,
+    AcquireOptions, Election, Error, HolderInfo, LeaderEvent, LeaderInfo, Leadership, Lease, Lock,
+    MAX_LOCK_DELAY, MAX_TTL, MIN_TTL, Permit, Semaphore, SlotGuarantees, SlotHolders, Wait,
 };
 use nix::sys::signal::Signal;
 use tokio::signal::unix::{SignalKind, signal};
@@ -111,16 +124,17 @@ struct Cli {
     cmd: Cmd,
 }
 
-/// What `run` and `hold` share: where and which lock, for how long.
+/// What `run`, `hold`, `elect` and `permit` share: where, and for how long.
 #[derive(Args, Debug)]
-struct LockArgs {
+struct LeaseArgs {
     /// Lock service URL: redis://, rediss://, etcd://, zk://, postgres:// [env: LOCKKIT_URL]
     #[arg(long, env = "LOCKKIT_URL", hide_env = true, value_name = "URL")]
     backend: String,
     /// Lease TTL, e.g. "30s", "2m" (100ms to 24h). The lease is renewed every TTL/3.
     #[arg(long, default_value = "30s", value_parser = parse_ttl)]
     ttl: Duration,
-    /// How long to wait for a held lock: "0" to try once, "forever", or a duration like "1m".
+    /// How long to wait for a held lock (leadership, permit): "0" to try once, "forever", or a
+    /// duration like "1m".
     #[arg(long, default_value = "forever", value_parser = parse_wait)]
     wait: Wait,
     /// If this holder dies or its lease lapses (no release), nobody gets the lock until this long
@@ -131,6 +145,23 @@ struct LockArgs {
     /// Say nothing on stderr while waiting.
     #[arg(short, long)]
     quiet: bool,
+}
+
+impl LeaseArgs {
+    fn options(&self) -> AcquireOptions {
+        let mut opts = AcquireOptions::new().ttl(self.ttl).wait(self.wait);
+        if let Some(d) = self.lock_delay {
+            opts = opts.lock_delay(d);
+        }
+        opts
+    }
+}
+
+/// What `run` and `hold` share: where and which lock, for how long.
+#[derive(Args, Debug)]
+struct LockArgs {
+    #[command(flatten)]
+    lease: LeaseArgs,
     /// The lock name.
     lock: String,
 }
@@ -155,6 +186,58 @@ enum Cmd {
     Hold {
         #[command(flatten)]
         lock: LockArgs,
+    },
+    /// Campaign for leadership of NAME with --value, run COMMAND while leader (the term in
+    /// LOCKKIT_TERM and LOCKKIT_FENCING_TOKEN), resign when it exits.
+    #[command(after_help = ELECT_AFTER_HELP)]
+    Elect {
+        #[command(flatten)]
+        lease: LeaseArgs,
+        /// The value others see for this leader (`lockkit leader`), e.g. its address.
+        #[arg(long, value_name = "V")]
+        value: String,
+        /// As for `run`: after a forwarded signal, how long COMMAND may take to exit.
+        #[arg(long, default_value = "10s", value_parser = parse_grace)]
+        grace: Duration,
+        /// The election name.
+        name: String,
+        /// The command and its arguments.
+        #[arg(last = true, required = true)]
+        command: Vec<String>,
+    },
+    /// Print who leads election NAME (exit 0), or "no-leader" (exit 1); --watch: every change.
+    #[command(after_help = LEADER_AFTER_HELP)]
+    Leader {
+        /// Lock service URL, as for `run` [env: LOCKKIT_URL]
+        #[arg(long, env = "LOCKKIT_URL", hide_env = true, value_name = "URL")]
+        backend: String,
+        /// Print the leader now, then every change, until SIGINT/SIGTERM/SIGHUP.
+        #[arg(long)]
+        watch: bool,
+        /// One JSON object per line instead of text.
+        #[arg(long)]
+        json: bool,
+        /// The election name.
+        name: String,
+    },
+    /// Acquire one of --permits N permits of semaphore NAME, run COMMAND while holding it (the
+    /// slot in LOCKKIT_SLOT), release when it exits.
+    #[command(after_help = PERMIT_AFTER_HELP)]
+    Permit {
+        #[command(flatten)]
+        lease: LeaseArgs,
+        /// How many holders the semaphore admits at once (1 to 1024); every client of NAME must
+        /// give the same N while it is in use.
+        #[arg(long, value_name = "N")]
+        permits: u32,
+        /// As for `run`: after a forwarded signal, how long COMMAND may take to exit.
+        #[arg(long, default_value = "10s", value_parser = parse_grace)]
+        grace: Duration,
+        /// The semaphore name.
+        name: String,
+        /// The command and its arguments.
+        #[arg(last = true, required = true)]
+        command: Vec<String>,
     },
     /// Print what the backend at URL (or --backend, or LOCKKIT_URL) guarantees.
     Guarantees {
@@ -181,6 +264,26 @@ is released once the group is gone. If the lease is lost, the group gets SIGTERM
 Exit status: COMMAND's own (128+N if signal N ended it); 64 bad arguments; 69 lock service
 unavailable; 70 lease lost; 75 lock held (--wait 0) or --wait ran out; 127 COMMAND cannot be
 started; 128+N signal N arrived while waiting.";
+
+const ELECT_AFTER_HELP: &str = "\
+COMMAND runs only while this process leads NAME, with LOCKKIT_TERM (the term, a number that
+grows with every new leader), LOCKKIT_FENCING_TOKEN (the term's token, v1:N:LOCK) and
+LOCKKIT_ELECTION. Signals, the loss of leadership and exit statuses are those of `lockkit run`:
+if leadership is lost COMMAND gets SIGTERM, then SIGKILL 1s later, and lockkit exits 70; 75 if
+another process leads (--wait 0) or --wait ran out.";
+
+const LEADER_AFTER_HELP: &str = "\
+Lines: `leader TERM VALUE`, `no-leader`, and with --watch also `missed` (changes may have been
+lost here; the next line is the state after them).
+
+Exit status: 0 a leader was printed (--watch: ended by a signal); 1 no leader; 64 bad arguments
+or a backend without elections; 69 lock service unavailable.";
+
+const PERMIT_AFTER_HELP: &str = "\
+COMMAND runs with LOCKKIT_SLOT (0..N-1), LOCKKIT_PERMITS (N), LOCKKIT_FENCING_TOKEN (the slot's
+token: each slot is its own fencing domain) and LOCKKIT_SEMAPHORE. Signals, the loss of the
+permit and exit statuses are those of `lockkit run`; 64 also if the semaphore is in use with
+another --permits.";
 
 /// A duration as a user writes one: the largest unit that divides it ("25h", "90s", "1500ms").
 fn human(d: Duration) -> String {
@@ -304,7 +407,8 @@ impl From<Error> for Fail {
             Error::NotHeld { .. } => EX_LOST,
             Error::InvalidName { .. }
             | Error::InvalidConfig { .. }
-            | Error::NotSupported { .. } => EX_USAGE,
+            | Error::NotSupported { .. }
+            | Error::PermitsMismatch { .. } => EX_USAGE,
             _ => EX_UNAVAILABLE,
         };
         let msg = match &e {
@@ -431,7 +535,12 @@ async fn run_cli(cli: Cli) -> Result<u8, Fail> {
                     )
                 })?;
             let locks = lockkit::connect(&backend).await?;
-            print_guarantees(&locks.guarantees(), json);
+            let slots = match lockkit::connect_election(&backend).await {
+                Ok(e) => Some(e.election_guarantees()),
+                Err(Error::NotSupported { .. }) => None,
+                Err(e) => return Err(e.into()),
+            };
+            print_guarantees(&locks.guarantees(), slots.as_ref(), json);
             Ok(0)
         }
         Cmd::Run {
@@ -441,20 +550,82 @@ async fn run_cli(cli: Cli) -> Result<u8, Fail> {
         } => {
             let mut sigs = Signals::new()?;
             let (locks, lease) = acquire(&lock, &mut sigs).await?;
-            let code = run(lease, &lock.lock, grace, &command, &mut sigs).await;
+            let what = format!("lock {:?}", lock.lock);
+            let env = vec![
+                ("LOCKKIT_FENCING_TOKEN", lease.token().to_string()),
+                ("LOCKKIT_LOCK", lock.lock.clone()),
+            ];
+            let code = run(lease, &what, env, grace, &command, &mut sigs).await;
             drop(locks);
             code
         }
         Cmd::Hold { lock } => {
             let mut sigs = Signals::new()?;
             let (_locks, lease) = acquire(&lock, &mut sigs).await?;
-            hold(lease, &mut sigs).await
+            hold(lease, &format!("lock {:?}", lock.lock), &mut sigs).await
+        }
+        Cmd::Elect {
+            lease,
+            value,
+            grace,
+            name,
+            command,
+        } => {
+            let mut sigs = Signals::new()?;
+            let (elections, leadership) = campaign(&lease, &name, &value, &mut sigs).await?;
+            let term = leadership.term();
+            let what = format!("the leadership of election {name:?}");
+            let env = vec![
+                ("LOCKKIT_FENCING_TOKEN", term.to_string()),
+                ("LOCKKIT_TERM", term.get().to_string()),
+                ("LOCKKIT_ELECTION", name),
+            ];
+            let code = run(
+                leadership.into_lease(),
+                &what,
+                env,
+                grace,
+                &command,
+                &mut sigs,
+            )
+            .await;
+            drop(elections);
+            code
+        }
+        Cmd::Permit {
+            lease,
+            permits,
+            grace,
+            name,
+            command,
+        } => {
+            let mut sigs = Signals::new()?;
+            let (semaphores, permit) = acquire_permit(&lease, &name, permits, &mut sigs).await?;
+            let what = format!("permit {} of semaphore {name:?}", permit.slot());
+            let env = vec![
+                ("LOCKKIT_FENCING_TOKEN", permit.token().to_string()),
+                ("LOCKKIT_SLOT", permit.slot().to_string()),
+                ("LOCKKIT_PERMITS", permits.to_string()),
+                ("LOCKKIT_SEMAPHORE", name),
+            ];
+            let code = run(permit.into_lease(), &what, env, grace, &command, &mut sigs).await;
+            drop(semaphores);
+            code
+        }
+        Cmd::Leader {
+            backend,
+            watch,
+            json,
+            name,
+        } => {
+            let mut sigs = Signals::new()?;
+            leader(&backend, &name, watch, json, &mut sigs).await
         }
         Cmd::WatchGroup => unreachable!("handled before the runtime starts"),
     }
 }
 
-fn print_guarantees(g: &lockkit::Guarantees, json: bool) {
+fn print_guarantees(g: &lockkit::Guarantees, slots: Option<&SlotGuarantees>, json: bool) {
     let kind = match g.kind {
         lockkit::LockKind::Correctness => "correctness",
         lockkit::LockKind::Efficiency => "efficiency",
@@ -471,6 +642,15 @@ fn print_guarantees(g: &lockkit::Guarantees, json: bool) {
             "lock_delay": g.lock_delay,
             "loss_notice_ms": g.loss_notice.map(|d| d.as_millis() as u64),
             "notes": g.notes,
+            // null: this backend has no elections and semaphores (yet).
+            "elections": slots.map(|s| serde_json::json!({
+                "fifo_waiters": s.lock.fifo_waiters,
+                "lock_delay": s.lock.lock_delay,
+                "observe": s.observe,
+                "every_change_observed": s.every_change_observed,
+                "max_permits": s.max_permits,
+                "notes": s.notes,
+            })),
         });
         println!("{v}");
         return;
@@ -493,6 +673,23 @@ fn print_guarantees(g: &lockkit::Guarantees, json: bool) {
     });
     println!("loss notice             {notice}");
     println!("notes                   {}", g.notes);
+    let Some(s) = slots else {
+        println!("elections, semaphores   not supported by this backend yet");
+        return;
+    };
+    println!(
+        "elections, semaphores   yes (up to {} permits)",
+        s.max_permits
+    );
+    println!("  FIFO candidates       {}", yes(s.lock.fifo_waiters));
+    println!("  lock-delay            {}", yes(s.lock.lock_delay));
+    let observers = match (s.observe, s.every_change_observed) {
+        (false, _) => "not supported",
+        (true, true) => "see every change (missed only when far behind)",
+        (true, false) => "may miss changes (each such place is marked missed)",
+    };
+    println!("  observers             {observers}");
+    println!("  notes                 {}", s.notes);
 }
 
 /// SIGTERM, SIGINT and SIGHUP, caught from the start so that none ends `lockkit` before it has
@@ -577,28 +774,27 @@ fn refuse_memory(url: &str) -> Result<(), Fail> {
     Ok(())
 }
 
-type HolderQuery<'a> = Pin<Box<dyn Future<Output = HolderNote> + Send + 'a>>;
+/// A boxed future that owns what it needs (the client is an `Arc` moved into it).
+type Boxed<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
-/// What a "waiting for lock" note says about the holder.
-enum HolderNote {
-    Known(Option<HolderInfo>),
-    Unknown(String),
-}
-
-async fn query_holder(locks: &dyn Lock, name: &str) -> HolderNote {
-    match tokio::time::timeout(Duration::from_secs(2), locks.holder(name)).await {
-        Ok(Ok(h)) => HolderNote::Known(h),
+/// What a "waiting for …" note says about the holder, from `read` (at most 2 s).
+async fn holder_note<T>(
+    read: impl Future<Output = lockkit::Result<T>>,
+    describe: impl FnOnce(T) -> String,
+) -> String {
+    match tokio::time::timeout(Duration::from_secs(2), read).await {
+        Ok(Ok(h)) => describe(h),
         Ok(Err(Error::NotSupported { backend, .. })) => {
-            HolderNote::Unknown(format!("the {backend} backend cannot tell"))
+            format!("holder unknown (the {backend} backend cannot tell)")
         }
-        Ok(Err(e)) => HolderNote::Unknown(format!("cannot read it: {e}")),
-        Err(_) => HolderNote::Unknown("the server did not answer within 2s".into()),
+        Ok(Err(e)) => format!("holder unknown (cannot read it: {e})"),
+        Err(_) => "holder unknown (the server did not answer within 2s)".into(),
     }
 }
 
-fn waiting_note(name: &str, waited: Duration, holder: &HolderNote) -> String {
-    let about = match holder {
-        HolderNote::Known(Some(h)) => {
+fn lock_note(holder: Option<HolderInfo>) -> String {
+    match holder {
+        Some(h) => {
             let token = h
                 .token
                 .as_ref()
@@ -611,45 +807,167 @@ fn waiting_note(name: &str, waited: Duration, holder: &HolderNote) -> String {
                 None => format!("held with token {token}"),
             }
         }
-        HolderNote::Known(None) => {
+        None => {
             "no holder now (free, the grant is on its way; or a failed holder's lock-delay runs)"
                 .into()
         }
-        HolderNote::Unknown(why) => format!("holder unknown ({why})"),
+    }
+}
+
+fn leader_note(leader: Option<LeaderInfo>) -> String {
+    match leader {
+        Some(l) => format!("led in term {} by {}", l.term.get(), text_value(&l.value)),
+        None => "no leader now (the grant is on its way)".into(),
+    }
+}
+
+fn permits_note(holders: Option<SlotHolders>) -> String {
+    let Some(h) = holders else {
+        return "no holder now (the grant is on its way)".into();
     };
-    format!("waiting for lock {name:?} for {}: {about}", rounded(waited))
+    let first = h.holders.iter().filter_map(|h| h.remaining).min();
+    let held = format!("{} of {} permits held", h.holders.len(), h.permits);
+    match first {
+        Some(r) => format!(
+            "{held}, the first lease ends in {} unless renewed",
+            rounded(r)
+        ),
+        None => held,
+    }
+}
+
+/// What one acquire waits for, for its messages.
+struct Target {
+    /// `lock "x"`, `the leadership of election "x"`, …
+    what: String,
+    /// What a try-once that found it held says: `lock "x" is held by another holder`.
+    held: String,
+    /// What a timeout says: `lock "x" was still held` (after waiting …).
+    busy: String,
 }
 
 /// Connects and acquires, saying on stderr what it waits for; a signal cancels it.
 async fn acquire(args: &LockArgs, sigs: &mut Signals) -> Result<(Arc<dyn Lock>, Lease), Fail> {
     lockkit::backend::validate_name(&args.lock)?;
+    let name = args.lock.clone();
+    let target = Target {
+        what: format!("lock {name:?}"),
+        held: format!("lock {name:?} is held by another holder"),
+        busy: format!("lock {name:?} was still held"),
+    };
+    let opts = args.lease.options();
+    let n = name.clone();
+    acquire_with(
+        &args.lease,
+        target,
+        sigs,
+        lockkit::connect(&args.lease.backend),
+        move |locks: Arc<dyn Lock>| Box::pin(async move { locks.acquire(&n, opts).await }),
+        move |locks| {
+            let name = name.clone();
+            Box::pin(async move { holder_note(locks.holder(&name), lock_note).await })
+        },
+    )
+    .await
+}
+
+/// `elect`: connects and campaigns, as [`acquire`].
+async fn campaign(
+    args: &LeaseArgs,
+    name: &str,
+    value: &str,
+    sigs: &mut Signals,
+) -> Result<(Arc<dyn Election>, Leadership), Fail> {
+    lockkit::backend::validate_name(name)?;
+    lockkit::backend::validate_value(value.as_bytes())?;
+    let target = Target {
+        what: format!("the leadership of election {name:?}"),
+        held: format!("election {name:?} has another leader, or candidates ahead in line"),
+        busy: format!("election {name:?} still had another leader"),
+    };
+    let opts = args.options();
+    let (n, v, name) = (name.to_owned(), value.to_owned(), name.to_owned());
+    acquire_with(
+        args,
+        target,
+        sigs,
+        lockkit::connect_election(&args.backend),
+        move |e: Arc<dyn Election>| {
+            Box::pin(async move { e.campaign(&n, v.as_bytes(), opts).await })
+        },
+        move |e| {
+            let name = name.clone();
+            Box::pin(async move { holder_note(e.leader(&name), leader_note).await })
+        },
+    )
+    .await
+}
+
+/// `permit`: connects and acquires one of `permits` permits, as [`acquire`].
+async fn acquire_permit(
+    args: &LeaseArgs,
+    name: &str,
+    permits: u32,
+    sigs: &mut Signals,
+) -> Result<(Arc<dyn Semaphore>, Permit), Fail> {
+    lockkit::backend::validate_name(name)?;
+    lockkit::backend::validate_permits(permits)?;
+    let target = Target {
+        what: format!("a permit of semaphore {name:?}"),
+        held: format!("all {permits} permits of semaphore {name:?} are held, or others wait first"),
+        busy: format!("all {permits} permits of semaphore {name:?} were still held"),
+    };
+    let opts = args.options();
+    let (n, name) = (name.to_owned(), name.to_owned());
+    acquire_with(
+        args,
+        target,
+        sigs,
+        lockkit::connect_semaphore(&args.backend),
+        move |s: Arc<dyn Semaphore>| {
+            Box::pin(async move { s.acquire_permit(&n, permits, opts).await })
+        },
+        move |s| {
+            let name = name.clone();
+            Box::pin(async move { holder_note(s.permit_holders(&name), permits_note).await })
+        },
+    )
+    .await
+}
+
+/// The one acquire loop of `run`, `hold`, `elect` and `permit`: connects with `connect`,
+/// acquires with `grant`, says every 10 s on stderr what it waits for (`note`), and cancels on
+/// a signal (128+N, after the client's background cleanup ran).
+async fn acquire_with<C: ?Sized + Send + Sync + 'static, T>(
+    args: &LeaseArgs,
+    target: Target,
+    sigs: &mut Signals,
+    connect: impl Future<Output = lockkit::Result<Arc<C>>>,
+    grant: impl FnOnce(Arc<C>) -> Boxed<lockkit::Result<T>>,
+    note: impl Fn(Arc<C>) -> Boxed<String>,
+) -> Result<(Arc<C>, T), Fail> {
     refuse_memory(&args.backend)?;
     let baseline = tokio::runtime::Handle::current()
         .metrics()
         .num_alive_tasks();
-    let locks = tokio::select! {
-        l = lockkit::connect(&args.backend) => l?,
+    let client = tokio::select! {
+        c = connect => c?,
         sig = sigs.recv() => return Err(Fail::new(signal_status(sig), format!("{sig} while connecting"))),
     };
-    let mut opts = AcquireOptions::new().ttl(args.ttl).wait(args.wait);
-    if let Some(d) = args.lock_delay {
-        opts = opts.lock_delay(d);
-    }
-    let name = args.lock.as_str();
     let started = Instant::now();
-    let mut acquiring = Box::pin(locks.acquire(name, opts));
+    let mut acquiring = grant(client.clone());
     let mut next_note = started + FIRST_NOTE;
-    let mut query: Option<HolderQuery<'_>> = None;
+    let mut query: Option<Boxed<String>> = None;
     let outcome = loop {
         tokio::select! {
             r = &mut acquiring => break Ok(r),
             sig = sigs.recv() => break Err(sig),
             _ = tokio::time::sleep_until(next_note), if !args.quiet && query.is_none() => {
-                query = Some(Box::pin(query_holder(&*locks, name)));
+                query = Some(note(client.clone()));
             }
-            note = async { query.as_mut().expect("guarded").await }, if query.is_some() => {
+            about = async { query.as_mut().expect("guarded").await }, if query.is_some() => {
                 query = None;
-                stderr_line!("lockkit: {}", waiting_note(name, started.elapsed(), &note));
+                stderr_line!("lockkit: waiting for {} for {}: {about}", target.what, rounded(started.elapsed()));
                 next_note = Instant::now() + NOTE_EVERY;
             }
         }
@@ -657,13 +975,19 @@ async fn acquire(args: &LockArgs, sigs: &mut Signals) -> Result<(Arc<dyn Lock>, 
     drop(query);
     drop(acquiring);
     match outcome {
-        Ok(lease) => Ok((locks, lease?)),
+        Ok(Ok(granted)) => Ok((client, granted)),
+        Ok(Err(Error::Timeout { waited, .. })) => Err(Fail::new(
+            EX_TEMPFAIL,
+            format!("{} after waiting {} (--wait)", target.busy, rounded(waited)),
+        )),
+        Ok(Err(Error::Held { .. })) => Err(Fail::new(EX_TEMPFAIL, target.held)),
+        Ok(Err(e)) => Err(e.into()),
         Err(sig) => {
-            drop(locks);
+            drop(client);
             drain_background(baseline).await;
             Err(Fail::new(
                 signal_status(sig),
-                format!("{sig} while waiting for lock {name:?}: gave up waiting"),
+                format!("{sig} while waiting for {}: gave up waiting", target.what),
             ))
         }
     }
@@ -682,16 +1006,15 @@ async fn drain_background(baseline: usize) {
     }
 }
 
-/// What the lease state says about a lost lease, for stderr.
-fn loss_text(lease: &Lease) -> String {
+/// What the lease state says about a lost lease on `what` (`lock "x"`), for stderr.
+fn loss_text(lease: &Lease, what: &str) -> String {
     let t = lease.tracker();
     let why = lease
         .loss_reason()
         .map_or_else(|| "lost".to_owned(), |r| r.to_string());
     format!(
-        "lease on lock {:?} (token {}) was lost ({why}): the last renewal the server \
+        "lease on {what} (token {}) was lost ({why}): the last renewal the server \
          acknowledged was sent {} ago, and the TTL is {}",
-        lease.name(),
         lease.token(),
         rounded(t.confirmed_at().elapsed()),
         human(lease.ttl()),
@@ -709,10 +1032,12 @@ async fn release(lease: Lease) {
     }
 }
 
-/// Runs the command while `lease` holds, and ends it as the module docs say.
+/// Runs the command with `env` while `lease` (on `what`: `lock "x"`) holds, and ends it as the
+/// module docs say. `run`, `elect` and `permit` alike.
 async fn run(
     lease: Lease,
-    name: &str,
+    what: &str,
+    env: Vec<(&str, String)>,
     grace: Duration,
     command: &[String],
     sigs: &mut Signals,
@@ -720,10 +1045,6 @@ async fn run(
     let (program, args) = command
         .split_first()
         .ok_or_else(|| Fail::new(EX_USAGE, "no command given"))?;
-    let env = [
-        ("LOCKKIT_FENCING_TOKEN", lease.token().to_string()),
-        ("LOCKKIT_LOCK", name.to_owned()),
-    ];
     let mut job = JobSignals::new()?;
     let mut group = match child::spawn(program, args, &env) {
         Ok(g) => g,
@@ -778,7 +1099,7 @@ async fn run(
                 group.signal(Signal::SIGCONT);
             }
             _ = &mut lost, if loss.is_none() => {
-                loss = Some(loss_text(&lease));
+                loss = Some(loss_text(&lease, what));
                 group.signal(Signal::SIGTERM);
                 let now = Instant::now();
                 let at = now + LOST_GRACE;
@@ -815,7 +1136,7 @@ async fn run(
 }
 
 /// `hold`: prints the token, holds until a signal or EOF on stdin, releases.
-async fn hold(lease: Lease, sigs: &mut Signals) -> Result<u8, Fail> {
+async fn hold(lease: Lease, what: &str, sigs: &mut Signals) -> Result<u8, Fail> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut out = tokio::io::stdout();
     let line = format!("{}\n", lease.token());
@@ -834,10 +1155,98 @@ async fn hold(lease: Lease, sigs: &mut Signals) -> Result<u8, Fail> {
         }
     };
     tokio::select! {
-        _ = lease.lost() => return Err(Fail::new(EX_LOST, loss_text(&lease))),
+        _ = lease.lost() => return Err(Fail::new(EX_LOST, loss_text(&lease, what))),
         _ = sigs.recv() => {}
         _ = stdin_closed => {}
     }
     release(lease).await;
     Ok(0)
+}
+
+/// A holder's value for a text line: UTF-8 (invalid bytes replaced), control characters
+/// escaped so that one event stays one line.
+fn text_value(value: &[u8]) -> String {
+    String::from_utf8_lossy(value)
+        .chars()
+        .map(|c| {
+            if c.is_control() {
+                c.escape_debug().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
+}
+
+/// One line of `lockkit leader`: `leader TERM VALUE`, `no-leader`, `missed` (or JSON).
+fn leader_line(event: &LeaderEvent, json: bool) -> String {
+    match (event, json) {
+        (LeaderEvent::Leader(l), false) => {
+            format!("leader {} {}", l.term.get(), text_value(&l.value))
+        }
+        (LeaderEvent::Leader(l), true) => serde_json::json!({
+            "event": "leader",
+            "term": l.term.get(),
+            "token": l.term.to_string(),
+            "value": String::from_utf8_lossy(&l.value),
+        })
+        .to_string(),
+        (LeaderEvent::NoLeader, false) => "no-leader".into(),
+        (LeaderEvent::NoLeader, true) => r#"{"event":"no-leader"}"#.into(),
+        (_, false) => "missed".into(),
+        (_, true) => r#"{"event":"missed"}"#.into(),
+    }
+}
+
+/// Writes one line to stdout; `false` once stdout is closed (a reader such as `head` left).
+fn print_line(line: &str) -> bool {
+    use std::io::Write as _;
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{line}").and_then(|()| out.flush()).is_ok()
+}
+
+/// `leader`: prints who leads `name` (exit 0) or `no-leader` (exit 1); with `watch`, every
+/// change until a signal (exit 0) or until stdout closes.
+async fn leader(
+    backend: &str,
+    name: &str,
+    watch: bool,
+    json: bool,
+    sigs: &mut Signals,
+) -> Result<u8, Fail> {
+    lockkit::backend::validate_name(name)?;
+    refuse_memory(backend)?;
+    let interrupted =
+        |sig: Signal| Fail::new(signal_status(sig), format!("{sig} while connecting"));
+    let elections = tokio::select! {
+        e = lockkit::connect_election(backend) => e?,
+        sig = sigs.recv() => return Err(interrupted(sig)),
+    };
+    if !watch {
+        let now = tokio::select! {
+            l = elections.leader(name) => l?,
+            sig = sigs.recv() => return Err(interrupted(sig)),
+        };
+        let event = now.map_or(LeaderEvent::NoLeader, LeaderEvent::Leader);
+        print_line(&leader_line(&event, json));
+        return Ok(if matches!(event, LeaderEvent::Leader(_)) {
+            0
+        } else {
+            1
+        });
+    }
+    let mut observer = tokio::select! {
+        o = elections.observe(name) => o?,
+        sig = sigs.recv() => return Err(interrupted(sig)),
+    };
+    loop {
+        tokio::select! {
+            event = observer.next() => {
+                if !print_line(&leader_line(&event?, json)) {
+                    return Ok(0);
+                }
+            }
+            _ = sigs.recv() => return Ok(0),
+        }
+    }
 }

@@ -372,6 +372,27 @@ mod tests {
         assert!(e.to_string().len() < 200);
     }
 
+    /// The README's election and semaphore code is the marked code of examples/election.rs
+    /// (which CI builds and scripts/test.sh runs), so the README's code compiles.
+    #[test]
+    fn readme_code_is_the_election_example() {
+        let readme = include_str!("../README.md");
+        let example = include_str!("../examples/election.rs");
+        let parts: Vec<_> = example.split("    // README: begin\n").skip(1).collect();
+        assert_eq!(parts.len(), 2);
+        for part in parts {
+            let (code, _) = part.split_once("    // README: end\n").expect("an end line");
+            let code: String = code
+                .lines()
+                .map(|l| format!("{}\n", l.strip_prefix("    ").unwrap_or(l)))
+                .collect();
+            assert!(
+                readme.contains(&format!("```rust\n{code}```\n")),
+                "README.md lacks this block of examples/election.rs:\n{code}"
+            );
+        }
+    }
+
     /// Elections and semaphores take the same URLs, through the same dispatch.
     #[tokio::test]
     async fn election_and_semaphore_urls() {

@@ -59,9 +59,9 @@ async fn semaphore(url: &str, storage: &MemoryFence<&str>) -> lockkit::Result<()
     // README: begin
     let semaphores = lockkit::connect_semaphore(url).await?;
     // At most 2 holders at once; every client must agree on N (else Error::PermitsMismatch).
-    let opts = AcquireOptions::new();
-    let a = semaphores.acquire_permit("transcoders", 2, opts).await?;
-    let b = semaphores.acquire_permit("transcoders", 2, opts).await?;
+    let opts = || AcquireOptions::new().ttl(Duration::from_secs(30));
+    let a = semaphores.acquire_permit("transcoders", 2, opts()).await?;
+    let b = semaphores.acquire_permit("transcoders", 2, opts()).await?;
     // Two holders work at once: each slot is a fencing domain of its own.
     storage.write(&format!("slot-{}", a.slot()), a.token(), "job 1")?;
     storage.write(&format!("slot-{}", b.slot()), b.token(), "job 2")?;

@@ -381,7 +381,9 @@ mod tests {
         let parts: Vec<_> = example.split("    // README: begin\n").skip(1).collect();
         assert_eq!(parts.len(), 2);
         for part in parts {
-            let (code, _) = part.split_once("    // README: end\n").expect("an end line");
+            let (code, _) = part
+                .split_once("    // README: end\n")
+                .expect("an end line");
             let code: String = code
                 .lines()
                 .map(|l| format!("{}\n", l.strip_prefix("    ").unwrap_or(l)))

@@ -277,7 +277,8 @@ Lines: `leader TERM VALUE`, `no-leader`, and with --watch also `missed` (changes
 lost here; the next line is the state after them).
 
 Exit status: 0 a leader was printed (--watch: ended by a signal); 1 no leader; 64 bad arguments
-or a backend without elections; 69 lock service unavailable.";
+or a backend without elections; 69 lock service unavailable, or the watch failed (the backend's
+watch could not recover: run it again; its first line is the state then).";
 
 const PERMIT_AFTER_HELP: &str = "\
 COMMAND runs with LOCKKIT_SLOT (0..N-1), LOCKKIT_PERMITS (N), LOCKKIT_FENCING_TOKEN (the slot's

@@ -1165,6 +1165,21 @@ fn elect_takes_turns_and_leader_watch_sees_each_term(url: &str) {
     let (code, out, err) = code_of(&["leader", "--backend", url, &name]);
     assert_eq!(code, Some(0), "{err}");
     assert_eq!(out, format!("leader {a_term} A\n"));
+    let (code, out, err) = code_of(&["leader", "--json", "--backend", url, &name]);
+    assert_eq!(code, Some(0), "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+    assert_eq!(
+        (&v["event"], &v["term"], &v["value"]),
+        (&"leader".into(), &a_term.into(), &"A".into()),
+        "{v}"
+    );
+    assert_eq!(token_value(v["token"].as_str().unwrap()), a_term, "{v}");
+    // The election rows of `guarantees`, as this backend claims them.
+    let (code, out, err) = code_of(&["guarantees", "--json", url]);
+    assert_eq!(code, Some(0), "{err}");
+    let g: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+    assert_eq!(g["elections"]["observe"], true, "{g}");
+    assert!(g["elections"]["every_change_observed"].is_boolean(), "{g}");
     let (code, _, err) = code_of(&sub_args("elect", url, &name, &["--wait", "0"], &["true"]));
     assert_eq!(code, Some(75), "a try-once candidate while A leads: {err}");
 

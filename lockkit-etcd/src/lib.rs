@@ -191,6 +191,7 @@ mod error;
 mod fence;
 mod lease;
 mod lock;
+mod slots;
 
 pub use config::{DEFAULT_PORT, DEFAULT_PREFIX, EtcdConfig, validate_prefix};
 pub use fence::EtcdFence;

@@ -317,3 +317,88 @@ async fn handover_and_observer_latency() {
         seen_lag[seen_lag.len() - 1]
     );
 }
+
+/// Permit waiters queue FIFO on the semaphore's gate, and one release admits one waiter: with
+/// N = 1 and waiters B, C, D, E queued in that order, each release grants the next in line
+/// only. While anyone waits the N stays in force (another N is `PermitsMismatch`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn permit_waiters_are_served_in_order() {
+    let h = EtcdSlotHarness::from_env();
+    let (a, other) = (h.client().await, h.client().await);
+    let name = unique("permit-fifo");
+    let once = AcquireOptions::new()
+        .ttl(Duration::from_secs(10))
+        .wait(Wait::No);
+    let pa = a
+        .acquire_permit(&name, 1, once.clone())
+        .await
+        .expect("permit");
+    let (won_tx, mut won) = tokio::sync::mpsc::unbounded_channel();
+    let mut release = std::collections::HashMap::new();
+    let labels = ["b", "c", "d", "e"];
+    for label in labels {
+        let c = h.client().await;
+        let (name, won_tx) = (name.clone(), won_tx.clone());
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        release.insert(label, tx);
+        tokio::spawn(async move {
+            let p = c
+                .acquire_permit(&name, 1, waiting(30))
+                .await
+                .expect("permit");
+            let _ = won_tx.send((label, p.token()));
+            let _ = rx.await;
+            p.release().await.expect("release");
+        });
+        // Let each waiter join the line before the next one.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    match other.acquire_permit(&name, 2, once.clone()).await {
+        Err(lockkit::Error::PermitsMismatch { ours, theirs, .. }) => {
+            assert_eq!((ours, theirs), (2, 1))
+        }
+        other => panic!("another N while the semaphore has waiters: {other:?}"),
+    }
+    assert!(won.try_recv().is_err(), "a waiter got a held permit");
+    let mut last = pa.token();
+    pa.release().await.expect("release");
+    let mut order = Vec::new();
+    for _ in labels {
+        let (label, token) = tokio::time::timeout(h.tolerance(), won.recv())
+            .await
+            .expect("no waiter got the released permit")
+            .unwrap();
+        assert!(token > last && token.same_lock(&last));
+        last = token;
+        order.push(label);
+        assert!(
+            tokio::time::timeout(Duration::from_millis(100), won.recv())
+                .await
+                .is_err(),
+            "one release admitted two waiters"
+        );
+        let _ = release
+            .remove(label)
+            .expect("one grant per waiter")
+            .send(());
+    }
+    assert_eq!(
+        order, labels,
+        "FIFO: waiters get the permit in the order they queued"
+    );
+    // Idle again: a new N is taken.
+    let deadline = Instant::now() + h.tolerance();
+    let wider = loop {
+        match other.acquire_permit(&name, 2, once.clone()).await {
+            Ok(p) => break p,
+            Err(lockkit::Error::PermitsMismatch { .. } | lockkit::Error::Held { .. })
+                if Instant::now() < deadline =>
+            {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            other => panic!("an idle semaphore refused a new N: {other:?}"),
+        }
+    };
+    assert_eq!(wider.permits(), 2);
+    wider.release().await.expect("release");
+}

@@ -655,8 +655,14 @@ impl SlotWatch for EtcdWatch {
             };
             match stream.message().await {
                 Ok(Some(resp)) => {
-                    self.backoff.reset();
                     self.apply(&resp);
+                    if !resp.canceled() {
+                        self.backoff.reset();
+                    } else if !self.resync {
+                        // Cancelled by the server for another reason (no leader, …): open
+                        // it again from the next revision, not in a hot loop.
+                        tokio::time::sleep(self.backoff.next_delay()).await;
+                    }
                 }
                 Ok(None) | Err(_) => {
                     tracing::debug!(name = %self.names.name, "observer watch stream ended; opening another");

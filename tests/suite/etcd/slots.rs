@@ -402,3 +402,47 @@ async fn permit_waiters_are_served_in_order() {
     assert_eq!(wider.permits(), 2);
     wider.release().await.expect("release");
 }
+
+/// The backend's watch of a semaphore's slots (no user API observes semaphores yet, the CLI
+/// may): the first state, then every grant and release, each with its slot and token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_semaphore_watch_sees_every_permit() {
+    use lockkit::backend::{SlotBackend, SlotKind, WatchEvent};
+    let h = EtcdSlotHarness::from_env();
+    let (a, watcher) = (h.client().await, h.client().await);
+    let name = unique("sem-watch");
+    let mut w = watcher
+        .watch_slots(SlotKind::Semaphore, &name)
+        .await
+        .expect("watch");
+    assert_eq!(w.next().await.unwrap(), WatchEvent::Holders(vec![]));
+    let once = AcquireOptions::new()
+        .ttl(Duration::from_secs(10))
+        .wait(Wait::No);
+    let p0 = a.acquire_permit(&name, 2, once.clone()).await.unwrap();
+    let p1 = a.acquire_permit(&name, 2, once).await.unwrap();
+    let slots = |e: WatchEvent| match e {
+        WatchEvent::Holders(hs) => hs
+            .into_iter()
+            .map(|h| (h.slot, h.token))
+            .collect::<Vec<_>>(),
+        other => panic!("expected holders, got {other:?}"),
+    };
+    assert_eq!(slots(next(&mut w).await), vec![(p0.slot(), p0.token())]);
+    assert_eq!(
+        slots(next(&mut w).await),
+        vec![(p0.slot(), p0.token()), (p1.slot(), p1.token())]
+    );
+    let (s1, t1) = (p1.slot(), p1.token());
+    p0.release().await.unwrap();
+    assert_eq!(slots(next(&mut w).await), vec![(s1, t1)]);
+    p1.release().await.unwrap();
+    assert_eq!(slots(next(&mut w).await), vec![]);
+}
+
+async fn next(w: &mut Box<dyn lockkit::backend::SlotWatch>) -> lockkit::backend::WatchEvent {
+    tokio::time::timeout(Duration::from_secs(5), w.next())
+        .await
+        .expect("no watch event")
+        .expect("watch")
+}

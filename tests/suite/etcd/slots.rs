@@ -446,3 +446,73 @@ async fn next(w: &mut Box<dyn lockkit::backend::SlotWatch>) -> lockkit::backend:
         .expect("no watch event")
         .expect("watch")
 }
+
+/// An observer cut off from etcd while a term comes and goes (no compaction) resumes its watch
+/// at the next revision it had not seen: it reports that term, its end and the next leader,
+/// in order and without `Missed` (`every_change_observed`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reconnecting_observer_misses_nothing() {
+    let url = with_prefix(&server_url("LOCKKIT_ETCD_URL"), &fresh_prefix());
+    let endpoint = url
+        .trim_start_matches("etcd://")
+        .split('?')
+        .next()
+        .unwrap()
+        .to_owned();
+    let armed = Arc::new(AtomicBool::new(false));
+    let spot = armed.clone();
+    let proxy = Proxy::start_with_spotter(endpoint.clone(), Framing::Chunks, move || {
+        let spot = spot.clone();
+        Box::new(move |dir, _| dir == Direction::ToClient && spot.load(Ordering::SeqCst))
+    })
+    .await;
+    let watcher = EtcdLock::connect(&url.replacen(&endpoint, &proxy.endpoint(), 1))
+        .await
+        .expect("connect via proxy");
+    let (a, b) = (
+        EtcdLock::connect(&url).await.expect("connect"),
+        EtcdLock::connect(&url).await.expect("connect"),
+    );
+    let name = unique("reconnect");
+    let mut observer = watcher.observe(&name).await.expect("observe");
+    assert_eq!(observer.next().await.unwrap(), LeaderEvent::NoLeader);
+    let pending = tokio::spawn(async move {
+        let mut got = Vec::new();
+        loop {
+            let e = observer.next().await.expect("observer");
+            got.push(e.clone());
+            if matches!(e, LeaderEvent::Leader(ref l) if l.value == b"b") {
+                return got;
+            }
+        }
+    });
+    armed.store(true, Ordering::SeqCst);
+    proxy.cut_at_next_spotted(true);
+    let once = || {
+        AcquireOptions::new()
+            .ttl(Duration::from_secs(10))
+            .wait(Wait::No)
+    };
+    let la = a.campaign(&name, b"a", once()).await.expect("campaign a");
+    tokio::time::timeout(Duration::from_secs(10), proxy.wait_cuts(1))
+        .await
+        .expect("the observer's connection was not cut");
+    let term_a = la.term();
+    la.resign().await.expect("resign a");
+    let lb = b.campaign(&name, b"b", once()).await.expect("campaign b");
+    proxy.accept_again();
+    let got = tokio::time::timeout(Duration::from_secs(20), pending)
+        .await
+        .expect("the observer did not resume")
+        .expect("observer task");
+    assert_eq!(
+        got,
+        vec![
+            LeaderEvent::Leader(LeaderInfo::new(term_a, b"a".to_vec())),
+            LeaderEvent::NoLeader,
+            LeaderEvent::Leader(LeaderInfo::new(lb.term(), b"b".to_vec())),
+        ],
+        "every change after the reconnect, in order, no Missed"
+    );
+    lb.resign().await.expect("resign b");
+}

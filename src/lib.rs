@@ -306,7 +306,7 @@ impl Connected {
             #[cfg(feature = "redis")]
             Self::Redis(_) => Err(no_slots("redis")),
             #[cfg(feature = "etcd")]
-            Self::Etcd(_) => Err(no_slots("etcd")),
+            Self::Etcd(b) => Ok(Slots::of(b)),
             #[cfg(feature = "zk")]
             Self::Zk(_) => Err(no_slots("zk")),
             #[cfg(feature = "postgres")]

@@ -470,16 +470,11 @@ per_backend! {
     sigkilled_leader_is_succeeded_postgres: sigkilled_leader_is_succeeded("LOCKKIT_POSTGRES_URL");
     permit_admits_at_most_n_postgres: permit_admits_at_most_n("LOCKKIT_POSTGRES_URL");
     // Until each implements SlotBackend; the lead deletes the line when it switches the backend.
-    no_elections_yet_etcd: no_elections_yet("LOCKKIT_ETCD_URL");
     no_elections_yet_zk: no_elections_yet("LOCKKIT_ZK_URL");
     no_elections_yet_redis: no_elections_yet("LOCKKIT_REDIS_URL");
-    #[ignore = "until etcd implements SlotBackend"]
     elect_takes_turns_and_leader_watch_sees_each_term_etcd: elect_takes_turns_and_leader_watch_sees_each_term("LOCKKIT_ETCD_URL");
-    #[ignore = "until etcd implements SlotBackend"]
     sigkilled_leader_is_succeeded_etcd: sigkilled_leader_is_succeeded("LOCKKIT_ETCD_URL");
-    #[ignore = "until etcd implements SlotBackend"]
     permit_admits_at_most_n_etcd: permit_admits_at_most_n("LOCKKIT_ETCD_URL");
-    #[ignore = "until etcd implements SlotBackend"]
     lost_leadership_terminates_the_command_etcd: lost_lease_terminates_the_command("LOCKKIT_ETCD_URL", "elect");
     #[ignore = "until zk implements SlotBackend"]
     elect_takes_turns_and_leader_watch_sees_each_term_zk: elect_takes_turns_and_leader_watch_sees_each_term("LOCKKIT_ZK_URL");

@@ -104,6 +104,18 @@
 //! - During a delay [`Lock::holder`](lockkit_core::Lock::holder) reports no holder (there is no
 //!   key), though no acquire gets the lock.
 //!
+//! ## Elections and semaphores
+//! [`EtcdLock`] also implements [`SlotBackend`](lockkit_core::backend::SlotBackend), so it is an
+//! [`Election`](lockkit_core::Election) and a [`Semaphore`](lockkit_core::Semaphore). Every
+//! leadership and permit is a grant of the lock's own path (above) in a key space of its own:
+//! candidates of election `x` are contenders in `{prefix}/./elect/x/` whose keys carry their
+//! values (the leader is the lowest create revision, which is the term); permit `k` of
+//! semaphore `x` is the one key under `{prefix}/./sem/x/m/s/{k}/`, taken by a transaction that
+//! also compares N (`{prefix}/./sem/x/n`), with waiters queued FIFO on a gate lock. Observers
+//! watch the keys from the revision of their first read and see every change, except after a
+//! compaction past where a reconnecting watch resumes (`Missed`). See
+//! [docs/election-semaphore.md](https://example.invalid/lockkit/blob/main/docs/election-semaphore.md).
+//!
 //! ## Fencing tokens
 //! The token is the holder key's **create revision**: etcd's revision is one cluster-wide
 //! counter, bumped by every write, replicated and persisted through the Raft log, and never
@@ -191,6 +203,7 @@ mod error;
 mod fence;
 mod lease;
 mod lock;
+mod slots;
 
 pub use config::{DEFAULT_PORT, DEFAULT_PREFIX, EtcdConfig, validate_prefix};
 pub use fence::EtcdFence;

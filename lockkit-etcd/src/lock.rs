@@ -69,6 +69,27 @@ const LEASE_ATTEMPTS: usize = 5;
 
 type LeaseTable = Arc<Mutex<HashMap<Duration, Arc<SharedLease>>>>;
 
+/// Where an acquire puts its key: under a lock's prefix, or (for elections and semaphores,
+/// [`slots`](crate::slots)) under a slot's, through the same grant path.
+pub(crate) struct Space {
+    /// The user's name (errors, spans).
+    pub(crate) name: String,
+    /// What the lease's key slots are counted under ([`SharedLease::take_slot`]): the lock
+    /// name, or `elect/{name}`, `sem/{name}/…` (no lock name contains `/`).
+    pub(crate) slot_name: String,
+    /// The key prefix of every contender.
+    pub(crate) prefix: Vec<u8>,
+    /// The lock-delay marker key ([`marker_key`]).
+    pub(crate) marker_key: Vec<u8>,
+    /// The token identity ([`FencingToken::lock`]).
+    pub(crate) token_id: String,
+    /// The value of the contender's key (empty for locks).
+    pub(crate) value: Vec<u8>,
+    /// More conditions of the transaction that takes a free name (a semaphore's N, its gate
+    /// empty): if one fails the name counts as held.
+    pub(crate) extra: Vec<Compare>,
+}
+
 struct Session {
     /// Shared, not cloned per lock: a `Client` clone copies every gRPC service client.
     client: Arc<Client>,
@@ -271,6 +292,20 @@ impl EtcdLock {
         format!("{}/{}/", self.inner.config.get_prefix(), name).into_bytes()
     }
 
+    /// The key space of lock `name`.
+    fn lock_space(&self, name: &str) -> Space {
+        let prefix = self.name_prefix(name);
+        Space {
+            name: name.to_owned(),
+            slot_name: name.to_owned(),
+            marker_key: marker_key(&prefix, name),
+            prefix,
+            token_id: self.lock_id(name),
+            value: Vec::new(),
+            extra: Vec::new(),
+        }
+    }
+
     /// Test hook (feature `test-hooks`): stops (or resumes) every keepalive this client sends for
     /// its session leases, as if the network dropped them. Held leases then turn suspect and lost
     /// on their deadline.
@@ -361,18 +396,19 @@ impl EtcdLock {
     /// marker in the same transaction as its key.
     async fn enqueue(
         &self,
-        name_prefix: &[u8],
+        space: &Space,
         key: &[u8],
         lease_id: i64,
         (marker_key, marker): (&[u8], Option<&Marker>),
         only_if_free: bool,
         uncertain: &AtomicBool,
     ) -> std::result::Result<Enqueued, Error> {
+        let name_prefix = space.prefix.as_slice();
         let owner = holder_read(name_prefix);
         let marker_read = TxnOp::get(marker_key.to_vec(), None);
         let put = TxnOp::put(
             key.to_vec(),
-            Vec::new(),
+            space.value.clone(),
             Some(PutOptions::new().with_lease(lease_id)),
         );
         let (cond, then) = if only_if_free {
@@ -381,7 +417,9 @@ impl EtcdLock {
             let no_marker = Compare::create_revision(marker_key.to_vec(), CompareOp::Equal, 0);
             let mut then = vec![put];
             then.extend(marker.map(Marker::put));
-            (vec![free, no_marker], then)
+            let mut cond = vec![free, no_marker];
+            cond.extend(space.extra.iter().cloned());
+            (cond, then)
         } else {
             let absent = Compare::create_revision(key.to_vec(), CompareOp::Equal, 0);
             (vec![absent], vec![put, owner.clone(), marker_read.clone()])
@@ -666,7 +704,7 @@ impl EtcdLock {
 
     async fn acquire_once(
         &self,
-        name: &str,
+        space: &Space,
         opts: &AcquireOptions,
         start: Instant,
         deadline: Option<Instant>,
@@ -677,8 +715,9 @@ impl EtcdLock {
             retry_transient(opts, deadline, || self.private_lease(opts.ttl)).await?
         };
         let shared = reservation.shared.clone();
-        let name_prefix = self.name_prefix(name);
-        let slot = shared.take_slot(name);
+        let name = space.name.as_str();
+        let name_prefix = space.prefix.clone();
+        let slot = shared.take_slot(&space.slot_name);
         let mut key = name_prefix.clone();
         key.extend_from_slice(format!("{:016x}-{slot}", shared.id).as_bytes());
         // Armed before the first request that may create the key: from here on, dropping the
@@ -688,7 +727,7 @@ impl EtcdLock {
             key: Some(key.clone()),
             reservation: Some(reservation),
             limit: self.request_timeout(),
-            name: name.to_owned(),
+            name: space.slot_name.clone(),
             slot,
             uncertain: AtomicBool::new(false),
             marker: None,
@@ -707,7 +746,7 @@ impl EtcdLock {
             )
         });
         // A grant with a lock-delay puts a marker on a companion lease of its lease.
-        let marker_key = marker_key(&name_prefix, name);
+        let marker_key = space.marker_key.clone();
         let marker = match opts.effective_lock_delay() {
             Some(delay) => Some(
                 retry_transient(opts, deadline, || {
@@ -727,19 +766,12 @@ impl EtcdLock {
         guard.marker = marker.clone();
         let delay = (marker_key.as_slice(), marker.as_ref());
         let mut enq = retry_transient(opts, deadline, || {
-            self.enqueue(&name_prefix, &key, shared.id, delay, true, &guard.uncertain)
+            self.enqueue(space, &key, shared.id, delay, true, &guard.uncertain)
         })
         .await?;
         if matches!(enq, Enqueued::Held) && opts.wait != Wait::No {
             enq = retry_transient(opts, deadline, || {
-                self.enqueue(
-                    &name_prefix,
-                    &key,
-                    shared.id,
-                    delay,
-                    false,
-                    &guard.uncertain,
-                )
+                self.enqueue(space, &key, shared.id, delay, false, &guard.uncertain)
             })
             .await?;
         }
@@ -833,7 +865,7 @@ impl EtcdLock {
         };
         let ops = Arc::new(EtcdLease {
             client: self.inner.client.clone(),
-            name: name.to_owned(),
+            name: space.slot_name.clone(),
             name_prefix,
             key,
             create_revision: my_rev,
@@ -848,7 +880,7 @@ impl EtcdLock {
             marker_frozen: AtomicBool::new(false),
         });
         crate::lease::watch_own_key(&ops, tracker.clone(), &self.inner.key_watch);
-        let token = FencingToken::new(self.lock_id(name), u64::try_from(my_rev).unwrap_or(0));
+        let token = FencingToken::new(space.token_id.clone(), u64::try_from(my_rev).unwrap_or(0));
         Ok(Some(Lease::new(name, token, tracker, ops, opts)))
     }
 }
@@ -1009,18 +1041,17 @@ impl Drop for KeyGuard {
     }
 }
 
-#[async_trait]
-impl LockBackend for EtcdLock {
-    async fn grant(&self, name: &str, opts: AcquireOptions) -> Result<Lease> {
-        validate_name(name)?;
-        opts.validate()?;
+impl EtcdLock {
+    /// A grant in `space` (a lock's, or a slot's): the lock's whole acquire, with its retries
+    /// on lost leases and its bounds on the caller's wait.
+    pub(crate) async fn grant_in(&self, space: &Space, opts: AcquireOptions) -> Result<Lease> {
         let start = Instant::now();
         let deadline = wait_deadline(opts.wait, start);
         let run = async {
             // A lease that expired just before we attached a key to it, or while we waited:
             // take a fresh one, a few times at most.
             for _ in 0..LEASE_ATTEMPTS {
-                if let Some(lease) = self.acquire_once(name, &opts, start, deadline).await? {
+                if let Some(lease) = self.acquire_once(space, &opts, start, deadline).await? {
                     return Ok(lease);
                 }
             }
@@ -1044,7 +1075,7 @@ impl LockBackend for EtcdLock {
                 match tokio::time::timeout_at(limit, run).await {
                     Ok(r) => r,
                     Err(_) => Err(Error::Timeout {
-                        name: name.to_owned(),
+                        name: space.name.clone(),
                         waited: start.elapsed(),
                     }),
                 }
@@ -1054,6 +1085,15 @@ impl LockBackend for EtcdLock {
                 Err(_) => Err(error::timeout("a try-acquire")),
             },
         }
+    }
+}
+
+#[async_trait]
+impl LockBackend for EtcdLock {
+    async fn grant(&self, name: &str, opts: AcquireOptions) -> Result<Lease> {
+        validate_name(name)?;
+        opts.validate()?;
+        self.grant_in(&self.lock_space(name), opts).await
     }
 
     /// Correctness lock: consensus-backed, durable tokens, FIFO waiters, manual renewal,

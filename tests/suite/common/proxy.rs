@@ -226,6 +226,11 @@ impl Proxy {
         self.shared.cut_next.store(true, Ordering::SeqCst);
     }
 
+    /// Accepts new connections again after a cut that refused them.
+    pub fn accept_again(&self) {
+        self.shared.rules.send_modify(|r| r.refuse = false);
+    }
+
     /// Connections cut by [`Proxy::cut_at_next_spotted`] so far.
     pub fn cuts(&self) -> usize {
         *self.shared.cuts.borrow()

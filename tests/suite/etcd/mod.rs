@@ -6,6 +6,7 @@ mod delay;
 mod failures;
 mod fence;
 mod holder_during_delay;
+mod slots;
 mod support;
 
 use std::time::Duration;

@@ -10,7 +10,7 @@
 //! |---|---|---|---|
 //! | `memory://` | in-process ([`MemoryLock`]) | always on | yes |
 //! | `redis://host:port`, `rediss://…` (TLS) | Redis (efficiency lock) | `redis` | coming (`NotSupported` for now) |
-//! | `etcd://host:port[,host:port]`, `etcds://…` (TLS) | etcd v3 (correctness lock) | `etcd` | coming (`NotSupported` for now) |
+//! | `etcd://host:port[,host:port]`, `etcds://…` (TLS) | etcd v3 (correctness lock) | `etcd` | yes |
 //! | `zk://host:port[,host:port][/chroot]` | ZooKeeper (correctness lock) | `zk` | coming (`NotSupported` for now) |
 //! | `postgres://user@host:port/db` (TLS with `sslmode`, `tls_ca`, …) | PostgreSQL advisory locks | `postgres` | yes |
 //!
@@ -83,7 +83,8 @@
 //! |---|---|---|
 //! | memory | yes | nothing, unless more than 1024 changes behind ([`LeaderEvent::Missed`]) |
 //! | PostgreSQL | yes (the server's lock queue; permit waiters on a gate lock) | changes while the observer's connection is down (`LISTEN` is not durable): `Missed`, then the state |
-//! | etcd, ZooKeeper, Redis | coming | coming |
+//! | etcd | yes (create-revision order; permit waiters on a gate lock) | nothing while the watch lasts; after a reconnect, `Missed` only if etcd compacted past where it resumes |
+//! | ZooKeeper, Redis | coming | coming |
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations)]
 #![deny(rustdoc::broken_intra_doc_links)]
@@ -135,8 +136,8 @@ pub async fn connect(url: &str) -> Result<Arc<dyn Lock>> {
 ///
 /// The URL is the one [`connect`] takes; the same server and prefix give the same elections to
 /// every process. `memory://` returns a fresh in-process backend each time (nothing is shared
-/// with another call). Elections and semaphores are on `memory://` and PostgreSQL so far; the
-/// crate docs' table says which backend has them.
+/// with another call). Elections and semaphores are on `memory://`, PostgreSQL and etcd so far;
+/// the crate docs' table says which backend has them.
 ///
 /// ```
 /// use lockkit::{AcquireOptions, LeaderEvent};
@@ -154,7 +155,7 @@ pub async fn connect(url: &str) -> Result<Arc<dyn Lock>> {
 ///
 /// # Errors
 /// As [`connect`], and [`Error::NotSupported`] (naming the backend) where the backend has no
-/// elections yet (etcd, ZooKeeper and Redis, for now).
+/// elections yet (ZooKeeper and Redis, for now).
 pub async fn connect_election(url: &str) -> Result<Arc<dyn Election>> {
     Ok(Connected::open(url).await?.slots()?.election)
 }

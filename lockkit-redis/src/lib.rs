@@ -242,6 +242,7 @@ mod lease;
 mod lock;
 mod renewer;
 mod server;
+mod slots;
 mod waiters;
 mod watch;
 
@@ -252,6 +253,7 @@ pub use config::{
 pub use fence::RedisFence;
 pub use lock::{EXPIRY_JITTER, EXPIRY_SLACK, MAX_WAIT_POLL, RedisLock, WAITER_TTL};
 pub use renewer::BATCH as RENEW_BATCH;
+pub use slots::MAX_OBSERVE_POLL;
 pub use watch::LOSS_NOTICE;
 
 /// The redis crate this backend is built on, for users who need its types.

@@ -584,13 +584,19 @@ impl RedisLock {
     }
 }
 
+/// A held slot as [`READ`] found it: token, value version, `PTTL`, value.
+type ReadHolder = (u64, u64, Option<Duration>, Vec<u8>);
+
+/// One slot as [`READ`] found it: its fence counter and its holder.
+type ReadSlot = (Option<u64>, Option<ReadHolder>);
+
 /// What [`READ`] found.
 #[derive(Debug)]
 struct SlotRead {
     permits: u32,
     waiting: bool,
     /// Per slot: the fence counter and the holder (token, version, PTTL, value).
-    slots: Vec<(Option<u64>, Option<(u64, u64, Option<Duration>, Vec<u8>)>)>,
+    slots: Vec<ReadSlot>,
 }
 
 impl SlotRead {
@@ -1093,7 +1099,12 @@ impl SlotBackend for RedisLock {
     }
 
     /// Subscribes to the name's events channel on a pub/sub connection of its own, then reads
-    /// the slots (the first event); see [`RedisSlotWatch`].
+    /// the slots (the first event). Each `g`/`r` message newer (by token, then value version)
+    /// than what the watch knows is one event; reads just after a holder's expected expiry and
+    /// at least every [`MAX_OBSERVE_POLL`] find what no message tells (an expiry, an admin's
+    /// `DEL`). [`WatchEvent::Missed`] comes after every reconnect, for a message whose token
+    /// or version is more than one past the last one known, and when a read finds changes
+    /// that no message delivered within 250 ms.
     ///
     /// # Errors
     /// [`Error::InvalidName`]; transport errors of the first connect, subscribe or read.

@@ -267,7 +267,8 @@ async fn renewals_of_100_held_permits_are_batched() {
 
 /// Resign → the next candidate leads: measured over 20 hand-overs between two clients, with
 /// the server's command counters. A hand-over costs two round trips: the release script (which
-/// hands the slot over and tells the waiter) and the new leader's confirmation.
+/// hands the slot over and tells the waiter) and the new leader's confirmation; the waiter is
+/// told, so it takes over well before its next periodic look.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_resign_hands_over_in_two_round_trips() {
     const ROUNDS: usize = 20;
@@ -315,6 +316,12 @@ async fn a_resign_hands_over_in_two_round_trips() {
         took[ROUNDS - 1],
         scripts as f64 / ROUNDS as f64,
         commands as f64 / ROUNDS as f64,
+    );
+    // The waiter is told (one PUBLISH to its client): it does not wait for its next look.
+    assert!(
+        took[ROUNDS / 2] < MAX_WAIT_POLL / 2,
+        "median hand-over {:?}: the waiter found the slot by polling",
+        took[ROUNDS / 2]
     );
     // Two per hand-over; a waiter's periodic look (about once a second) may add one.
     assert!(

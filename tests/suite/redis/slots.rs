@@ -329,3 +329,61 @@ async fn a_resign_hands_over_in_two_round_trips() {
         "{scripts} script calls for {ROUNDS} hand-overs"
     );
 }
+
+/// An observer whose pub/sub connection is killed (changes published meanwhile are lost to it)
+/// says so: `Missed`, then the state it reads on resubscribing, even where the term moved by
+/// only one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_observer_that_lost_its_connection_says_missed() {
+    let server = PrivateRedis::start(None).await;
+    let prefix = fresh_prefix();
+    let (a, b, watcher) = (
+        client(&server, &prefix).await,
+        client(&server, &prefix).await,
+        client(&server, &prefix).await,
+    );
+    let name = format!("reconnect-{:08x}", rand::random::<u32>());
+    let once = AcquireOptions::new()
+        .ttl(Duration::from_secs(60))
+        .wait(Wait::No);
+    let la = a
+        .campaign(&name, b"a", once.clone())
+        .await
+        .expect("campaign");
+    let mut observer = watcher.observe(&name).await.expect("observe");
+    assert_eq!(
+        observer.next().await.expect("first event"),
+        LeaderEvent::Leader(lockkit::LeaderInfo::new(la.term(), b"a".to_vec()))
+    );
+    let mut admin = server.raw().await;
+    let killed: i64 = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("TYPE")
+        .arg("pubsub")
+        .query_async(&mut admin)
+        .await
+        .expect("CLIENT KILL");
+    assert!(killed >= 1, "no pub/sub connection to kill");
+    let term_a = la.term();
+    la.resign().await.expect("resign");
+    let lb = b.campaign(&name, b"b", once).await.expect("campaign");
+    assert_eq!(lb.term().get(), term_a.get() + 1, "one change only");
+    let mut seen = Vec::new();
+    loop {
+        let e = tokio::time::timeout(Duration::from_secs(10), observer.next())
+            .await
+            .unwrap_or_else(|_| panic!("no observer event; so far {seen:?}"))
+            .expect("observer");
+        seen.push(e.clone());
+        if let LeaderEvent::Leader(l) = e {
+            assert_eq!(l.term, lb.term(), "events {seen:?}");
+            break;
+        }
+    }
+    assert_eq!(
+        seen.first(),
+        Some(&LeaderEvent::Missed),
+        "a resubscribe without Missed: {seen:?}"
+    );
+    lb.resign().await.expect("resign");
+}

@@ -669,6 +669,8 @@ struct CallState {
     me: String,
     armed: bool,
     queued: bool,
+    /// Retired IDs whose script may have taken a slot (their cleanup runs in the background).
+    retired: Vec<String>,
 }
 
 impl SlotCall {
@@ -681,6 +683,7 @@ impl SlotCall {
                 me: new_id(),
                 armed: false,
                 queued: false,
+                retired: Vec::new(),
             }),
         }
     }
@@ -710,8 +713,24 @@ impl SlotCall {
             st.me = new_id();
             st.armed = false;
             st.queued = false;
+            st.retired.push(id.to_owned());
         }
         self.spawn_cleanup(id.to_owned());
+    }
+
+    /// Runs the cleanup of every retired ID now (their background cleanups may not have
+    /// reached the server yet): `true` if one of them held a slot, which is free (or handed
+    /// on) now. An ID whose cleanup ran is forgotten; one whose cleanup failed stays retired.
+    async fn clean_up_retired(&self) -> bool {
+        let retired = std::mem::take(&mut self.lock().retired);
+        let mut freed = false;
+        for id in retired {
+            match self.cancel_once(&id).await {
+                Ok(held) => freed |= held,
+                Err(_) => self.lock().retired.push(id),
+            }
+        }
+        freed
     }
 
     /// Replaces `id` after its cleanup ran.
@@ -1017,7 +1036,14 @@ impl SlotBackend for RedisLock {
                         theirs,
                     });
                 }
-                SlotAttempt::Held { pttl, first } => (pttl, first),
+                SlotAttempt::Held { pttl, first } => {
+                    // An earlier attempt of this call may have taken the slot after all: give
+                    // it back and look again (never report our own slot as held).
+                    if call.clean_up_retired().await {
+                        continue;
+                    }
+                    (pttl, first)
+                }
             };
             if opts.wait == Wait::No {
                 return Err(Error::Held {

@@ -388,3 +388,45 @@ async fn an_observer_that_lost_its_connection_says_missed() {
     );
     lb.resign().await.expect("resign");
 }
+
+/// A try-once campaign whose first attempts time out against a stopped server, one of which
+/// takes the leadership once the server runs again, reports neither `Held` (for its own
+/// orphaned grant) nor leaves that grant behind: it gives it back and leads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timed_out_campaign_that_took_the_slot_is_not_reported_as_held() {
+    let server = PrivateRedis::start(None).await;
+    let url = format!(
+        "{}?prefix={}&response_timeout_ms=300",
+        server.url(),
+        fresh_prefix()
+    );
+    let elections = RedisLock::connect(&url).await.expect("connect");
+    let once = AcquireOptions::new()
+        .ttl(Duration::from_secs(60))
+        .keepalive(false)
+        .wait(Wait::No);
+    elections
+        .campaign("warm", b"w", once.clone())
+        .await
+        .expect("warm-up")
+        .resign()
+        .await
+        .expect("resign");
+    let name = "stopped";
+    server.proc.signal("STOP");
+    let e = elections.clone();
+    let pending = tokio::spawn(async move { e.campaign(name, b"v", once).await });
+    // Let the stop outlast a few response timeouts (retries on new connections).
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    server.proc.signal("CONT");
+    let leader = pending
+        .await
+        .expect("task")
+        .expect("the campaign leads (no other candidate exists)");
+    assert_eq!(
+        elections.leader(name).await.expect("leader()"),
+        Some(lockkit::LeaderInfo::new(leader.term(), b"v".to_vec()))
+    );
+    leader.resign().await.expect("resign");
+    assert_eq!(elections.leader(name).await.expect("leader()"), None);
+}

@@ -1468,7 +1468,9 @@ impl SlotWatch for RedisSlotWatch {
                 continue;
             };
             let next_read = self.next_read;
+            // Messages first: a read must not overtake messages that already arrived.
             tokio::select! {
+                biased;
                 msg = stream.next() => match msg {
                     Some(msg) => self.on_message(msg.get_payload_bytes()),
                     None => {

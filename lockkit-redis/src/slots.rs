@@ -719,18 +719,20 @@ impl SlotCall {
     }
 
     /// Runs the cleanup of every retired ID now (their background cleanups may not have
-    /// reached the server yet): `true` if one of them held a slot, which is free (or handed
-    /// on) now. An ID whose cleanup ran is forgotten; one whose cleanup failed stays retired.
+    /// reached the server yet): `true` if one ran, after which no retired ID holds a slot (it
+    /// freed one, or a background cleanup did, maybe right after the attempt that found the
+    /// name full): look again. An ID whose cleanup ran is forgotten; one whose cleanup failed
+    /// stays retired.
     async fn clean_up_retired(&self) -> bool {
         let retired = std::mem::take(&mut self.lock().retired);
-        let mut freed = false;
+        let mut cleaned = false;
         for id in retired {
             match self.cancel_once(&id).await {
-                Ok(held) => freed |= held,
+                Ok(_) => cleaned = true,
                 Err(_) => self.lock().retired.push(id),
             }
         }
-        freed
+        cleaned
     }
 
     /// Replaces `id` after its cleanup ran.

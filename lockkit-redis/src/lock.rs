@@ -712,16 +712,16 @@ pub(crate) fn fallback_delay(pttl: Option<Duration>) -> Duration {
     }
 }
 
-async fn handed(route: &mut Option<Waiting>) -> Option<u64> {
+pub(crate) async fn handed(route: &mut Option<Waiting>) -> Option<u64> {
     match route {
         Some(w) => w.handed().await,
         None => std::future::pending().await,
     }
 }
 
-type Subscribing = Pin<Box<dyn Future<Output = Result<()>> + Send>>;
+pub(crate) type Subscribing = Pin<Box<dyn Future<Output = Result<()>> + Send>>;
 
-async fn subscribed(f: &mut Option<Subscribing>) -> Result<()> {
+pub(crate) async fn subscribed(f: &mut Option<Subscribing>) -> Result<()> {
     match f {
         Some(f) => f.await,
         None => std::future::pending().await,
@@ -737,7 +737,7 @@ enum Woken {
     Deadline,
 }
 
-async fn until(deadline: Option<Instant>) {
+pub(crate) async fn until(deadline: Option<Instant>) {
     match deadline {
         Some(d) => tokio::time::sleep_until(d).await,
         None => std::future::pending().await,

@@ -21,7 +21,6 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
-use std::pin::Pin;
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -44,7 +43,9 @@ use crate::conn::Conn;
 use crate::core::ttl_millis;
 use crate::core::{Keys, RedisLease, Registration, cancel_horizon, compare_and_pexpire, holds};
 use crate::error::{BACKEND, bad_reply, from_redis};
-use crate::lock::{MAX_WAIT_POLL, RedisLock, WAITER_TTL, fallback_delay};
+use crate::lock::{
+    MAX_WAIT_POLL, RedisLock, Subscribing, WAITER_TTL, fallback_delay, handed, subscribed, until,
+};
 use crate::waiters::Waiting;
 
 /// The longest an election observer goes without reading the slots itself, when no event
@@ -936,29 +937,6 @@ impl SlotOps for RedisSlotLease {
             0 => Err(self.inner.not_held()),
             _ => Err(bad_reply("proclaim")),
         }
-    }
-}
-
-async fn handed(route: &mut Option<Waiting>) -> Option<u64> {
-    match route {
-        Some(w) => w.handed().await,
-        None => std::future::pending().await,
-    }
-}
-
-type Subscribing = Pin<Box<dyn Future<Output = Result<()>> + Send>>;
-
-async fn subscribed(f: &mut Option<Subscribing>) -> Result<()> {
-    match f {
-        Some(f) => f.await,
-        None => std::future::pending().await,
-    }
-}
-
-async fn until(deadline: Option<Instant>) {
-    match deadline {
-        Some(d) => tokio::time::sleep_until(d).await,
-        None => std::future::pending().await,
     }
 }
 

@@ -104,6 +104,13 @@
 //!   [`RedisLock::loss_notice`]) is `None`. The connection is then kept up: reopened with
 //!   backoff when it drops, and `PING`ed once per keepalive tick (a silent one is replaced).
 //!   While it is down, holders hear at their next renewal.
+//! - **Elections and semaphores** ([`Election`](lockkit_core::Election),
+//!   [`Semaphore`](lockkit_core::Semaphore), through
+//!   [`SlotBackend`](lockkit_core::backend::SlotBackend)): each slot is a lock key of a derived
+//!   name (`elect/N`, `sem/N/K`; lock names cannot contain `/`), so leaderships and permits get
+//!   the lock's tokens, batched keepalive, loss notices, FIFO hand-off and cancel safety; slot
+//!   scripts add the values, N, and an events channel for observers ([`MAX_OBSERVE_POLL`]).
+//!   See docs/election-semaphore.md, "Redis".
 //! - **Server checks at connect**: a nonzero `maxmemory` with any `maxmemory-policy` but
 //!   `noeviction` can evict lock keys (the `volatile-*` policies evict keys with a TTL, which
 //!   lock keys have; read with `CONFIG GET`, or `INFO memory` without `CONFIG`): a warning, or
@@ -173,6 +180,9 @@
 //! | `P:cancelled:ID` | tombstone of a cancelled acquire (see *Cancel safety*), expires |
 //! | `P:guard:K` | for a key `K` written through [`RedisFence`]: the lock guarding it and the highest token that wrote it, no expiry |
 //! | channel `P:client:CID` | hand-off messages for the waiters of one [`RedisLock`] |
+//! | `P:lock:elect/N`, `P:lock:sem/N/K` (and their `fence`/`queue` keys) | an election's leadership, a semaphore's permit `K`: lock keys of derived names (see *Elections and semaphores*) |
+//! | `P:slots:elect/N`, `P:slots:sem/N` | an election's or semaphore's N in force, its holders' values and its waiters' values |
+//! | channel `P:events:elect/N`, `P:events:sem/N` | every grant, hand-off, proclaim and release of the election or semaphore, with its token |
 //!
 //! Fence counters are never deleted (deleting one would let tokens repeat, were it not for the
 //! `TIME` floor): every lock name ever used keeps one small key. With a name per request (for
@@ -242,6 +252,7 @@ mod lease;
 mod lock;
 mod renewer;
 mod server;
+mod slots;
 mod waiters;
 mod watch;
 
@@ -252,6 +263,7 @@ pub use config::{
 pub use fence::RedisFence;
 pub use lock::{EXPIRY_JITTER, EXPIRY_SLACK, MAX_WAIT_POLL, RedisLock, WAITER_TTL};
 pub use renewer::BATCH as RENEW_BATCH;
+pub use slots::MAX_OBSERVE_POLL;
 pub use watch::LOSS_NOTICE;
 
 /// The redis crate this backend is built on, for users who need its types.

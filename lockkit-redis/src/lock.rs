@@ -699,7 +699,7 @@ impl Drop for Call {
 
 /// How long a waiter sleeps when no release message comes: until just after the holder's expiry,
 /// but never more than about [`MAX_WAIT_POLL`].
-fn fallback_delay(pttl: Option<Duration>) -> Duration {
+pub(crate) fn fallback_delay(pttl: Option<Duration>) -> Duration {
     let mut rng = rand::rng();
     let cap_ms = MAX_WAIT_POLL.as_millis() as u64;
     let cap = Duration::from_millis(cap_ms - rng.random_range(0..=cap_ms / 10));
@@ -712,16 +712,16 @@ fn fallback_delay(pttl: Option<Duration>) -> Duration {
     }
 }
 
-async fn handed(route: &mut Option<Waiting>) -> Option<u64> {
+pub(crate) async fn handed(route: &mut Option<Waiting>) -> Option<u64> {
     match route {
         Some(w) => w.handed().await,
         None => std::future::pending().await,
     }
 }
 
-type Subscribing = Pin<Box<dyn Future<Output = Result<()>> + Send>>;
+pub(crate) type Subscribing = Pin<Box<dyn Future<Output = Result<()>> + Send>>;
 
-async fn subscribed(f: &mut Option<Subscribing>) -> Result<()> {
+pub(crate) async fn subscribed(f: &mut Option<Subscribing>) -> Result<()> {
     match f {
         Some(f) => f.await,
         None => std::future::pending().await,
@@ -737,7 +737,7 @@ enum Woken {
     Deadline,
 }
 
-async fn until(deadline: Option<Instant>) {
+pub(crate) async fn until(deadline: Option<Instant>) {
     match deadline {
         Some(d) => tokio::time::sleep_until(d).await,
         None => std::future::pending().await,
@@ -936,6 +936,22 @@ impl LockBackend for RedisLock {
             )),
         };
         Ok(Some(HolderInfo::new(token, held_pttl(pttl))))
+    }
+}
+
+/// What elections and semaphores (`slots.rs`) share with the lock: its command connection,
+/// its waiters' pub/sub hub and its batched renewer.
+impl RedisLock {
+    pub(crate) fn conn(&self) -> &Conn {
+        &self.inner.conn
+    }
+
+    pub(crate) fn hub(&self) -> &Arc<Hub> {
+        &self.inner.hub
+    }
+
+    pub(crate) fn renewer(&self) -> &Arc<Renewer> {
+        &self.inner.renewer
     }
 }
 

@@ -377,6 +377,28 @@ impl Hub {
         Ok(())
     }
 
+    /// Opens a pub/sub connection of its own (bounded by the connect timeout) for a caller
+    /// that subscribes to other channels: an election observer (`slots.rs`).
+    ///
+    /// # Errors
+    /// Connecting failed or took longer than the connect timeout.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: a dropped call closes what it opened.
+    pub(crate) async fn open_pubsub(&self) -> Result<redis::aio::PubSub> {
+        let ct = self.connect_timeout;
+        match tokio::time::timeout(ct, self.client.get_async_pubsub()).await {
+            Ok(Ok(p)) => Ok(p),
+            Ok(Err(e)) => Err(from_redis(e)),
+            Err(_) => Err(timed_out("connecting the pub/sub connection", ct)),
+        }
+    }
+
+    /// The response timeout, which bounds a SUBSCRIBE.
+    pub(crate) fn response_timeout(&self) -> Duration {
+        self.timeout
+    }
+
     /// Logs, once per hub at warn level (then at debug), that the server refused a SUBSCRIBE:
     /// waiters then only poll.
     pub(crate) fn refused(&self, e: &Error) {

@@ -9,7 +9,7 @@
 //! | URL | backend | Cargo feature | elections, semaphores |
 //! |---|---|---|---|
 //! | `memory://` | in-process ([`MemoryLock`]) | always on | yes |
-//! | `redis://host:port`, `rediss://…` (TLS) | Redis (efficiency lock) | `redis` | coming (`NotSupported` for now) |
+//! | `redis://host:port`, `rediss://…` (TLS) | Redis (efficiency lock) | `redis` | yes |
 //! | `etcd://host:port[,host:port]`, `etcds://…` (TLS) | etcd v3 (correctness lock) | `etcd` | yes |
 //! | `zk://host:port[,host:port][/chroot]` | ZooKeeper (correctness lock) | `zk` | coming (`NotSupported` for now) |
 //! | `postgres://user@host:port/db` (TLS with `sslmode`, `tls_ca`, …) | PostgreSQL advisory locks | `postgres` | yes |
@@ -84,7 +84,8 @@
 //! | memory | yes | nothing, unless more than 1024 changes behind ([`LeaderEvent::Missed`]) |
 //! | PostgreSQL | yes (the server's lock queue; permit waiters on a gate lock) | changes while the observer's connection is down (`LISTEN` is not durable): `Missed`, then the state |
 //! | etcd | yes (create-revision order; permit waiters on a gate lock) | nothing while the watch lasts; after a reconnect, `Missed` only if etcd compacted past where it resumes |
-//! | ZooKeeper, Redis | coming | coming |
+//! | Redis (single node) | yes (a hand-off queue: a release hands the slot to the first waiter and tells only it) | pub/sub is at-most-once: after a resubscribe, or a token or value version that jumps, `Missed`, then the state |
+//! | ZooKeeper | coming | coming |
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations)]
 #![deny(rustdoc::broken_intra_doc_links)]
@@ -305,7 +306,7 @@ impl Connected {
         match self {
             Self::Memory(b) => Ok(Slots::of(b)),
             #[cfg(feature = "redis")]
-            Self::Redis(_) => Err(no_slots("redis")),
+            Self::Redis(b) => Ok(Slots::of(b)),
             #[cfg(feature = "etcd")]
             Self::Etcd(b) => Ok(Slots::of(b)),
             #[cfg(feature = "zk")]

@@ -489,7 +489,6 @@ per_backend! {
     permit_admits_at_most_n_postgres: permit_admits_at_most_n("LOCKKIT_POSTGRES_URL");
     // Until each implements SlotBackend; the lead deletes the line when it switches the backend.
     no_elections_yet_zk: no_elections_yet("LOCKKIT_ZK_URL");
-    no_elections_yet_redis: no_elections_yet("LOCKKIT_REDIS_URL");
     elect_takes_turns_and_leader_watch_sees_each_term_etcd: elect_takes_turns_and_leader_watch_sees_each_term("LOCKKIT_ETCD_URL");
     sigkilled_leader_is_succeeded_etcd: sigkilled_leader_is_succeeded("LOCKKIT_ETCD_URL");
     permit_admits_at_most_n_etcd: permit_admits_at_most_n("LOCKKIT_ETCD_URL");
@@ -502,13 +501,9 @@ per_backend! {
     permit_admits_at_most_n_zk: permit_admits_at_most_n("LOCKKIT_ZK_URL");
     #[ignore = "until zk implements SlotBackend"]
     lost_leadership_terminates_the_command_zk: lost_lease_terminates_the_command("LOCKKIT_ZK_URL", "elect");
-    #[ignore = "until redis implements SlotBackend"]
     elect_takes_turns_and_leader_watch_sees_each_term_redis: elect_takes_turns_and_leader_watch_sees_each_term("LOCKKIT_REDIS_URL");
-    #[ignore = "until redis implements SlotBackend"]
     sigkilled_leader_is_succeeded_redis: sigkilled_leader_is_succeeded("LOCKKIT_REDIS_URL");
-    #[ignore = "until redis implements SlotBackend"]
     permit_admits_at_most_n_redis: permit_admits_at_most_n("LOCKKIT_REDIS_URL");
-    #[ignore = "until redis implements SlotBackend"]
     lost_leadership_terminates_the_command_redis: lost_lease_terminates_the_command("LOCKKIT_REDIS_URL", "elect");
 }
 

@@ -12,20 +12,17 @@
 //!     library itself adds on top of its round trips is (c) − (d);
 //! (e) (a) with the release made a compare-and-delete transaction.
 //!
-//! Then the hand-off scenario ([`handoff`]): N = 1, 4, 16 queued waiters, release → the next
-//! waiter's acquire returns, lockkit beside etcd's own Lock/Unlock, runs interleaved
-//! (`LOCKBENCH_ETCD_HANDOFF_ROUNDS` rounds, default 3, of `LOCKBENCH_ETCD_HANDOFFS` samples, 200;
-//! `LOCKBENCH_NO_SCENARIOS=1` skips it).
+//! [`spec`] describes etcd for the scenarios (`scenario.rs`): lockkit next to etcd's Lock/Unlock.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use lockkit::etcd::EtcdLock;
-
-use lockkit::etcd::etcd_client::{Compare, CompareOp, LockOptions, PutOptions, Txn, TxnOp};
+use lockkit::etcd::etcd_client::{Client, Compare, CompareOp, LockOptions, PutOptions, Txn, TxnOp};
 use lockkit::{AcquireOptions, Lock, Wait};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+use crate::scenario::{self, BoxFut, Counters, Counts, Held, Labels, Spec, Variant};
 use crate::{Row, interleaved, op, url};
 
 pub async fn run(iters: usize) -> Vec<Row> {
@@ -161,141 +158,171 @@ pub async fn run(iters: usize) -> Vec<Row> {
         .enumerate()
         .map(|(i, what)| (*what, op(move || one(i))))
         .collect();
-    let mut rows = interleaved("etcd", ops, (iters / 10).max(10), iters).await;
+    let rows = interleaved("etcd", ops, (iters / 10).max(10), iters).await;
     keeper.abort();
     let _ = client.lease_client().revoke(lease).await;
-    if std::env::var_os("LOCKBENCH_NO_SCENARIOS").is_none() {
-        rows.extend(handoffs(&url).await);
-    }
     rows
 }
 
-fn env_or(var: &str, default: usize) -> usize {
-    std::env::var(var)
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(default)
+/// etcd's server-side lock service (v3lock) with a lease of the client's own, kept alive.
+struct V3Client {
+    client: Client,
+    lease: i64,
+    prefix: String,
+    keeper: tokio::task::JoinHandle<()>,
 }
 
-/// The hand-off rows: for each N, lockkit and etcd's Lock/Unlock in alternating order, a few
-/// rounds each; one row per (variant, N) over all samples, and the per-run medians printed.
-async fn handoffs(url: &str) -> Vec<Row> {
-    let rounds = env_or("LOCKBENCH_ETCD_HANDOFF_ROUNDS", 3);
-    let samples = env_or("LOCKBENCH_ETCD_HANDOFFS", 200);
-    let mut rows = Vec::new();
-    for n in [1usize, 4, 16] {
-        let mut all: [Vec<Duration>; 2] = [Vec::new(), Vec::new()];
-        let mut medians: [Vec<Duration>; 2] = [Vec::new(), Vec::new()];
-        for r in 0..rounds {
-            for k in 0..2 {
-                let v = (k + r) % 2;
-                // etcd's Lock stalls ~50 ms per hand-off at N = 1: fewer samples there.
-                let s = if v == 1 && n == 1 {
-                    samples / 4
-                } else {
-                    samples
+impl Drop for V3Client {
+    fn drop(&mut self) {
+        self.keeper.abort();
+    }
+}
+
+struct V3Held {
+    client: Client,
+    key: Vec<u8>,
+}
+
+impl Held for V3Held {
+    fn release(self: Box<Self>) -> BoxFut<'static, ()> {
+        Box::pin(async move {
+            let mut lc = self.client.lock_client();
+            lc.unlock(self.key).await.expect("v3lock unlock");
+        })
+    }
+}
+
+impl scenario::Client for V3Client {
+    fn acquire<'a>(&'a self, name: &'a str) -> BoxFut<'a, Box<dyn Held>> {
+        Box::pin(async move {
+            let mut lc = self.client.lock_client();
+            let r = lc
+                .lock(
+                    format!("{}/v3lock/{name}", self.prefix),
+                    Some(LockOptions::new().with_lease(self.lease)),
+                )
+                .await
+                .expect("v3lock lock");
+            Box::new(V3Held {
+                client: self.client.clone(),
+                key: r.key().to_vec(),
+            }) as Box<dyn Held>
+        })
+    }
+}
+
+fn endpoint(url: &str) -> String {
+    url.strip_prefix("etcd://")
+        .expect("LOCKKIT_ETCD_URL is etcd://host:port")
+        .split(['/', '?', ','])
+        .next()
+        .unwrap_or_default()
+        .to_owned()
+}
+
+async fn v3client(endpoint: String, prefix: String) -> V3Client {
+    let client = Client::connect([endpoint], None)
+        .await
+        .expect("etcd-client connect");
+    let lease = client
+        .lease_client()
+        .grant(30, None)
+        .await
+        .expect("grant")
+        .id();
+    let keeper = {
+        let client = client.clone();
+        tokio::spawn(async move {
+            let Ok((mut keeper, mut stream)) = client.lease_client().keep_alive(lease).await else {
+                return;
+            };
+            loop {
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                if keeper.keep_alive().await.is_err() || stream.message().await.is_err() {
+                    return;
+                }
+            }
+        })
+    };
+    V3Client {
+        client,
+        lease,
+        prefix,
+        keeper,
+    }
+}
+
+/// etcd's `/metrics` on its client URL: gRPC messages received (every unary request, every
+/// stream message), Raft proposals committed, watch events sent.
+struct Metrics(String);
+
+impl Counters for Metrics {
+    fn read(&self, _variant: usize) -> BoxFut<'_, Counts> {
+        Box::pin(async move {
+            let mut s = tokio::net::TcpStream::connect(&self.0)
+                .await
+                .expect("etcd metrics");
+            s.write_all(b"GET /metrics HTTP/1.0\r\nHost: etcd\r\n\r\n")
+                .await
+                .expect("etcd metrics");
+            let mut body = String::new();
+            s.read_to_string(&mut body).await.expect("etcd metrics");
+            let mut c = Counts {
+                requests: 0.0,
+                writes: 0.0,
+                wakes: 0.0,
+            };
+            for l in body.lines() {
+                let Some((k, v)) = l.rsplit_once(' ') else {
+                    continue;
                 };
-                let mut lat = handoff(url, n, s.max(10), v == 1).await;
-                lat.sort();
-                medians[v].push(lat[lat.len() / 2]);
-                all[v].extend(lat);
+                let v: f64 = v.parse().unwrap_or(0.0);
+                if k.starts_with("grpc_server_msg_received_total{") {
+                    c.requests += v;
+                } else if k == "etcd_server_proposals_committed_total" {
+                    c.writes = v;
+                } else if k == "etcd_debugging_mvcc_events_total" {
+                    c.wakes = v;
+                }
             }
-        }
-        for (v, what) in ["lockkit", "etcd Lock/Unlock (v3lock)"].iter().enumerate() {
-            let ms: Vec<String> = medians[v]
-                .iter()
-                .map(|d| format!("{:.0}", d.as_secs_f64() * 1e6))
-                .collect();
-            println!(
-                "etcd hand-off N={n} {what}: run medians µs {}",
-                ms.join(", ")
-            );
-            rows.push(crate::row(
-                "etcd-handoff",
-                &format!("{what}, {n} waiters: release → next acquire returns"),
-                std::mem::take(&mut all[v]),
-            ));
-        }
+            c
+        })
     }
-    rows
 }
 
-/// One hand-off run: `waiters` + 1 contenders, each with its own client (own connection, own
-/// lease), take turns on one lock; each holds 2 ms (so the others are queued), then releases.
-/// Returns release call start → next acquire returns, for `samples` hand-offs.
-async fn handoff(url: &str, waiters: usize, samples: usize, v3lock: bool) -> Vec<Duration> {
-    let prefix = format!("lockbench-{:08x}", rand::random::<u32>());
-    let released_at = Arc::new(std::sync::Mutex::new(None::<Instant>));
-    let lat = Arc::new(std::sync::Mutex::new(Vec::with_capacity(samples)));
-    let stop = Arc::new(AtomicBool::new(false));
-    let mut tasks = Vec::new();
-    for _ in 0..=waiters {
-        let locks = EtcdLock::connect(&format!("{url}?prefix={prefix}"))
-            .await
-            .expect("connect");
-        let (released, lat, stop) = (released_at.clone(), lat.clone(), stop.clone());
-        let name = format!("{prefix}/v3handoff");
-        let record = {
-            let (released, stop) = (released.clone(), stop.clone());
-            move || {
-                if let Some(t) = released.lock().unwrap().take() {
-                    let mut lat = lat.lock().unwrap();
-                    lat.push(t.elapsed());
-                    if lat.len() >= samples {
-                        stop.store(true, Ordering::Relaxed);
-                    }
-                }
-            }
-        };
-        tasks.push(tokio::spawn(async move {
-            let hold = Duration::from_millis(2);
-            if v3lock {
-                let client = locks.client().clone();
-                let lease = client
-                    .lease_client()
-                    .grant(30, None)
-                    .await
-                    .expect("grant")
-                    .id();
-                let (mut keeper, _stream) = client
-                    .lease_client()
-                    .keep_alive(lease)
-                    .await
-                    .expect("keepalive");
-                let mut lc = client.lock_client();
-                let mut renewed = Instant::now();
-                while !stop.load(Ordering::Relaxed) {
-                    let r = lc
-                        .lock(name.clone(), Some(LockOptions::new().with_lease(lease)))
-                        .await
-                        .expect("lock");
-                    record();
-                    tokio::time::sleep(hold).await;
-                    if renewed.elapsed() > Duration::from_secs(5) {
-                        keeper.keep_alive().await.expect("keepalive");
-                        renewed = Instant::now();
-                    }
-                    *released.lock().unwrap() = Some(Instant::now());
-                    lc.unlock(r.key().to_vec()).await.expect("unlock");
-                }
-                let _ = client.lease_client().revoke(lease).await;
-            } else {
-                let opts = AcquireOptions::new().ttl(Duration::from_secs(30));
-                while !stop.load(Ordering::Relaxed) {
-                    let l = locks
-                        .acquire("handoff", opts.clone())
-                        .await
-                        .expect("acquire");
-                    record();
-                    tokio::time::sleep(hold).await;
-                    *released.lock().unwrap() = Some(Instant::now());
-                    l.release().await.expect("release");
-                }
-            }
-        }));
+/// The scenarios' description of etcd: lockkit and etcd's Lock/Unlock.
+pub async fn spec(prefix: &str) -> Spec {
+    let url = url("LOCKKIT_ETCD_URL");
+    let ep = endpoint(&url);
+    let peer_prefix = format!("{prefix}-peer");
+    let peer_ep = ep.clone();
+    Spec {
+        backend: "etcd",
+        title: "etcd",
+        variants: vec![
+            scenario::lockkit(format!("{url}?prefix={prefix}")),
+            Variant {
+                name: "etcd Lock/Unlock".to_owned(),
+                connect: Arc::new(move || {
+                    let (ep, p) = (peer_ep.clone(), peer_prefix.clone());
+                    Box::pin(
+                        async move { Box::new(v3client(ep, p).await) as Box<dyn scenario::Client> },
+                    )
+                }),
+            },
+        ],
+        counters: Arc::new(Metrics(ep)),
+        labels: Labels {
+            requests: "gRPC messages the server received (`grpc_server_msg_received_total`, \
+                       stream messages included)",
+            writes: Some("Raft proposals committed (`etcd_server_proposals_committed_total`)"),
+            wakes: Some("watch events sent (`etcd_debugging_mvcc_events_total`)"),
+        },
+        lockkit_url: format!("{url}?prefix={prefix}"),
+        notes: "Peer: etcd's server-side lock service (v3lock `Lock` + `Unlock` through \
+                etcd-client 0.21, each client with a lease of its own). etcd runs as one member \
+                on tmpfs (`scripts/servers.sh`). v3lock's own internal reads and watches do not \
+                pass gRPC, so its requests per grant count only the client's calls; its writes \
+                (proposals) count all.",
     }
-    for t in tasks {
-        t.await.expect("handoff task");
-    }
-    std::mem::take(&mut *lat.lock().unwrap())
 }

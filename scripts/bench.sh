@@ -15,6 +15,6 @@ set -a
 # shellcheck disable=SC1090
 . "$env_file"
 set +a
-# The Redis scenarios (issue #11) write their tables and plots here.
+# The scenarios (issues #11, #14) write their tables and plots here.
 export LOCKBENCH_REPORT="${LOCKBENCH_REPORT:-$PWD/docs/benchmarks.md}"
 cargo bench --bench lockbench --all-features -- "$@"

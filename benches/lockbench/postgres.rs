@@ -19,6 +19,9 @@
 //! The issue's target is row 4 within 1.5× of row 1 while issuing a durable token. Note that
 //! `scripts/servers.sh` runs PostgreSQL with `fsync=off`: with fsync on, rows 3–5 also pay one
 //! WAL flush per acquire (the price of a durable token) and rows 1–2 do not.
+//!
+//! [`spec`] describes PostgreSQL for the scenarios (`scenario.rs`): lockkit next to sqlx's
+//! `PgAdvisoryLock`.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -29,6 +32,7 @@ use lockkit::postgres::sqlx::{self, Connection, Either, PgConnection};
 use lockkit::{AcquireOptions, Lock, Wait};
 use tokio::sync::Mutex;
 
+use crate::scenario::{self, BoxFut, Counters, Counts, Held, Labels, Spec, Variant};
 use crate::{Op, Row, interleaved, url};
 
 const GRANT: &str = "WITH l AS MATERIALIZED (SELECT pg_try_advisory_lock($1) AS ok), \
@@ -145,4 +149,183 @@ pub async fn run(iters: usize) -> Vec<Row> {
         iters,
     )
     .await
+}
+
+/// The databases of the scenarios' variants (lockkit, sqlx): PostgreSQL counts transactions per
+/// database.
+const DATABASES: [&str; 2] = ["lockbench_lockkit", "lockbench_sqlx"];
+
+/// `base` with its database replaced by `db`.
+fn with_db(base: &str, db: &str) -> String {
+    let mut u = url::Url::parse(base).expect("LOCKKIT_POSTGRES_URL");
+    u.set_path(&format!("/{db}"));
+    u.to_string()
+}
+
+/// sqlx's `PgAdvisoryLock` on a connection of its own: `acquire` (`pg_advisory_lock`, waiting)
+/// and `force_release` (`pg_advisory_unlock`; what the guard's `release_now` sends: the guard
+/// borrows the lock, so it is leaked here and the lock released by key).
+struct SqlxClient {
+    conn: Arc<Mutex<Option<PgConnection>>>,
+    prefix: String,
+}
+
+struct SqlxHeld {
+    conn: Arc<Mutex<Option<PgConnection>>>,
+    lock: PgAdvisoryLock,
+}
+
+impl Held for SqlxHeld {
+    fn release(self: Box<Self>) -> BoxFut<'static, ()> {
+        Box::pin(async move {
+            let mut g = self.conn.lock().await;
+            let c = g.take().expect("conn");
+            let (c, released) = self.lock.force_release(c).await.expect("sqlx release");
+            assert!(released, "sqlx lock was not held");
+            *g = Some(c);
+        })
+    }
+}
+
+impl scenario::Client for SqlxClient {
+    fn acquire<'a>(&'a self, name: &'a str) -> BoxFut<'a, Box<dyn Held>> {
+        Box::pin(async move {
+            let lock = PgAdvisoryLock::new(format!("{}/{name}", self.prefix));
+            let mut g = self.conn.lock().await;
+            let c = g.take().expect("conn");
+            let guard = lock.acquire(c).await.expect("sqlx acquire");
+            *g = Some(guard.leak());
+            drop(g);
+            Box::new(SqlxHeld {
+                conn: self.conn.clone(),
+                lock,
+            }) as Box<dyn Held>
+        })
+    }
+}
+
+/// `pg_stat_database.xact_commit` of each variant's database.
+struct XactCommit {
+    admin: Mutex<PgConnection>,
+}
+
+impl XactCommit {
+    async fn commits(&self, dbs: &[&str]) -> f64 {
+        let mut c = self.admin.lock().await;
+        let n: Option<i64> = sqlx::query_scalar(
+            "SELECT sum(xact_commit)::bigint FROM pg_stat_database WHERE datname = ANY($1)",
+        )
+        .bind(dbs)
+        .fetch_one(&mut *c)
+        .await
+        .expect("pg_stat_database");
+        n.unwrap_or(0) as f64
+    }
+}
+
+impl Counters for XactCommit {
+    fn read(&self, variant: usize) -> BoxFut<'_, Counts> {
+        Box::pin(async move {
+            Counts {
+                requests: self.commits(&DATABASES[variant..=variant]).await,
+                writes: f64::NAN,
+                wakes: f64::NAN,
+            }
+        })
+    }
+
+    fn lagging(&self) -> bool {
+        true
+    }
+
+    /// Until no one is connected to the variants' databases (a backend flushes its statistics
+    /// when it exits) and the counts stand still for 300 ms; at most 15 s.
+    fn settle(&self) -> BoxFut<'_, ()> {
+        Box::pin(async move {
+            let deadline = std::time::Instant::now() + Duration::from_secs(15);
+            let mut last = f64::NAN;
+            while std::time::Instant::now() < deadline {
+                let connected: i64 = {
+                    let mut c = self.admin.lock().await;
+                    sqlx::query_scalar(
+                        "SELECT count(*) FROM pg_stat_activity WHERE datname = ANY($1)",
+                    )
+                    .bind(&DATABASES[..])
+                    .fetch_one(&mut *c)
+                    .await
+                    .expect("pg_stat_activity")
+                };
+                let now = self.commits(&DATABASES).await;
+                if connected == 0 && now == last {
+                    return;
+                }
+                last = now;
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            }
+            eprintln!("postgres: statistics did not settle within 15 s");
+        })
+    }
+}
+
+/// The scenarios' description of PostgreSQL: lockkit and sqlx's `PgAdvisoryLock`, each in a
+/// database of its own (created if missing).
+pub async fn spec(prefix: &str) -> Spec {
+    let base = url("LOCKKIT_POSTGRES_URL");
+    let mut admin = PgConnection::connect(&base).await.expect("connect");
+    for db in DATABASES {
+        let exists: bool =
+            sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
+                .bind(db)
+                .fetch_one(&mut admin)
+                .await
+                .expect("pg_database");
+        if !exists {
+            sqlx::query(&format!("CREATE DATABASE {db}"))
+                .execute(&mut admin)
+                .await
+                .expect("create database");
+        }
+    }
+    let lockkit_url = format!("{}?prefix={prefix}", with_db(&base, DATABASES[0]));
+    let sqlx_url = with_db(&base, DATABASES[1]);
+    let prefix = prefix.to_owned();
+    Spec {
+        backend: "postgres",
+        title: "PostgreSQL",
+        variants: vec![
+            scenario::lockkit(lockkit_url.clone()),
+            Variant {
+                name: "sqlx PgAdvisoryLock".to_owned(),
+                connect: Arc::new(move || {
+                    let (url, prefix) = (sqlx_url.clone(), prefix.clone());
+                    Box::pin(async move {
+                        let c = PgConnection::connect(&url).await.expect("connect");
+                        Box::new(SqlxClient {
+                            conn: Arc::new(Mutex::new(Some(c))),
+                            prefix,
+                        }) as Box<dyn scenario::Client>
+                    })
+                }),
+            },
+        ],
+        counters: Arc::new(XactCommit {
+            admin: Mutex::new(admin),
+        }),
+        labels: Labels {
+            requests: "committed transactions (`pg_stat_database.xact_commit` of the variant's \
+                       own database; every statement outside a transaction block is one), \
+                       counted per block of windows from before the clients connect to after \
+                       they disconnected (PostgreSQL publishes a backend's counts late), \
+                       connection setup included",
+            writes: None,
+            wakes: None,
+        },
+        lockkit_url,
+        notes: "Peer: sqlx 0.8's `PgAdvisoryLock` (`acquire`: `pg_advisory_lock`, then \
+                `force_release`: `pg_advisory_unlock`) on one `PgConnection` per client, no \
+                token. PostgreSQL 15 with `fsync=off`, `max_connections=300` \
+                (`scripts/servers.sh`). The server wakes lock waiters itself: wakes are not \
+                counted. Many-leases requests/s is read over 4 s of steady keepalive traffic \
+                (each backend publishes its counts at most once a second, so ±25 %).",
+    }
 }

@@ -1,19 +1,22 @@
 //! ZooKeeper rows: the hand-written floor (the lock recipe's round trips done by hand with
-//! zookeeper-client), zookeeper-client's own lock recipe, lockkit's acquire + release, and the
-//! handoff latency with 16 waiters.
+//! zookeeper-client), zookeeper-client's own lock recipe and lockkit's acquire + release; [`spec`]
+//! describes ZooKeeper for the scenarios (`scenario.rs`, hand-off among them).
 //!
 //! The first three rows are measured **interleaved** (floor, recipe, lockkit, floor, …) so that
 //! they see the same server and machine load; measured one after the other, the shared 2-core
 //! machine's load swings moved their ratio by ±20 % between runs.
 
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use lockkit::zk::ZkLock;
 use lockkit::zk::zookeeper_client as zk;
 use lockkit::{AcquireOptions, Lock, Wait};
 
-use crate::{Op, Row, interleaved, row, url};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::scenario::{self, BoxFut, Counters, Counts, Held, Labels, Spec, Variant};
+use crate::{Op, Row, interleaved, url};
 
 const BACKEND: &str = "zk";
 
@@ -102,8 +105,7 @@ pub async fn run(iters: usize) -> Vec<Row> {
     ];
     // Warm-up of iters / 2 rounds: the server is a JVM whose code paths get compiled during the
     // first thousands of requests.
-    let mut rows = interleaved(BACKEND, ops, (iters / 2).max(10), iters).await;
-    rows.push(handoff(&lockkit_url, 16, iters.min(1000)).await);
+    let rows = interleaved(BACKEND, ops, (iters / 2).max(10), iters).await;
 
     // Clean up the hand-made nodes (lockkit's are container nodes, removed by the server).
     for p in [recipe_dir.as_str(), floor_dir.as_str(), dir.as_str()] {
@@ -112,52 +114,139 @@ pub async fn run(iters: usize) -> Vec<Row> {
     rows
 }
 
-/// `waiters` + 1 clients loop acquire → release on one lock, so `waiters` are always queued; each
-/// sample is the time from a holder starting its release to the next holder's acquire returning.
-async fn handoff(url: &str, waiters: usize, samples: usize) -> Row {
-    let last_release: Arc<Mutex<Option<Instant>>> = Arc::new(Mutex::new(None));
-    let got: Arc<Mutex<Vec<Duration>>> = Arc::new(Mutex::new(Vec::with_capacity(samples)));
-    let warmup = 32;
-    let mut tasks = Vec::new();
-    for _ in 0..=waiters {
-        let locks = ZkLock::connect(url).await.expect("connect");
-        let (last_release, got) = (last_release.clone(), got.clone());
-        tasks.push(tokio::spawn(async move {
-            let opts = AcquireOptions::new().ttl(Duration::from_secs(10));
-            loop {
-                let lease = locks
-                    .acquire("handoff", opts.clone())
-                    .await
-                    .expect("acquire");
-                let now = Instant::now();
-                let done = {
-                    let mut got = got.lock().unwrap();
-                    if got.len() >= samples + warmup {
-                        true
-                    } else {
-                        if let Some(t) = last_release.lock().unwrap().take() {
-                            got.push(now - t);
-                        }
-                        false
-                    }
+/// zookeeper-client's lock recipe (`Client::lock`, Curator-style names) on a session of its own.
+struct RecipeClient {
+    client: zk::Client,
+    dir: String,
+    options: zk::LockOptions<'static>,
+}
+
+struct RecipeHeld {
+    client: zk::Client,
+    path: String,
+}
+
+impl Held for RecipeHeld {
+    fn release(self: Box<Self>) -> BoxFut<'static, ()> {
+        Box::pin(async move {
+            self.client
+                .delete(&self.path, None)
+                .await
+                .expect("recipe unlock");
+        })
+    }
+}
+
+impl scenario::Client for RecipeClient {
+    fn acquire<'a>(&'a self, name: &'a str) -> BoxFut<'a, Box<dyn Held>> {
+        Box::pin(async move {
+            let dir = format!("{}/{name}", self.dir);
+            let prefix = zk::LockPrefix::new_curator(&dir, "lock-").expect("prefix");
+            let guard = self
+                .client
+                .lock(prefix, b"", self.options.clone())
+                .await
+                .expect("recipe lock");
+            // Its guard deletes the node in the background on drop; release deletes it
+            // explicitly instead, so that the release is awaited (as in the uncontended row).
+            let path = guard.lock_path().to_owned();
+            std::mem::forget(guard);
+            Box::new(RecipeHeld {
+                client: self.client.clone(),
+                path,
+            }) as Box<dyn Held>
+        })
+    }
+}
+
+/// ZooKeeper's `mntr`: packets received (every request, pings included), watches triggered
+/// (the sums of `node_{created,deleted,changed,children}_watch_count`).
+struct Mntr(String);
+
+impl Counters for Mntr {
+    fn read(&self, _variant: usize) -> BoxFut<'_, Counts> {
+        Box::pin(async move {
+            let mut s = tokio::net::TcpStream::connect(&self.0)
+                .await
+                .expect("zk mntr");
+            s.write_all(b"mntr").await.expect("zk mntr");
+            let mut body = String::new();
+            s.read_to_string(&mut body).await.expect("zk mntr");
+            let mut c = Counts {
+                requests: 0.0,
+                writes: f64::NAN,
+                wakes: 0.0,
+            };
+            for l in body.lines() {
+                let Some((k, v)) = l.split_once('\t') else {
+                    continue;
                 };
-                if done {
-                    *last_release.lock().unwrap() = None;
-                    lease.release().await.expect("release");
-                    return;
+                let v: f64 = v.trim().parse().unwrap_or(0.0);
+                match k {
+                    // mntr itself counts as one packet.
+                    "zk_packets_received" => c.requests = v - 1.0,
+                    "zk_sum_node_created_watch_count"
+                    | "zk_sum_node_deleted_watch_count"
+                    | "zk_sum_node_changed_watch_count"
+                    | "zk_sum_node_children_watch_count" => c.wakes += v,
+                    _ => {}
                 }
-                *last_release.lock().unwrap() = Some(Instant::now());
-                lease.release().await.expect("release");
             }
-        }));
+            c
+        })
     }
-    for t in tasks {
-        t.await.expect("handoff task");
+}
+
+/// The scenarios' description of ZooKeeper: lockkit and zookeeper-client's lock recipe.
+pub async fn spec(prefix: &str) -> Spec {
+    let base = url("LOCKKIT_ZK_URL");
+    let hostport = base
+        .strip_prefix("zk://")
+        .expect("LOCKKIT_ZK_URL is zk://host:port")
+        .to_owned();
+    let peer_hp = hostport.clone();
+    let dir = format!("/lockbench-{prefix}-recipe");
+    Spec {
+        backend: "zk",
+        title: "ZooKeeper",
+        variants: vec![
+            scenario::lockkit(format!("{base}?prefix=lockbench-{prefix}")),
+            Variant {
+                name: "zookeeper-client lock recipe".to_owned(),
+                connect: Arc::new(move || {
+                    let (hp, dir) = (peer_hp.clone(), dir.clone());
+                    Box::pin(async move {
+                        let client = zk::Client::connector()
+                            .with_session_timeout(Duration::from_secs(10))
+                            .connect(&hp)
+                            .await
+                            .expect("connect zookeeper-client");
+                        let persistent =
+                            zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all());
+                        let options = zk::LockOptions::new(zk::Acls::anyone_all())
+                            .with_ancestor_options(persistent)
+                            .expect("lock options");
+                        Box::new(RecipeClient {
+                            client,
+                            dir,
+                            options,
+                        }) as Box<dyn scenario::Client>
+                    })
+                }),
+            },
+        ],
+        counters: Arc::new(Mntr(hostport)),
+        labels: Labels {
+            requests: "packets the server received (`mntr` `zk_packets_received`, session \
+                       pings included)",
+            writes: None,
+            wakes: Some(
+                "watches triggered (`mntr` sums of `node_{created,deleted,changed,children}_watch_count`)",
+            ),
+        },
+        lockkit_url: format!("{base}?prefix=lockbench-{prefix}"),
+        notes: "Peer: zookeeper-client 0.11's lock recipe (`Client::lock` with \
+                `LockPrefix::new_curator`), each client on a session of its own; its release \
+                deletes the lock node and awaits it. ZooKeeper 3.8 standalone, `forceSync=no`.",
     }
-    let v = got.lock().unwrap().split_off(warmup);
-    row(
-        BACKEND,
-        &format!("lockkit handoff, {waiters} waiters (release → next acquire returns)"),
-        v,
-    )
 }

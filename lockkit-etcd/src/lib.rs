@@ -49,14 +49,21 @@
 //!   over a lock's prefix would otherwise slow down with every acquire). A slot on which a
 //!   request went unanswered (it may still be applied late) is never reused; a key such a
 //!   request may create is deleted by the keepalive task and its lease takes no new acquires.
-//! - A waiter watches only the key immediately ahead of it (largest create revision below its
-//!   own) for its deletion; one release wakes one waiter. It also re-reads every TTL/2 (0.5 s to
-//!   5 s), in case its watch is stuck on a frozen member.
-//! - When woken, the waiter re-checks in one linearizable read that its own key still exists
-//!   (so its lease is alive: etcd deletes a lease's keys when the lease ends) and that no key is
-//!   ahead. A waiter whose lease lapsed never gets the lock on that key: it queues again with a
-//!   fresh lease (up to 5 leases per acquire, then
-//!   [`Error::Unavailable`](lockkit_core::Error::Unavailable)).
+//! - A waiter reads, in one linearizable transaction, that its own key still exists (so its
+//!   lease is alive: etcd deletes a lease's keys when the lease ends) and the two keys just
+//!   ahead of it (largest create revisions below its own). It watches the nearest for its
+//!   deletion, and the next one too, so that it reads again as soon as it is next in line; one
+//!   release wakes the next waiter and the one behind it. It also re-reads every TTL/2 (0.5 s
+//!   to 5 s), in case its watch is stuck on a frozen member.
+//! - The hand-off needs no request: when the key ahead is the only one, its value says its
+//!   grant puts no [lock-delay](#lock-delay) marker (`no-delay`; a grant with a delay leaves
+//!   the value empty) and no marker exists, the waiter watches the key range from that key to
+//!   its own with one watcher, and that key's delete makes it the holder at that revision
+//!   (create revisions only grow, so no key can get ahead of it later; one watcher reports
+//!   every event of a revision in one answer and the answers in revision order, so a delete of
+//!   its own key at or before then is seen first). Otherwise a wake re-reads. A waiter whose
+//!   key is gone never gets the lock on it: it queues again with a fresh lease (up to 5 leases
+//!   per acquire, then [`Error::Unavailable`](lockkit_core::Error::Unavailable)).
 //! - Release is one delete of the grant's own key, which exists only as this grant's (its name
 //!   carries the lease ID and a busy slot; etcd deletes it when the lease ends), so it is
 //!   compare-and-delete by construction, as in etcd's own `concurrency.Mutex.Unlock`.
@@ -209,6 +216,8 @@ pub use config::{DEFAULT_PORT, DEFAULT_PREFIX, EtcdConfig, validate_prefix};
 pub use fence::EtcdFence;
 pub use lease::EtcdLease;
 pub use lock::EtcdLock;
+#[cfg(feature = "test-hooks")]
+pub use lock::WaitStats;
 
 /// The etcd client crate this backend is built on, re-exported so users name the same version
 /// (for reads through [`EtcdLock::client`]).

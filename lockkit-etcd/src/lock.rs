@@ -5,15 +5,17 @@
 //! 1. Each acquire creates its own key `{prefix}/{name}/{lease id hex}-{slot}`, attached to
 //!    a lease, in one transaction that also reads the key with the lowest create revision under
 //!    `{prefix}/{name}/`. The holder is the key with the lowest create revision.
-//! 2. A waiter reads the key immediately ahead of it (the largest create revision below its own:
-//!    `max_create_revision`, sorted by create revision, limit 1) and watches only that key for
-//!    its `DELETE` from the read's revision + 1. One release wakes one waiter. A waiter also
-//!    re-reads every TTL/2 (0.5 s to 5 s), in case its watch is stuck on a frozen member.
-//! 3. On every wake the waiter re-reads, in one linearizable transaction that also checks its
-//!    own key still exists with its create revision (so its lease is alive: etcd deletes a
-//!    lease's keys when the lease ends). A waiter whose key is gone (its lease ended) never gets
-//!    the lock on it: it deletes what is left and queues again with a fresh lease, a few times
-//!    at most, then fails with [`Error::Unavailable`].
+//! 2. A waiter reads, in one linearizable transaction that also checks its own key still exists
+//!    with its create revision (so its lease is alive: etcd deletes a lease's keys when the
+//!    lease ends), the two keys just ahead of it (`max_create_revision`, sorted by create
+//!    revision, limit 2), and watches them for their `DELETE`. A waiter also re-reads every
+//!    TTL/2 (0.5 s to 5 s), in case its watch is stuck on a frozen member.
+//! 3. A wake re-reads, except for the hand-off itself: the delete of the only key ahead, whose
+//!    grant puts no lock-delay marker ([`NO_MARKER`]), with no marker there, watched together
+//!    with our own key by one range watcher ([`EtcdLock::check_and_watch`] says why that is the
+//!    lock). A waiter whose key is gone (its lease ended) never gets the lock on it: it deletes
+//!    what is left and queues again with a fresh lease, a few times at most, then fails with
+//!    [`Error::Unavailable`].
 //! 4. The fencing token is the holder key's create revision.
 //! 5. Lock-delay: a grant with a delay puts a marker `{prefix}/./delay/{name}` on a companion
 //!    lease that outlives its key by the delay; every acquire treats a marker not its own as
@@ -63,6 +65,11 @@ const RECHECK_MAX: Duration = Duration::from_secs(5);
 /// [`Guarantees::loss_notice`]: how soon a holder hears that etcd deleted its key.
 const LOSS_NOTICE: Duration = Duration::from_millis(500);
 
+/// The value of a contender's key whose grant puts no lock-delay marker (a grant with a delay
+/// leaves the value empty, as older clients do for every key): the waiter behind it may take
+/// its delete as the hand-off without reading again ([`EtcdLock::check_and_watch`]).
+const NO_MARKER: &[u8] = b"no-delay";
+
 /// Leases one acquire may go through (each lost before the lock was granted) before it fails
 /// with [`Error::Unavailable`].
 const LEASE_ATTEMPTS: usize = 5;
@@ -83,8 +90,9 @@ pub(crate) struct Space {
     pub(crate) marker_key: Vec<u8>,
     /// The token identity ([`FencingToken::lock`]).
     pub(crate) token_id: String,
-    /// The value of the contender's key (empty for locks).
-    pub(crate) value: Vec<u8>,
+    /// The value of the contender's key: `None` for locks (then [`NO_MARKER`] or empty, by
+    /// whether the grant may put a lock-delay marker), the user's value for slots.
+    pub(crate) value: Option<Vec<u8>>,
     /// More conditions of the transaction that takes a free name (a semaphore's N, its gate
     /// empty): if one fails the name counts as held.
     pub(crate) extra: Vec<Compare>,
@@ -106,6 +114,35 @@ struct Session {
     min_granted: Duration,
     /// The one watch stream for the keys of every lock this client holds.
     key_watch: KeyWatch,
+    /// Counters of the waiting machinery, for tests.
+    stats: watch::Sender<WaitStats>,
+}
+
+/// Counters of the waiting machinery, for tests (feature `test-hooks`). Not part of the API.
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WaitStats {
+    /// Acquires now watching the queue for their turn.
+    pub waiting: usize,
+    /// Deletes of the key just ahead that woke a waiter which then had to read the queue again
+    /// (a hand-off that took the watch event alone does not count), since connect.
+    pub reads_after_wake: u64,
+}
+
+/// Counts a waiter in [`WaitStats::waiting`] while it lives.
+struct Waiting<'a>(&'a watch::Sender<WaitStats>);
+
+impl<'a> Waiting<'a> {
+    fn new(stats: &'a watch::Sender<WaitStats>) -> Self {
+        stats.send_modify(|s| s.waiting += 1);
+        Self(stats)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.send_modify(|s| s.waiting -= 1);
+    }
 }
 
 /// Locks on etcd v3: leases with whole-second TTLs, tokens from create revisions, FIFO waiters
@@ -263,6 +300,7 @@ impl EtcdLock {
                 closed_rx: rx,
                 min_granted: Duration::from_secs(probe.ttl().unsigned_abs()),
                 key_watch,
+                stats: watch::channel(WaitStats::default()).0,
             }),
         })
     }
@@ -301,7 +339,7 @@ impl EtcdLock {
             marker_key: marker_key(&prefix, name),
             prefix,
             token_id: self.lock_id(name),
-            value: Vec::new(),
+            value: None,
             extra: Vec::new(),
         }
     }
@@ -313,6 +351,13 @@ impl EtcdLock {
     #[doc(hidden)]
     pub fn pause_keepalive_for_tests(&self, paused: bool) {
         self.inner.paused.store(paused, Ordering::SeqCst);
+    }
+
+    /// Waiting counters, for tests (feature `test-hooks`).
+    #[cfg(feature = "test-hooks")]
+    #[doc(hidden)]
+    pub fn wait_stats(&self) -> watch::Receiver<WaitStats> {
+        self.inner.stats.subscribe()
     }
 
     fn task_ctx(&self) -> TaskCtx {
@@ -406,9 +451,17 @@ impl EtcdLock {
         let name_prefix = space.prefix.as_slice();
         let owner = holder_read(name_prefix);
         let marker_read = TxnOp::get(marker_key.to_vec(), None);
+        // A lock's value tells the waiter behind us whether our grant may put a lock-delay
+        // marker; a slot's is the user's (slots put no markers: a waiter behind one reads again
+        // after its wake unless the value happens to be `NO_MARKER`, which is then also true).
+        let value = match (&space.value, marker) {
+            (Some(v), _) => v.clone(),
+            (None, Some(_)) => Vec::new(),
+            (None, None) => NO_MARKER.to_vec(),
+        };
         let put = TxnOp::put(
             key.to_vec(),
-            space.value.clone(),
+            value,
             Some(PutOptions::new().with_lease(lease_id)),
         );
         let (cond, then) = if only_if_free {
@@ -535,15 +588,19 @@ impl EtcdLock {
         }
     }
 
-    /// One round of [`wait_turn`](Self::wait_turn): the key ahead of ours, or else a lock-delay
-    /// marker that is not ours, is watched for its delete.
-    async fn check_and_watch(
+    /// One linearizable read of the queue from our key (create revision `my_rev`): whether our
+    /// key still exists with it, the two keys just ahead, and the lock-delay marker.
+    ///
+    /// # Errors
+    /// [`Error::LeaseLost`] if our key is gone (our lease lapsed, or someone deleted the key):
+    /// never a lease on it. [`Error::Unavailable`] if etcd did not answer (retried within the
+    /// request timeout: it only reads).
+    async fn read_queue(
         &self,
         name: &str,
         (name_prefix, key, my_rev): (&[u8], &[u8], i64),
         (marker_key, marker): (&[u8], Option<&Marker>),
-        recheck: Duration,
-    ) -> Result<Turn> {
+    ) -> Result<Queue> {
         let ahead = TxnOp::get(
             name_prefix.to_vec(),
             Some(
@@ -551,8 +608,7 @@ impl EtcdLock {
                     .with_prefix()
                     .with_max_create_revision(my_rev - 1)
                     .with_sort(SortTarget::Create, SortOrder::Descend)
-                    .with_limit(1)
-                    .with_keys_only(),
+                    .with_limit(2),
             ),
         );
         let txn = Txn::new()
@@ -569,7 +625,6 @@ impl EtcdLock {
         })
         .await?;
         if !resp.succeeded() {
-            // Our key is gone: our lease lapsed (or someone deleted the key). Never a lease.
             return Err(Error::LeaseLost {
                 name: name.to_owned(),
                 reason: LossReason::NotHeldOnServer,
@@ -577,12 +632,11 @@ impl EtcdLock {
         }
         let revision = resp.header().map(|h| h.revision()).unwrap_or(0);
         let ops = resp.op_responses();
-        let ahead_key = match ops.first() {
-            Some(TxnOpResponse::Get(g)) => g.kvs().first().map(|kv| kv.key().to_vec()),
-            _ => None,
+        let ahead = match ops.first() {
+            Some(TxnOpResponse::Get(g)) => g.kvs().to_vec(),
+            _ => Vec::new(),
         };
-        // First in line, but the last holder failed less than its lock-delay ago: wait for its
-        // marker to go (its lease runs out).
+        // A marker that is not ours: the last holder failed less than its lock-delay ago.
         let foreign_marker = match ops.get(1) {
             Some(TxnOpResponse::Get(g)) => g
                 .kvs()
@@ -590,41 +644,140 @@ impl EtcdLock {
                 .is_some_and(|kv| !marker.is_some_and(|m| m.is_own(kv.value()))),
             _ => false,
         };
-        let Some(ahead_key) = ahead_key.or_else(|| foreign_marker.then(|| marker_key.to_vec()))
-        else {
-            return Ok(Turn::Mine);
-        };
-        let mut wc = self.inner.client.watch_client();
-        let wopts = WatchOptions::new()
-            .with_start_revision(revision + 1)
-            .with_filters([WatchFilterType::NoPut]);
-        let mut stream = timed(
-            self.request_timeout(),
-            "a watch",
-            wc.watch(ahead_key, Some(wopts)),
-        )
-        .await?;
-        // A watch served by a frozen member never reports anything (the client notices the dead
-        // connection only after its HTTP/2 keepalive, 15 s): read again every `recheck`.
+        let last = ahead.len() == 1
+            && !foreign_marker
+            && ahead.first().is_some_and(|kv| kv.value() == NO_MARKER);
+        let mut keys = ahead.into_iter().map(|kv| kv.key().to_vec());
+        Ok(Queue {
+            revision,
+            nearest: keys.next(),
+            second: keys.next(),
+            foreign_marker,
+            last,
+        })
+    }
+
+    /// One round of [`wait_turn`](Self::wait_turn): reads the queue ([`read_queue`](Self::read_queue)),
+    /// then watches the key just ahead of ours (or else a lock-delay marker that is not ours)
+    /// for its delete, and the key ahead of that one too, so that a waiter reads again as soon as
+    /// it is next in line.
+    ///
+    /// The hand-off itself needs no read: when the key ahead is the only one ahead and its grant
+    /// puts no marker ([`NO_MARKER`]), no marker exists, and the watcher covers the key range
+    /// from that key to ours, its delete makes us the holder at that revision. Create revisions
+    /// only grow, so no key can get ahead of ours later; no marker can appear (only the first in
+    /// line puts one); and one watcher reports every event of a revision in one answer and the
+    /// answers in revision order, so a delete of our own key (our lease ended) at or before that
+    /// revision is seen first. The watchers start at the current revision (so the server
+    /// streams to them at once, instead of replaying from its history every 100 ms); if writes
+    /// came between the read and the watch, the queue is read once more.
+    async fn check_and_watch(
+        &self,
+        name: &str,
+        own: (&[u8], &[u8], i64),
+        delay: (&[u8], Option<&Marker>),
+        recheck: Duration,
+    ) -> Result<Turn> {
+        let key = own.1;
+        let mut queue = self.read_queue(name, own, delay).await?;
         let recheck_at = Instant::now() + recheck;
-        loop {
-            let msg = match tokio::time::timeout_at(recheck_at, stream.message()).await {
-                Err(_) => return Ok(Turn::Again),
-                Ok(m) => m.map_err(from_client)?,
+        'watch: loop {
+            let Some(target) = queue
+                .nearest
+                .clone()
+                .or_else(|| queue.foreign_marker.then(|| delay.0.to_vec()))
+            else {
+                return Ok(Turn::Mine);
             };
-            let Some(msg) = msg else {
-                return Ok(Turn::Again);
-            };
-            if msg.canceled() {
-                // Compacted or cancelled by the server (e.g. no leader): read again.
-                return Ok(Turn::Again);
+            let mut wc = self.inner.client.watch_client();
+            let mut wopts = WatchOptions::new().with_filters([WatchFilterType::NoPut]);
+            let mut from = target.clone();
+            if queue.last {
+                // From the lower of the two keys to the higher, both included.
+                let mut to = key.to_vec();
+                if to < from {
+                    std::mem::swap(&mut to, &mut from);
+                }
+                to.push(0);
+                wopts = wopts.with_range(to);
             }
-            if msg
-                .events()
-                .iter()
-                .any(|e| e.event_type() == EventType::Delete)
-            {
-                return Ok(Turn::Again);
+            let mut stream = timed(
+                self.request_timeout(),
+                "a watch",
+                wc.watch(from, Some(wopts)),
+            )
+            .await?;
+            if let Some(second) = &queue.second {
+                let wopts = WatchOptions::new().with_filters([WatchFilterType::NoPut]);
+                timed(
+                    self.request_timeout(),
+                    "a watch",
+                    stream.watch(second.clone(), Some(wopts)),
+                )
+                .await?;
+            }
+            let mut created = false;
+            let mut waiting = None;
+            loop {
+                let msg = match tokio::time::timeout_at(recheck_at, stream.message()).await {
+                    // A watch served by a frozen member never reports anything (the client
+                    // notices the dead connection only after its HTTP/2 keepalive, 15 s).
+                    Err(_) => return Ok(Turn::Again),
+                    Ok(m) => m.map_err(from_client)?,
+                };
+                let Some(msg) = msg else {
+                    return Ok(Turn::Again);
+                };
+                if msg.canceled() {
+                    // Compacted or cancelled by the server (e.g. no leader): read again.
+                    return Ok(Turn::Again);
+                }
+                if msg.created() {
+                    if !created {
+                        created = true;
+                        let from = msg.header().map_or(i64::MAX, |h| h.revision());
+                        if from > queue.revision {
+                            // Writes between our read and the watch: what they did to the
+                            // queue is only in a new read.
+                            let again = self.read_queue(name, own, delay).await?;
+                            let same = queue.same_as(&again);
+                            queue = again;
+                            if !same {
+                                continue 'watch;
+                            }
+                        }
+                        waiting = Some(Waiting::new(&self.inner.stats));
+                    }
+                    continue;
+                }
+                // Deletes after the last read (a watcher may start earlier, on a member
+                // behind the one that answered the read; a key name may have been deleted
+                // before, when an earlier grant used its slot).
+                let deleted = |k: &[u8]| {
+                    msg.events().iter().any(|e| {
+                        e.event_type() == EventType::Delete
+                            && e.kv().is_some_and(|kv| {
+                                kv.key() == k && kv.mod_revision() > queue.revision
+                            })
+                    })
+                };
+                if queue.last && deleted(key) {
+                    return Err(Error::LeaseLost {
+                        name: name.to_owned(),
+                        reason: LossReason::NotHeldOnServer,
+                    });
+                }
+                if deleted(&target) {
+                    if queue.last {
+                        return Ok(Turn::Mine);
+                    }
+                    self.inner.stats.send_modify(|s| s.reads_after_wake += 1);
+                    drop(waiting);
+                    return Ok(Turn::Again);
+                }
+                if queue.second.as_deref().is_some_and(deleted) {
+                    return Ok(Turn::Again);
+                }
             }
         }
     }
@@ -903,6 +1056,34 @@ enum Enqueued {
 enum Turn {
     Mine,
     Again,
+}
+
+/// What one read of the queue ([`EtcdLock::read_queue`]) found ahead of our key.
+struct Queue {
+    /// The read's revision.
+    revision: i64,
+    /// The key just ahead of ours (the largest create revision below ours).
+    nearest: Option<Vec<u8>>,
+    /// The key ahead of that one.
+    second: Option<Vec<u8>>,
+    /// A lock-delay marker not ours exists.
+    foreign_marker: bool,
+    /// `nearest` is the only key ahead, its grant puts no marker, and there is none: its delete
+    /// hands us the lock.
+    last: bool,
+}
+
+impl Queue {
+    /// Whether `other` (a later read) found the same keys ahead and the same marker.
+    fn same_as(&self, other: &Queue) -> bool {
+        (&self.nearest, &self.second, self.foreign_marker, self.last)
+            == (
+                &other.nearest,
+                &other.second,
+                other.foreign_marker,
+                other.last,
+            )
+    }
 }
 
 struct AbortOnDrop(tokio::task::AbortHandle);

@@ -127,7 +127,7 @@ impl EtcdLock {
             token_id: self.lock_id(&rel),
             slot_name: rel,
             prefix,
-            value: value.to_vec(),
+            value: Some(value.to_vec()),
             extra: Vec::new(),
         }
     }

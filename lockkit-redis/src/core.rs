@@ -85,7 +85,7 @@ return 0
 /// `"TTL_MS DELAY_MS CHANNEL"`, with a short expiry the waiter refreshes; `DELAY_MS` is TTL +
 /// lock-delay, `0` without a delay) exists; dead ones are dropped on the way. The lock key
 /// becomes the waiter's ID with its TTL (and the delay key its ID with TTL + delay, if it asked
-/// for a delay), the counter is bumped, and
+/// for a delay; else the delay key is deleted), the counter is bumped, and
 /// `"ID TOKEN"` is `PUBLISH`ed on that waiter's client channel only (a `pcall`: an ACL without
 /// channel permission still hands over; the waiter then finds its ID by polling). Returns the
 /// new holder's ID, or `false` if no other waiter is live. With `me` (a waiter's own acquire),
@@ -127,6 +127,8 @@ local function serve(me)
       redis.call('SET', KEYS[1], h, 'PX', ttl)
       if dpx ~= '0' then
         redis.call('SET', KEYS[4], h, 'PX', dpx)
+      else
+        redis.call('DEL', KEYS[4])
       end
       redis.pcall('PUBLISH', ch, h .. ' ' .. string.format('%d', t))
       return h
@@ -136,7 +138,9 @@ end
 ";
 
 /// Compare-and-delete, handing the lock to the next live waiter if there is one (see
-/// [`SERVE_LUA`]; no `PUBLISH` when nobody waits). `KEYS[1..4]` as there; `ARGV[1]` waiter-key
+/// [`SERVE_LUA`]; no `PUBLISH` when nobody waits): `GET`, the queue's `ZPOPMIN`, and one `DEL`
+/// of the lock and lock-delay keys when nobody was handed the lock (a hand-over sets both keys
+/// anew, so the lock key sees no `del` event then). `KEYS[1..4]` as there; `ARGV[1]` waiter-key
 /// prefix, `ARGV[2]` owner value, `ARGV[3]` `0` for a release (the lock-delay key is deleted:
 /// a release frees the lock at once), or a lock-delay in ms for a lease given back as lapsed
 /// (the lock key is deleted and the delay key set to expire after the delay; nobody is served).
@@ -152,9 +156,8 @@ if ARGV[3] ~= '0' then
   redis.call('DEL', KEYS[1])
   return 1
 end
-redis.call('DEL', KEYS[4])
 if not serve(false) then
-  redis.call('DEL', KEYS[1])
+  redis.call('DEL', KEYS[1], KEYS[4])
 end
 return 1
 "
@@ -168,9 +171,9 @@ return 1
 ///
 /// Leaves a tombstone for the ID (an acquire script still on its way, queued on another
 /// connection, finds it and does nothing), takes the ID out of the queue, and if the lock is
-/// held by the ID (it took it, or it was handed to it) deletes its lock-delay key (the grant
-/// never reached a caller: no lock-delay) and gives the lock to the next live waiter or deletes
-/// it: then 1, else 0.
+/// held by the ID (it took it, or it was handed to it) gives the lock to the next live waiter
+/// or deletes it with its lock-delay key (the grant never reached a caller: no lock-delay):
+/// then 1, else 0.
 fn cancel_script() -> String {
     format!(
         r"{SERVE_LUA}
@@ -178,9 +181,8 @@ redis.call('SET', KEYS[5], '1', 'PX', ARGV[3])
 redis.call('ZREM', KEYS[3], ARGV[2])
 redis.call('DEL', ARGV[1] .. ARGV[2])
 if redis.call('GET', KEYS[1]) == ARGV[2] then
-  redis.call('DEL', KEYS[4])
   if not serve(false) then
-    redis.call('DEL', KEYS[1])
+    redis.call('DEL', KEYS[1], KEYS[4])
   end
   return 1
 end

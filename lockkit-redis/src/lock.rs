@@ -59,6 +59,9 @@ pub const WAITER_TTL: Duration = Duration::from_secs(3);
 /// `ARGV[3]` TTL in ms, `ARGV[4]` the client's hand-off channel (`''`: do not queue), `ARGV[5]`
 /// [`WAITER_TTL`] in ms, `ARGV[6]` TTL + lock-delay in ms (`0`: no lock-delay).
 ///
+/// - The common case first: no tombstone, no lock-delay key and no queue (one `EXISTS` of the
+///   three): `SET NX PX … GET` and, if that took the lock, the counter's `INCR`; a held lock is
+///   joined as below. Three commands for a free lock. Otherwise:
 /// - A tombstone means the ID was retired and its cleanup ran first (it came on another
 ///   connection): `{2, 0, ''}`, nothing touched.
 /// - No lock key but a lock-delay key: the last holder lapsed with a lock-delay, and nobody gets
@@ -83,9 +86,6 @@ pub const WAITER_TTL: Duration = Duration::from_secs(3);
 static ACQUIRE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(&format!(
         r"{SERVE_LUA}
-if redis.call('EXISTS', KEYS[5]) == 1 then
-  return {{2, 0, ''}}
-end
 local me = ARGV[2]
 local function wait(pttl, holder)
   if ARGV[4] ~= '' then
@@ -100,6 +100,27 @@ local function delay()
     redis.call('SET', KEYS[4], me, 'PX', ARGV[6])
   end
 end
+local function granted()
+  local ok, t = pcall(bump)
+  if not ok then
+    redis.call('DEL', KEYS[1])
+    return redis.error_reply('lockkit: the fence counter is not an integer')
+  end
+  delay()
+  return {{1, t, ''}}
+end
+if redis.call('EXISTS', KEYS[5], KEYS[4], KEYS[3]) == 0 then
+  local v = redis.call('SET', KEYS[1], me, 'NX', 'PX', ARGV[3], 'GET')
+  if not v then
+    return granted()
+  end
+  if v ~= me then
+    return wait(redis.call('PTTL', KEYS[1]), v)
+  end
+end
+if redis.call('EXISTS', KEYS[5]) == 1 then
+  return {{2, 0, ''}}
+end
 if redis.call('EXISTS', KEYS[1]) == 0 and redis.call('EXISTS', KEYS[4]) == 1 then
   return wait(redis.call('PTTL', KEYS[4]), '')
 end
@@ -112,13 +133,7 @@ end
 if not v then
   v = serve(me)
   if not v then
-    local ok, t = pcall(bump)
-    if not ok then
-      redis.call('DEL', KEYS[1])
-      return redis.error_reply('lockkit: the fence counter is not an integer')
-    end
-    delay()
-    return {{1, t, ''}}
+    return granted()
   end
 end
 return wait(redis.call('PTTL', KEYS[1]), v)

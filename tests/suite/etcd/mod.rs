@@ -5,6 +5,7 @@ mod cluster;
 mod delay;
 mod failures;
 mod fence;
+mod handoff;
 mod holder_during_delay;
 mod slots;
 mod support;

@@ -251,3 +251,53 @@ async fn batch_renewal_failing_for_one_lease_marks_only_that_one_lost() {
         let _ = l.release().await;
     }
 }
+
+/// An uncontended acquire + release runs six commands inside its two scripts: the acquire one
+/// `EXISTS` (tombstone, lock-delay key and queue at once), `SET NX PX GET` and the counter's
+/// `INCR`; the release `GET`, `ZPOPMIN` and one `DEL` (of the lock and lock-delay keys). No
+/// `TIME` once the fence counter exists, no `PUBLISH` when nobody waits. Try-acquire and
+/// waiting acquire alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uncontended_acquire_and_release_run_six_commands() {
+    let server = PrivateRedis::start(None).await;
+    let url = with_prefix(&server.url(), &fresh_prefix());
+    let locks = RedisLock::connect(&url).await.expect("connect");
+    let mut conn = server.raw().await;
+    let name = "six";
+    // The first grant makes the fence counter (TIME and SET once).
+    let first = locks
+        .acquire(name, opts(30_000, Wait::No))
+        .await
+        .expect("acquire");
+    first.release().await.expect("release");
+    for wait in [Wait::No, Wait::Timeout(Duration::from_secs(5))] {
+        let before = info(&mut conn).await;
+        let lease = locks
+            .acquire(name, opts(30_000, wait))
+            .await
+            .expect("acquire");
+        lease.release().await.expect("release");
+        let after = info(&mut conn).await;
+        let ran: Vec<(&str, u64)> = [
+            "evalsha", "exists", "set", "incr", "get", "zpopmin", "del", "time", "publish",
+            "zrange", "zrem", "zadd", "pexpire", "pttl", "getdel",
+        ]
+        .into_iter()
+        .map(|c| (c, stat(&after, c) - stat(&before, c)))
+        .filter(|(_, n)| *n > 0)
+        .collect();
+        assert_eq!(
+            ran,
+            [
+                ("evalsha", 2),
+                ("exists", 1),
+                ("set", 1),
+                ("incr", 1),
+                ("get", 1),
+                ("zpopmin", 1),
+                ("del", 1)
+            ],
+            "{wait:?}"
+        );
+    }
+}

@@ -324,5 +324,6 @@ pub async fn spec(prefix: &str) -> Spec {
                 on tmpfs (`scripts/servers.sh`). v3lock's own internal reads and watches do not \
                 pass gRPC, so its requests per grant count only the client's calls; its writes \
                 (proposals) count all.",
+        procs_only: false,
     }
 }

@@ -262,6 +262,8 @@ async fn worker(spec: &str) {
     );
     let prefix = std::env::var("LOCKBENCH_PREFIX").unwrap_or_default();
     let spec = match backend {
+        #[cfg(feature = "redis")]
+        "redis" => redis::spec(&prefix).await,
         #[cfg(feature = "etcd")]
         "etcd" => etcd::spec(&prefix).await,
         #[cfg(feature = "zk")]
@@ -308,7 +310,14 @@ fn main() {
         if want("redis") {
             let uncontended = redis::run(iters).await;
             if scenarios {
-                sections.push(redis::scenarios(&uncontended, plots).await);
+                let mut md = redis::scenarios(&uncontended, plots).await;
+                if cfg.procs > 0 {
+                    let spec = redis::spec(&prefix).await;
+                    let res = scenario::run(&spec, &cfg, &prefix).await;
+                    md.push('\n');
+                    md.push_str(&scenario::report(&spec, &[], &res, None));
+                }
+                sections.push(md);
             }
             rows.extend(uncontended);
         }

@@ -327,5 +327,6 @@ pub async fn spec(prefix: &str) -> Spec {
                 (`scripts/servers.sh`). The server wakes lock waiters itself: wakes are not \
                 counted. Many-leases requests/s is read over 4 s of steady keepalive traffic \
                 (each backend publishes its counts at most once a second, so ±25 %).",
+        procs_only: false,
     }
 }

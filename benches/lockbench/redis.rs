@@ -25,6 +25,7 @@ use lockkit::redis::RedisLock;
 use lockkit::redis::redis::{self, Script, aio::ConnectionManager};
 use lockkit::{AcquireOptions, Lease, Lock, Wait};
 
+use crate::scenario;
 use crate::{Row, env_or, interleaved, median, op, spread, url};
 
 const RELEASE: &str = r"
@@ -747,4 +748,84 @@ fn report(
     }
     let _ = writeln!(md, "\n![many leases](benchmarks/redis-many-leases.svg)");
     md
+}
+
+/// A whole acquire + release cycle of a Redis variant as one scenario grant (redis-lock only
+/// runs a closure under its lock, so acquire and release are not apart): for the contention
+/// block of separate processes only.
+struct Cycle(Client);
+struct Done;
+
+impl scenario::Held for Done {
+    fn release(self: Box<Self>) -> scenario::BoxFut<'static, ()> {
+        Box::pin(async {})
+    }
+}
+
+impl scenario::Client for Cycle {
+    fn acquire<'a>(&'a self, name: &'a str) -> scenario::BoxFut<'a, Box<dyn scenario::Held>> {
+        Box::pin(async move {
+            self.0.cycle(name, Duration::ZERO).await;
+            Box::new(Done) as Box<dyn scenario::Held>
+        })
+    }
+}
+
+/// `INFO commandstats`: every command the server ran (inside scripts too).
+struct CommandStats(tokio::sync::Mutex<ConnectionManager>);
+
+impl scenario::Counters for CommandStats {
+    fn read(&self, _variant: usize) -> scenario::BoxFut<'_, scenario::Counts> {
+        Box::pin(async move {
+            let stats = commandstats(&mut *self.0.lock().await).await;
+            scenario::Counts {
+                requests: stats
+                    .iter()
+                    .filter(|(c, _)| !c.starts_with("usec:") && !c.ends_with("info"))
+                    .map(|(_, n)| *n as f64)
+                    .sum(),
+                writes: f64::NAN,
+                wakes: f64::NAN,
+            }
+        })
+    }
+}
+
+/// Redis for the scenarios' contention block of separate processes (the rest is above).
+pub async fn spec(prefix: &str) -> scenario::Spec {
+    let base = url("LOCKKIT_REDIS_URL");
+    let admin = ConnectionManager::new(redis::Client::open(base.as_str()).expect("redis client"))
+        .await
+        .expect("redis connection");
+    let variants = Variant::ALL
+        .iter()
+        .map(|&v| {
+            let (base, prefix) = (base.clone(), prefix.to_owned());
+            scenario::Variant {
+                name: v.name().to_owned(),
+                connect: Arc::new(move || {
+                    let (base, prefix) = (base.clone(), prefix.clone());
+                    Box::pin(async move {
+                        Box::new(Cycle(Client::connect(v, &base, &prefix).await))
+                            as Box<dyn scenario::Client>
+                    })
+                }),
+            }
+        })
+        .collect();
+    scenario::Spec {
+        backend: "redis",
+        title: "Redis",
+        variants,
+        counters: Arc::new(CommandStats(tokio::sync::Mutex::new(admin))),
+        labels: scenario::Labels {
+            requests: "Redis commands the server ran (`INFO commandstats`, inside scripts too)",
+            writes: None,
+            wakes: None,
+        },
+        lockkit_url: String::new(),
+        notes: "Each client a process of its own (this binary re-executed), empty critical \
+                section.",
+        procs_only: true,
+    }
 }

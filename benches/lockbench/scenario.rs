@@ -153,6 +153,8 @@ pub struct Spec {
     pub lockkit_url: String,
     /// Notes for the report (how the peer is run, what a counter includes).
     pub notes: &'static str,
+    /// Only the contention block of separate processes (Redis: `redis.rs` runs the rest).
+    pub procs_only: bool,
 }
 
 /// The benchmark's knobs (environment variables, see scripts/bench.sh).
@@ -348,7 +350,11 @@ async fn window(pool: &mut Pool, name: &str, length: Duration) -> (Vec<u64>, Dur
 
 async fn contention(spec: &Spec, cfg: &Cfg, prefix: &str) -> Vec<Block> {
     let mut out = Vec::new();
-    let mut plan: Vec<(usize, bool)> = [1usize, 4, 16].iter().map(|&c| (c, false)).collect();
+    let mut plan: Vec<(usize, bool)> = if spec.procs_only {
+        Vec::new()
+    } else {
+        [1usize, 4, 16].iter().map(|&c| (c, false)).collect()
+    };
     if cfg.procs > 0 {
         plan.push((cfg.procs, true));
     }
@@ -636,7 +642,8 @@ pub async fn run(spec: &Spec, cfg: &Cfg, prefix: &str) -> Results {
     let blocks = contention(spec, cfg, prefix).await;
     let n = spec.variants.len();
     let mut hand = Vec::new();
-    for waiters in [1usize, 4, 16] {
+    let sizes: &[usize] = if spec.procs_only { &[] } else { &[1, 4, 16] };
+    for &waiters in sizes {
         let mut runs: Vec<Vec<HandRun>> = (0..n).map(|_| Vec::new()).collect();
         for r in 0..2 {
             for k in 0..n {
@@ -656,7 +663,11 @@ pub async fn run(spec: &Spec, cfg: &Cfg, prefix: &str) -> Results {
         hand.push((waiters, runs));
     }
     let mut manies = Vec::new();
-    for &n in &cfg.leases {
+    for &n in if spec.procs_only {
+        &[][..]
+    } else {
+        &cfg.leases[..]
+    } {
         let m = many(spec, n).await;
         eprintln!(
             "{} many {n}: held {} in {:?} ({:?}), {:.0} B/lease, {:?}/s",
@@ -695,7 +706,11 @@ pub fn report(spec: &Spec, uncontended: &[Row], res: &Results, plots: Option<&Pa
     let mut md = String::new();
     let b = spec.backend;
     let names: Vec<&str> = spec.variants.iter().map(|v| v.name.as_str()).collect();
-    let _ = writeln!(md, "## {}\n", spec.title);
+    if spec.procs_only {
+        let _ = writeln!(md, "### {}: clients as separate processes\n", spec.title);
+    } else {
+        let _ = writeln!(md, "## {}\n", spec.title);
+    }
     let _ = writeln!(
         md,
         "{} These scenarios took {:.0} s.\n",
@@ -722,7 +737,7 @@ pub fn report(spec: &Spec, uncontended: &[Row], res: &Results, plots: Option<&Pa
     let vs = names[1..].join(" / ");
     let _ = writeln!(
         md,
-        "| clients | ratio to {vs} | lockkit grants/s | {} | fairness {} | requests per grant {}{} |\n|---|---|---|---|---|---|{}",
+        "| clients | ratio to {vs} | lockkit grants/s | {} | fairness {} | requests per grant {}{} |\n|{}{}",
         names[1..]
             .iter()
             .map(|n| format!("{n} grants/s"))
@@ -734,6 +749,7 @@ pub fn report(spec: &Spec, uncontended: &[Row], res: &Results, plots: Option<&Pa
             .writes
             .map(|_| format!(" | writes per grant {}", names.join(" / ")))
             .unwrap_or_default(),
+        "---|".repeat(names.len() + 4),
         if spec.labels.writes.is_some() {
             "---|"
         } else {
@@ -797,6 +813,9 @@ pub fn report(spec: &Spec, uncontended: &[Row], res: &Results, plots: Option<&Pa
                 .map(|_| format!(" {} |", all(|c| c.writes, 2)))
                 .unwrap_or_default(),
         );
+    }
+    if spec.procs_only {
+        return md;
     }
     let _ = writeln!(md, "\n![{b} contention](benchmarks/{b}-contention.svg)\n");
 

@@ -248,5 +248,6 @@ pub async fn spec(prefix: &str) -> Spec {
         notes: "Peer: zookeeper-client 0.11's lock recipe (`Client::lock` with \
                 `LockPrefix::new_curator`), each client on a session of its own; its release \
                 deletes the lock node and awaits it. ZooKeeper 3.8 standalone, `forceSync=no`.",
+        procs_only: false,
     }
 }

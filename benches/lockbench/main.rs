@@ -419,5 +419,17 @@ fn slot_targets() -> Vec<slots::Target> {
         "LOCKKIT_POSTGRES_URL",
         |u| async move { lockkit::postgres::PgLock::connect(&u).await },
     ));
+    #[cfg(feature = "etcd")]
+    targets.extend(slots::from_url(
+        "etcd",
+        "LOCKKIT_ETCD_URL",
+        |u| async move { lockkit::etcd::EtcdLock::connect(&u).await },
+    ));
+    #[cfg(feature = "redis")]
+    targets.extend(slots::from_url(
+        "redis",
+        "LOCKKIT_REDIS_URL",
+        |u| async move { lockkit::redis::RedisLock::connect(&u).await },
+    ));
     targets
 }

@@ -118,6 +118,7 @@ mod fence;
 mod lease;
 mod lock;
 mod session;
+mod slots;
 
 pub use config::{
     CONTROL_SESSION_TTL, DEFAULT_CONNECT_TIMEOUT, DEFAULT_PREFIX, MAX_CONNECT_TIMEOUT, ZkConfig,

@@ -339,7 +339,13 @@ impl ZkLock {
         acquire.await
     }
 
-    pub(crate) fn fail(&self, e: zk::Error, name: &str, start: Instant, opts: &AcquireOptions) -> Error {
+    pub(crate) fn fail(
+        &self,
+        e: zk::Error,
+        name: &str,
+        start: Instant,
+        opts: &AcquireOptions,
+    ) -> Error {
         if e == CHROOT_GONE {
             return Error::config(format!(
                 "the ZooKeeper chroot {} does not exist (any more): lock nodes cannot be created",
@@ -499,7 +505,8 @@ impl ZkLock {
                     written: AtomicBool::new(false),
                 });
                 crate::lease::watch_own_node(&ops, tracker.clone());
-                let token = FencingToken::new(t.token_id.clone(), u64::try_from(czxid).unwrap_or(0));
+                let token =
+                    FencingToken::new(t.token_id.clone(), u64::try_from(czxid).unwrap_or(0));
                 let lease = Lease::new(name, token, tracker, ops.clone(), opts);
                 return Ok(Granted { lease, ops });
             }

@@ -55,6 +55,9 @@ const SLOT_PREFIX: &str = "slot-";
 /// be going idle: a holder's release in flight).
 const JOIN_TRIES: u32 = 3;
 
+/// How many candidates of its last listing an observer probes before listing again.
+const PROBES: usize = 4;
+
 /// The length of an acquire's unique id (`{:032x}-lock-`), which heads a slot node's data.
 const OWN_LEN: usize = 38;
 
@@ -433,7 +436,10 @@ impl ZkLock {
 }
 
 /// Waits for `event` until `deadline`; `false` at the deadline.
-async fn wait_for(event: impl Future<Output = zk::WatchedEvent>, deadline: Option<Instant>) -> bool {
+async fn wait_for(
+    event: impl Future<Output = zk::WatchedEvent>,
+    deadline: Option<Instant>,
+) -> bool {
     match deadline {
         Some(d) => tokio::time::timeout_at(d, event).await.is_ok(),
         None => {
@@ -616,6 +622,10 @@ impl Seen {
         if old.queue.is_empty() && self.queue.is_empty() && old.cversion == self.cversion {
             return false;
         }
+        if self.leader.as_ref().is_some_and(|l| l.1 > 0) {
+            // A new leader whose value was replaced before our read: its first value is unseen.
+            return true;
+        }
         // A candidate that stood between the old leader and the new one is gone: it may have
         // led in between.
         let new_first = self.leader_seq();
@@ -626,10 +636,7 @@ impl Seen {
         if between {
             return true;
         }
-        let new_is_known = self
-            .queue
-            .first()
-            .is_some_and(|f| old.queue.contains(f));
+        let new_is_known = self.queue.first().is_some_and(|f| old.queue.contains(f));
         if new_is_known {
             // It stood in line the whole time: nothing created later could lead before it.
             return false;
@@ -641,16 +648,8 @@ impl Seen {
             return true;
         }
         let base = if old.dir_czxid == 0 { 0 } else { old.cversion };
-        let gone = old
-            .queue
-            .iter()
-            .filter(|c| !self.queue.contains(c))
-            .count();
-        let new = self
-            .queue
-            .iter()
-            .filter(|c| !old.queue.contains(c))
-            .count();
+        let gone = old.queue.iter().filter(|c| !self.queue.contains(c)).count();
+        let new = self.queue.iter().filter(|c| !old.queue.contains(c)).count();
         i64::from(self.cversion) - i64::from(base) > (gone + new) as i64
     }
 }
@@ -711,10 +710,21 @@ impl ZkWatch {
     async fn read(&mut self) -> Result<()> {
         let (mut session, mut missed) = self.session().await?;
         let dir = self.dir.clone();
+        // Probes of the first candidates of the last listing, sent before the new listing
+        // (a session's requests are answered in order): a candidate that led between the two
+        // listings is seen if it still stands when its probe is read.
+        let probes: Vec<_> = match (&self.last, missed) {
+            (Some(old), false) => old
+                .queue
+                .iter()
+                .take(PROBES)
+                .map(|(_, n)| session.client.get_data(&format!("{dir}/{n}")))
+                .collect(),
+            _ => Vec::new(),
+        };
         let (seen, wake) = loop {
-            let ended = |e: &zk::Error| {
-                matches!(e, zk::Error::SessionExpired | zk::Error::ClientClosed)
-            };
+            let ended =
+                |e: &zk::Error| matches!(e, zk::Error::SessionExpired | zk::Error::ClientClosed);
             let listing = session
                 .retry_loss(None, || session.client.get_and_watch_children(&dir))
                 .await;
@@ -794,9 +804,46 @@ impl ZkWatch {
                 Err(e) => return Err(from_zk(e)),
             }
         };
+        let mut base = self.last.clone();
         if let Some(old) = &self.last {
+            for (i, probe) in probes.into_iter().enumerate() {
+                match probe.await {
+                    Ok((value, stat)) => {
+                        // The leader when the probe was read: every candidate before it in
+                        // the last listing was gone, and later ones stand behind it.
+                        let at_probe = Seen {
+                            dir_czxid: old.dir_czxid,
+                            cversion: old.cversion + i32::try_from(i).unwrap_or(0),
+                            queue: old.queue[i..].to_vec(),
+                            leader: Some((stat.czxid, stat.version, value)),
+                        };
+                        let same = i == 0 && old.leader.as_ref().map(|l| l.1) == Some(stat.version);
+                        if !same {
+                            missed |= at_probe.missed_since(old);
+                            self.emit(missed, &at_probe);
+                            missed = false;
+                            base = Some(at_probe);
+                        }
+                        break;
+                    }
+                    Err(zk::Error::NoNode) => continue,
+                    Err(_) => break,
+                }
+            }
+        }
+        if let Some(old) = &base {
             missed |= seen.missed_since(old);
         }
+        self.emit(missed, &seen);
+        self.last = Some(seen);
+        self.wake = Some(wake);
+        Ok(())
+    }
+}
+
+impl ZkWatch {
+    /// Queues `Missed` (if `missed`) and the holders of `seen`.
+    fn emit(&mut self, missed: bool, seen: &Seen) {
         if missed {
             self.pending.push_back(WatchEvent::Missed);
         }
@@ -813,9 +860,6 @@ impl ZkWatch {
             })
             .collect();
         self.pending.push_back(WatchEvent::Holders(holders));
-        self.last = Some(seen);
-        self.wake = Some(wake);
-        Ok(())
     }
 }
 

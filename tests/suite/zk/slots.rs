@@ -117,7 +117,11 @@ async fn a_leader_whose_session_expires_loses_and_the_next_leads() {
     let (b_name, b_client) = (name.clone(), b.clone());
     let candidate = tokio::spawn(async move {
         b_client
-            .campaign(&b_name, b"b", waiting(Duration::from_secs(10), TTL * 4 + TOLERANCE))
+            .campaign(
+                &b_name,
+                b"b",
+                waiting(Duration::from_secs(10), TTL * 4 + TOLERANCE),
+            )
             .await
     });
     // B is in line (its node is there) before A's connection freezes.
@@ -149,7 +153,10 @@ async fn a_leader_whose_session_expires_loses_and_the_next_leads() {
         .expect("A's loss signal");
     assert_eq!(la.state(), LeaseState::Lost);
     proxy.thaw();
-    assert!(la.proclaim(b"a2").await.is_err(), "a lost leader proclaimed");
+    assert!(
+        la.proclaim(b"a2").await.is_err(),
+        "a lost leader proclaimed"
+    );
     assert!(la.resign().await.is_err(), "a lost leader resigned");
     lb.resign().await.expect("B resigns");
     assert_eq!(
@@ -205,7 +212,10 @@ async fn an_idle_semaphore_node_takes_a_new_n() {
     let once = AcquireOptions::new()
         .ttl(Duration::from_secs(10))
         .wait(Wait::No);
-    let p = s.acquire_permit(&name, 2, once.clone()).await.expect("N = 2");
+    let p = s
+        .acquire_permit(&name, 2, once.clone())
+        .await
+        .expect("N = 2");
     p.release().await.expect("release");
     let p = s
         .acquire_permit(&name, 3, once.clone())
@@ -299,7 +309,10 @@ async fn resign_hand_over_latency() {
     let name = unique("latency");
     let opts = || waiting(Duration::from_secs(10), Duration::from_secs(10));
     let mut observer = watcher.observe(&name).await.expect("observe");
-    assert_eq!(next_event(&mut observer, "first").await, LeaderEvent::NoLeader);
+    assert_eq!(
+        next_event(&mut observer, "first").await,
+        LeaderEvent::NoLeader
+    );
     let mut leader = a.campaign(&name, b"0", opts()).await.expect("campaign");
     next_event(&mut observer, "first leader").await;
     let (mut handover, mut seen) = (Vec::new(), Vec::new());
@@ -307,9 +320,14 @@ async fn resign_hand_over_latency() {
     for round in 1..=20usize {
         let next_client = clients[round % 2].clone();
         let (n, value) = (name.clone(), round.to_string().into_bytes());
-        let candidate =
-            tokio::spawn(async move { next_client.campaign(&n, &value, opts()).await });
-        while clients[0].candidates(&name).await.expect("candidates").len() < 2 {
+        let candidate = tokio::spawn(async move { next_client.campaign(&n, &value, opts()).await });
+        while clients[0]
+            .candidates(&name)
+            .await
+            .expect("candidates")
+            .len()
+            < 2
+        {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         let old = leader.term();

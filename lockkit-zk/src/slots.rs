@@ -970,7 +970,15 @@ impl SlotBackend for ZkLock {
         .await
     }
 
-    /// Watches an election (see [`ZkWatch`]); semaphores are not observed.
+    /// Watches an election: a children watch on its node and a data watch on the leader's
+    /// node, re-armed at every read (one-shot watches). Before each new listing it reads the
+    /// first candidates of the last one, so a leader that came and went between two listings
+    /// is still seen if it stood in line at the last one and is there when read. It reports
+    /// [`WatchEvent::Missed`] where a leader or a value may have come and gone unseen (a
+    /// candidate that stood between the old and the new leader is gone; more creates and
+    /// deletes than seen, by the node's children version; a data version that moved by more
+    /// than one; a new leader that proclaimed before it was read) and after a session loss.
+    /// Semaphores are not observed.
     ///
     /// # Errors
     /// [`Error::InvalidName`]; [`Error::NotSupported`] for a semaphore; transport errors.

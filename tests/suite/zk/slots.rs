@@ -333,10 +333,14 @@ async fn resign_hand_over_latency() {
         let old = leader.term();
         let t0 = Instant::now();
         leader.resign().await.expect("resign");
-        leader = candidate.await.expect("task").expect("next leader");
-        handover.push(t0.elapsed());
-        let ev = next_event(&mut observer, "next leader").await;
-        seen.push(t0.elapsed());
+        // Both clocks run from the resign's start, each stopped by its own event.
+        let ((next, led), (ev, observed)) =
+            tokio::join!(async { (candidate.await, t0.elapsed()) }, async {
+                (next_event(&mut observer, "next leader").await, t0.elapsed())
+            });
+        leader = next.expect("task").expect("next leader");
+        handover.push(led);
+        seen.push(observed);
         assert!(leader.term() > old);
         assert!(
             matches!(&ev, LeaderEvent::Leader(l) if l.term == leader.term()),

@@ -344,9 +344,10 @@ impl Session {
         }
     }
 
-    /// Deletes a holder's lock node `path` (version 0: lock nodes are never written) and, in the
-    /// same multi-op, its lock-delay marker `marker` if it has one: a release frees the lock
-    /// at once. A marker found gone (deleted by hand) does not stop the node's delete.
+    /// Deletes a holder's node `path` at `version` (`Some(0)` for a lock node, which is never
+    /// written; `None` once a leader proclaimed into it) and, in the same multi-op, its
+    /// lock-delay marker `marker` if it has one: a release frees the lock at once. A marker
+    /// found gone (deleted by hand) does not stop the node's delete.
     pub(crate) async fn delete_holder(
         &self,
         path: &str,
@@ -413,7 +414,8 @@ async fn check_sasl(client: &zk::Client, timeout: Duration) -> Result<()> {
     }
 }
 
-/// Deletes `path` (a node this client created) in the background, retrying lost connections
+/// Deletes `path` (a node this client created, whose name holds its acquire's unique id, so
+/// at any version) in the background, retrying lost connections
 /// until the delete is acknowledged, the node is found gone, or the session ends (its ephemeral
 /// nodes then go with it). Then deregisters `lease_id`.
 pub(crate) fn spawn_delete(session: Arc<Session>, path: String, lease_id: Option<u64>) {

@@ -654,7 +654,8 @@ impl Seen {
     }
 }
 
-type Wake = Pin<Box<dyn Future<Output = ()> + Send>>;
+/// The armed watches of an observer: the first event of any of them.
+type Wake = Pin<Box<dyn Future<Output = zk::EventType> + Send>>;
 
 /// An observer's watch on one election: a children watch on the election node plus a data
 /// watch on the leader's node, both one-shot and re-armed at every read.
@@ -675,6 +676,8 @@ pub(crate) struct ZkWatch {
     last: Option<Seen>,
     pending: VecDeque<WatchEvent>,
     wake: Option<Wake>,
+    /// The event that ended the last wait, until the read after it is done.
+    woke: Option<zk::EventType>,
 }
 
 impl fmt::Debug for ZkWatch {
@@ -737,9 +740,7 @@ impl ZkWatch {
                     {
                         Ok((Some(_), _)) => continue, // created meanwhile
                         Ok((None, w)) => {
-                            let wake: Wake = Box::pin(async move {
-                                w.changed().await;
-                            });
+                            let wake: Wake = Box::pin(async move { w.changed().await.event_type });
                             let seen = Seen {
                                 dir_czxid: 0,
                                 cversion: 0,
@@ -775,9 +776,7 @@ impl ZkWatch {
                 leader: None,
             };
             let Some((_, first)) = seen.queue.first() else {
-                let wake: Wake = Box::pin(async move {
-                    cw.changed().await;
-                });
+                let wake: Wake = Box::pin(async move { cw.changed().await.event_type });
                 break (seen, wake);
             };
             let path = format!("{dir}/{first}");
@@ -789,8 +788,8 @@ impl ZkWatch {
                     seen.leader = Some((dstat.czxid, dstat.version, value));
                     let wake: Wake = Box::pin(async move {
                         tokio::select! {
-                            _ = cw.changed() => {}
-                            _ = dw.changed() => {}
+                            e = cw.changed() => e.event_type,
+                            e = dw.changed() => e.event_type,
                         }
                     });
                     break (seen, wake);
@@ -832,11 +831,18 @@ impl ZkWatch {
             }
         }
         if let Some(old) = &base {
-            missed |= seen.missed_since(old);
+            // The election node removed (the server deletes an empty container) as the first
+            // change after a listing without candidates: nothing came and went before.
+            let reaped = old.queue.is_empty()
+                && old.dir_czxid != 0
+                && seen.dir_czxid == 0
+                && self.woke == Some(zk::EventType::NodeDeleted);
+            missed |= !reaped && seen.missed_since(old);
         }
         self.emit(missed, &seen);
         self.last = Some(seen);
         self.wake = Some(wake);
+        self.woke = None;
         Ok(())
     }
 }
@@ -871,7 +877,7 @@ impl SlotWatch for ZkWatch {
                 return Ok(e);
             }
             if let Some(w) = self.wake.as_mut() {
-                w.await;
+                self.woke = Some(w.await);
                 self.wake = None;
             }
             // A read dropped half-way changes nothing: the next call reads again.
@@ -1001,6 +1007,7 @@ impl SlotBackend for ZkLock {
             last: None,
             pending: VecDeque::new(),
             wake: None,
+            woke: None,
         };
         // The first state is the one when `observe` returned.
         w.read().await?;

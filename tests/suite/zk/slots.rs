@@ -359,3 +359,65 @@ async fn resign_hand_over_latency() {
         seen[seen.len() - 1]
     );
 }
+
+/// The server removes an idle election's (empty container) node: an observer that saw
+/// `NoLeader` reads again and reports nothing (no `Missed`: the removal was the first change,
+/// nothing came and went before it), and then sees the next leader, in a new election node,
+/// without a gap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_election_node_removed_by_the_server_is_no_gap() {
+    let server = super::server::PrivateZk::start("-Dznode.container.checkIntervalMs=1000").await;
+    let url = format!("{}?prefix=slots", server.url());
+    let a = ZkLock::connect(&url).await.expect("connect");
+    let watcher = ZkLock::connect(&url).await.expect("connect");
+    let raw = zk::Client::connect(&format!("127.0.0.1:{}", server.port))
+        .await
+        .expect("raw client");
+    let name = "reaped";
+    let dir = format!("/slots/%elect/{name}");
+    let once = || {
+        AcquireOptions::new()
+            .ttl(Duration::from_secs(10))
+            .wait(Wait::No)
+    };
+    let la = a.campaign(name, b"a", once()).await.expect("campaign");
+    let mut observer = watcher.observe(name).await.expect("observe");
+    assert_eq!(
+        next_event(&mut observer, "first").await,
+        LeaderEvent::Leader(LeaderInfo::new(la.term(), b"a".to_vec()))
+    );
+    let la_term = la.term();
+    la.resign().await.expect("resign");
+    // (`Missed` first only if the server removed the node before the observer read again:
+    // then nothing tells whether a candidate came and went meanwhile.)
+    let mut after = next_event(&mut observer, "resigned").await;
+    if after == LeaderEvent::Missed {
+        after = next_event(&mut observer, "resigned, after Missed").await;
+    }
+    assert_eq!(after, LeaderEvent::NoLeader);
+    // Await the server's removal of the empty election node (a watch, not polling).
+    let (stat, removed) = raw.check_and_watch_stat(&dir).await.expect("exists");
+    if stat.is_some() {
+        let event = tokio::time::timeout(Duration::from_secs(30), removed.changed())
+            .await
+            .expect("the empty election node was never removed");
+        assert_eq!(event.event_type, zk::EventType::NodeDeleted);
+    }
+    // The observer reads after the removal; it must report nothing (its NoLeader is not
+    // repeated). There is no signal for "nothing": give it a second (a Missed comes within
+    // milliseconds of the removal).
+    if let Ok(event) = tokio::time::timeout(Duration::from_secs(1), observer.next()).await {
+        panic!("the removal of an idle election node gave {event:?}");
+    }
+    let first_term = la_term;
+    let lb = a
+        .campaign(name, b"b", once())
+        .await
+        .expect("campaign again");
+    assert!(lb.term() > first_term, "{} !> {first_term}", lb.term());
+    assert_eq!(
+        next_event(&mut observer, "the next leader").await,
+        LeaderEvent::Leader(LeaderInfo::new(lb.term(), b"b".to_vec()))
+    );
+    lb.resign().await.expect("resign");
+}

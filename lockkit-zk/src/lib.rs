@@ -122,6 +122,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod config;
+mod core;
 mod error;
 mod fence;
 mod lease;

@@ -18,9 +18,10 @@ use tokio::sync::watch;
 use zookeeper_client as zk;
 
 use crate::config::{CONTROL_SESSION_TTL, ZkConfig, encode_name};
+use crate::core::{Created, Granted, Pending, Target, own_id, sequence_of};
 use crate::error::{BACKEND, connection_lost, from_zk, unavailable};
 use crate::lease::ZkLease;
-use crate::session::{Session, shared_acls, spawn_delete, spawn_delete_own};
+use crate::session::{Session, shared_acls};
 
 /// The longest a server may keep a lapsed lease past its TTL with ZooKeeper's default
 /// `tickTime` of 2 s: the server checks session expiry once per tick, rounding each session's
@@ -382,7 +383,7 @@ impl ZkLock {
                 .map_err(|_| self.fail(zk::Error::Timeout, name, start, opts))??,
             None => self.session(opts.ttl, true).await?,
         };
-        let own = format!("{:032x}-lock-", rand::random::<u128>());
+        let own = own_id();
         let mut pending = Pending {
             session: session.clone(),
             dir: dir.to_owned(),
@@ -789,26 +790,6 @@ fn spawn_janitor(inner: Weak<Inner>, session: Weak<Session>) {
     });
 }
 
-/// Where and what one grant of the lock recipe creates.
-pub(crate) struct Target<'a> {
-    /// The user's name (errors, the lease's name).
-    pub(crate) name: &'a str,
-    /// The container node the contenders' nodes are created in.
-    pub(crate) dir: String,
-    /// The token's lock identity ([`FencingToken::lock`]).
-    pub(crate) token_id: String,
-    /// The data of our node (a candidate's value).
-    pub(crate) data: &'a [u8],
-    /// The data `dir` gets when this grant creates it (a semaphore's N).
-    pub(crate) dir_data: &'a [u8],
-}
-
-/// A grant of the lock recipe: the lease and its server half.
-pub(crate) struct Granted {
-    pub(crate) lease: Lease,
-    pub(crate) ops: Arc<ZkLease>,
-}
-
 /// Marker error: the chroot does not exist (reported as [`Error::InvalidConfig`]).
 const CHROOT_GONE: zk::Error = zk::Error::BadArguments(&"the chroot does not exist");
 
@@ -817,13 +798,6 @@ const CHROOT_GONE: zk::Error = zk::Error::BadArguments(&"the chroot does not exi
 /// node). A marker that outlives its holder's node tells the next in line that the holder
 /// ended without a release. Never taken for a lock node (no `-lock-NNNN`).
 pub(crate) const DELAY_MARKER: &str = "lock-delay";
-
-/// A lock node's creation: its `czxid` (the token) and `ctime` (server clock, ms since epoch).
-#[derive(Clone, Copy)]
-pub(crate) struct Created {
-    pub(crate) czxid: i64,
-    pub(crate) ctime: i64,
-}
 
 /// A marker's data, `{delay in ms} {holder node}`: its delay (at most
 /// [`MAX_LOCK_DELAY`](lockkit_core::MAX_LOCK_DELAY); that much for data this crate did not
@@ -836,59 +810,6 @@ fn parse_marker(data: &[u8]) -> (Duration, &str) {
         .map(Duration::from_millis)
         .unwrap_or(lockkit_core::MAX_LOCK_DELAY);
     (delay.min(lockkit_core::MAX_LOCK_DELAY), holder)
-}
-
-/// The sequence number of a lock node `…-lock-NNNNNNNNNN`.
-pub(crate) fn sequence_of(child: &str) -> Option<i64> {
-    let (_, seq) = child.rsplit_once("-lock-")?;
-    if seq.is_empty() || !seq.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    seq.parse().ok()
-}
-
-/// This acquire's node until the lease is handed out: deleted (in the background) if the acquire
-/// fails or is dropped at any await point. When the create's reply never came, the node is
-/// found by this acquire's unique id.
-pub(crate) struct Pending {
-    pub(crate) session: Arc<Session>,
-    pub(crate) dir: String,
-    pub(crate) own: String,
-    pub(crate) path: Option<String>,
-    pub(crate) armed: bool,
-}
-
-impl Pending {
-    /// Deletes the node now (bounded wait); on failure the drop retries in the background.
-    pub(crate) async fn delete_now(&mut self) {
-        if let Some(path) = &self.path {
-            let deadline = Instant::now() + Duration::from_secs(2);
-            match self
-                .session
-                .retry_loss(Some(deadline), || self.session.client.delete(path, Some(0)))
-                .await
-            {
-                Ok(()) | Err(zk::Error::NoNode) => self.armed = false,
-                Err(_) => {}
-            }
-        }
-    }
-}
-
-impl Drop for Pending {
-    fn drop(&mut self) {
-        if !self.armed || self.session.is_dead() {
-            return;
-        }
-        match self.path.take() {
-            Some(path) => spawn_delete(self.session.clone(), path, None),
-            None => spawn_delete_own(
-                self.session.clone(),
-                std::mem::take(&mut self.dir),
-                std::mem::take(&mut self.own),
-            ),
-        }
-    }
 }
 
 struct WaitingGauge<'a>(&'a watch::Sender<WaitStats>);

@@ -43,9 +43,10 @@ use lockkit_core::{
 use zookeeper_client as zk;
 
 use crate::config::encode_name;
+use crate::core::{OWN_LEN, Pending, Target, own_id, sequence_of};
 use crate::error::{BACKEND, from_zk, unavailable};
 use crate::lease::{ZkLease, watch_own_node};
-use crate::lock::{Pending, Target, ZkLock, sequence_of};
+use crate::lock::ZkLock;
 use crate::session::{Session, spawn_delete};
 
 /// Slot nodes of a semaphore: `slot-{k}`.
@@ -57,13 +58,6 @@ const JOIN_TRIES: u32 = 3;
 
 /// How many candidates of its last listing an observer probes before listing again.
 const PROBES: usize = 4;
-
-/// The length of an acquire's unique id (`{:032x}-lock-`), which heads a slot node's data.
-const OWN_LEN: usize = 38;
-
-fn own_id() -> String {
-    format!("{:032x}-lock-", rand::random::<u128>())
-}
 
 impl ZkLock {
     /// The container node of an election or a semaphore: `/{prefix}/%elect/{name}` or

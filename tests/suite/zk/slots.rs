@@ -5,6 +5,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use lockkit::LockExt;
+use lockkit::backend::LeaseBackendExt;
 use lockkit::contract_election::SlotHarness;
 use lockkit::zk::ZkLock;
 use lockkit::zk::zookeeper_client as zk;
@@ -232,25 +234,49 @@ async fn an_idle_semaphore_node_takes_a_new_n() {
 }
 
 /// The observer's session is taken over and closed by another client (as an administrator
-/// could): its watches are gone with it. The observer says `Missed`, then goes on with a new
-/// session and sees the leader that came meanwhile.
+/// could) while the observer's connection is frozen (so that its client cannot take the
+/// session back): its watches are gone with it. The observer says `Missed`, then goes on with
+/// a new session and sees the leader that came meanwhile.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_observer_whose_session_is_lost_gets_missed() {
     let h = ZkSlotHarness::from_env();
-    let (a, watcher) = (h.client().await, h.client().await);
+    let proxy = Proxy::start(upstream()).await;
+    let (a, watcher) = (h.client().await, h.through(&proxy).await);
     let name = unique("observer-session");
     let mut observer = watcher.observe(&name).await.expect("observe");
     assert_eq!(
         next_event(&mut observer, "first").await,
         LeaderEvent::NoLeader
     );
+    // A lease of the control session's TTL lives on the observer's session: its node goes
+    // when the server closes the session.
+    let canary = watcher
+        .try_acquire(&unique("canary"), lockkit::zk::CONTROL_SESSION_TTL)
+        .await
+        .expect("canary lease");
     let info = watcher.control_session_info().await.expect("session info");
+    let node = canary
+        .ops()
+        .as_any()
+        .downcast_ref::<lockkit::zk::ZkLease>()
+        .expect("a ZooKeeper lease")
+        .node_path()
+        .to_owned();
+    let raw = zk::Client::connect(&upstream()).await.expect("raw client");
+    let (stat, gone) = raw.check_and_watch_stat(&node).await.expect("exists");
+    assert!(stat.is_some(), "the canary's node {node} is not there");
+    proxy.freeze();
     let thief = zk::Client::connector()
         .with_session(info)
         .connect(&upstream())
         .await
         .expect("take the observer's session over");
-    drop(thief); // closes the session on the server
+    drop(thief); // closes the session on the server, in the background
+    let event = tokio::time::timeout(Duration::from_secs(15), gone.changed())
+        .await
+        .expect("the taken-over session was not closed");
+    assert_eq!(event.event_type, zk::EventType::NodeDeleted);
+    proxy.thaw();
     let la = a
         .campaign(&name, b"a", AcquireOptions::new().ttl(TTL).wait(Wait::No))
         .await
@@ -268,6 +294,7 @@ async fn an_observer_whose_session_is_lost_gets_missed() {
         next_event(&mut observer, "no leader").await,
         LeaderEvent::NoLeader
     );
+    drop(canary);
 }
 
 /// Two proclaims between two reads of an observer: it cannot see the first value, and says

@@ -30,6 +30,9 @@ pub struct ZkLease {
     pub(crate) reg: u64,
     /// A release was sent: the node's deletion from then on is ours, not a loss.
     pub(crate) release_attempted: AtomicBool,
+    /// The node's data was written (a leader's proclaim): its release deletes it whatever its
+    /// version (its name holds the acquire's unique id, so it is ours), not at version 0.
+    pub(crate) written: AtomicBool,
 }
 
 impl fmt::Debug for ZkLease {
@@ -63,7 +66,8 @@ impl ZkLease {
         let (res, retried) = self
             .session
             .retry_loss_seen(Some(deadline), || {
-                self.session.delete_holder(&self.path, marker.as_deref())
+                self.session
+                    .delete_holder(&self.path, marker.as_deref(), self.version())
             })
             .await;
         match res {
@@ -86,6 +90,7 @@ impl ZkLease {
                     self.session.clone(),
                     self.path.clone(),
                     marker.clone(),
+                    self.version(),
                     Some(self.reg),
                 );
                 Err(unavailable(
@@ -95,6 +100,12 @@ impl ZkLease {
             }
             Err(e) => Err(from_zk(e)),
         }
+    }
+
+    /// The version a release deletes the node at: 0 (lock nodes are never written), any once
+    /// a proclaim wrote it.
+    fn version(&self) -> Option<i32> {
+        (!self.written.load(Ordering::SeqCst)).then_some(0)
     }
 
     /// The lock node's path (below the chroot, if any).

@@ -73,6 +73,15 @@
 //!   server's clock shows the delay passed since the stamp (its own node's `ctime` − the stamp's
 //!   `mtime`). A lapsed holder's node deleted by this client at its deadline (a leaked lease)
 //!   leaves its marker too.
+//! - **Elections and semaphores** ([`Election`](lockkit_core::Election),
+//!   [`Semaphore`](lockkit_core::Semaphore), from `SlotBackend`): an election is the lock
+//!   recipe in `/{prefix}/%elect/{name}` with the candidate's value as its node's data (the
+//!   term is the leader node's `czxid`, proclaim a `setData`); a semaphore queues its acquirers
+//!   FIFO in `/{prefix}/%sem/{name}` (N is that node's data) and the first in line claims an
+//!   ephemeral `slot-{k}` (its `czxid` is the permit's token). Observers use one-shot watches
+//!   re-armed after each event and report `Missed` where a leader or a value may have come and
+//!   gone unseen, and after a session loss. See
+//!   [docs/election-semaphore.md](https://example.invalid/lockkit/blob/main/docs/election-semaphore.md).
 //! - [`ZkFence::from_lease`] writes your own ZooKeeper data only while a lease holds its lock: a
 //!   multi-op checking the lease's node and the data node's guard record, which binds the node to
 //!   the lock of its first fenced write (a holder of another lock gets
@@ -113,11 +122,13 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod config;
+mod core;
 mod error;
 mod fence;
 mod lease;
 mod lock;
 mod session;
+mod slots;
 
 pub use config::{
     CONTROL_SESSION_TTL, DEFAULT_CONNECT_TIMEOUT, DEFAULT_PREFIX, MAX_CONNECT_TIMEOUT, ZkConfig,

@@ -18,9 +18,10 @@ use tokio::sync::watch;
 use zookeeper_client as zk;
 
 use crate::config::{CONTROL_SESSION_TTL, ZkConfig, encode_name};
+use crate::core::{Created, Granted, Pending, Target, own_id, sequence_of};
 use crate::error::{BACKEND, connection_lost, from_zk, unavailable};
 use crate::lease::ZkLease;
-use crate::session::{Session, shared_acls, spawn_delete, spawn_delete_own};
+use crate::session::{Session, shared_acls};
 
 /// The longest a server may keep a lapsed lease past its TTL with ZooKeeper's default
 /// `tickTime` of 2 s: the server checks session expiry once per tick, rounding each session's
@@ -254,6 +255,15 @@ impl ZkLock {
         self.inner.stats.subscribe()
     }
 
+    /// The id and password of the control session (which observers and reads use), so that a
+    /// test can take the session over and close it, as an administrator could (feature
+    /// `test-hooks`).
+    #[cfg(feature = "test-hooks")]
+    #[doc(hidden)]
+    pub async fn control_session_info(&self) -> Result<zk::SessionInfo> {
+        Ok(self.control_session().await?.client.session().clone())
+    }
+
     /// A live session whose timeout is `ttl`, opened if needed. With `strict`, a server that
     /// negotiates another timeout is an error. Keeps at most [`MAX_SESSIONS`] open: idle ones
     /// (used by nothing but the map) are closed to make room.
@@ -296,7 +306,47 @@ impl ZkLock {
         self.session(self.inner.control_ttl, false).await
     }
 
-    fn fail(&self, e: zk::Error, name: &str, start: Instant, opts: &AcquireOptions) -> Error {
+    /// Refuses what no ZooKeeper lease can do: `keepalive(false)` (a session's heartbeat cannot
+    /// be paused per lease) and a TTL that is not whole milliseconds.
+    pub(crate) fn check_opts(opts: &AcquireOptions) -> Result<()> {
+        opts.validate()?;
+        if !opts.keepalive {
+            return Err(Error::NotSupported {
+                operation: "keepalive(false) (manual renewal)",
+                backend: BACKEND,
+            });
+        }
+        if opts.ttl.subsec_nanos() % 1_000_000 != 0 {
+            return Err(Error::config(format!(
+                "TTL {:?} is not a whole number of milliseconds (ZooKeeper session timeouts are)",
+                opts.ttl
+            )));
+        }
+        Ok(())
+    }
+
+    /// The lock recipe in `t.dir` ([`LockBackend::grant`] documents it): locks and leaderships
+    /// (the election's candidates are the lock's waiters, their value the node's data).
+    pub(crate) async fn grant_at(&self, t: &Target<'_>, opts: AcquireOptions) -> Result<Granted> {
+        Self::check_opts(&opts)?;
+        let start = Instant::now();
+        let deadline = wait_deadline(opts.wait, start);
+        let acquire = retry_transient(&opts, deadline, || self.attempt(t, &opts, start, deadline));
+        if opts.wait == Wait::No {
+            // `retry_transient` retries a try-once acquire's transient errors without a deadline;
+            // bound the whole of it by one connect timeout (dropping attempts is cancel safe).
+            return self.bounded(acquire).await;
+        }
+        acquire.await
+    }
+
+    pub(crate) fn fail(
+        &self,
+        e: zk::Error,
+        name: &str,
+        start: Instant,
+        opts: &AcquireOptions,
+    ) -> Error {
         if e == CHROOT_GONE {
             return Error::config(format!(
                 "the ZooKeeper chroot {} does not exist (any more): lock nodes cannot be created",
@@ -315,12 +365,12 @@ impl ZkLock {
     /// One acquire attempt on one session: create our node, then wait for our turn.
     async fn attempt(
         &self,
-        name: &str,
-        dir: &str,
+        t: &Target<'_>,
         opts: &AcquireOptions,
         start: Instant,
         deadline: Option<Instant>,
-    ) -> Result<Lease> {
+    ) -> Result<Granted> {
+        let (name, dir) = (t.name, t.dir.as_str());
         // Requests are bounded by the wait deadline, but never cut shorter than one connect
         // timeout from the start: a free lock is granted even with `Wait::No` or a zero timeout
         // (only waiting for a holder is cut by the deadline), and a frozen server costs a
@@ -333,7 +383,7 @@ impl ZkLock {
                 .map_err(|_| self.fail(zk::Error::Timeout, name, start, opts))??,
             None => self.session(opts.ttl, true).await?,
         };
-        let own = format!("{:032x}-lock-", rand::random::<u128>());
+        let own = own_id();
         let mut pending = Pending {
             session: session.clone(),
             dir: dir.to_owned(),
@@ -342,7 +392,7 @@ impl ZkLock {
             armed: true,
         };
         let (node, Created { czxid, ctime }, mut created_at) = self
-            .create_node(&session, dir, &own, io_deadline, &mut pending)
+            .create_node(&session, t, &own, io_deadline, &mut pending)
             .await
             .map_err(|e| self.fail(e, name, start, opts))?;
         let node_name = node.rsplit('/').next().unwrap_or_default().to_owned();
@@ -453,11 +503,13 @@ impl ZkLock {
                     marker,
                     reg,
                     release_attempted: AtomicBool::new(false),
+                    written: AtomicBool::new(false),
                 });
                 crate::lease::watch_own_node(&ops, tracker.clone());
                 let token =
-                    FencingToken::new(self.lock_id(name), u64::try_from(czxid).unwrap_or(0));
-                return Ok(Lease::new(name, token, tracker, ops, opts));
+                    FencingToken::new(t.token_id.clone(), u64::try_from(czxid).unwrap_or(0));
+                let lease = Lease::new(name, token, tracker, ops.clone(), opts);
+                return Ok(Granted { lease, ops });
             }
             if opts.wait == Wait::No {
                 pending.delete_now().await;
@@ -500,23 +552,26 @@ impl ZkLock {
     /// request went out), lists `dir` after reconnecting and adopts the node carrying `own`, or
     /// creates again if there is none. Returns the path, its `czxid` and, when the create's own
     /// reply arrived, the create's send time (a leader-ordered proof of the session's life).
-    async fn create_node(
+    pub(crate) async fn create_node(
         &self,
         session: &Session,
-        dir: &str,
+        t: &Target<'_>,
         own: &str,
         io_deadline: Option<Instant>,
         pending: &mut Pending,
     ) -> Result<(String, Created, Option<Instant>), zk::Error> {
+        let dir = t.dir.as_str();
         let prefix = format!("{dir}/{own}");
         let mode = zk::CreateMode::EphemeralSequential.with_acls(session.own_acls());
         for _ in 0..8 {
             let sent = Instant::now();
             let res = match io_deadline {
-                Some(d) => tokio::time::timeout_at(d, session.client.create(&prefix, &[], &mode))
-                    .await
-                    .unwrap_or(Err(zk::Error::Timeout)),
-                None => session.client.create(&prefix, &[], &mode).await,
+                Some(d) => {
+                    tokio::time::timeout_at(d, session.client.create(&prefix, t.data, &mode))
+                        .await
+                        .unwrap_or(Err(zk::Error::Timeout))
+                }
+                None => session.client.create(&prefix, t.data, &mode).await,
             };
             match res {
                 // A plain create (OpCode create2) returns the node's stat; inside a multi-op it
@@ -534,7 +589,7 @@ impl ZkLock {
                     };
                     return Ok((path, created, Some(sent)));
                 }
-                Err(zk::Error::NoNode) => self.ensure_dirs(session, dir, io_deadline).await?,
+                Err(zk::Error::NoNode) => self.ensure_dirs(session, t, io_deadline).await?,
                 Err(e) if connection_lost(&e) => {
                     // `sync` first: a follower that lags behind the leader could otherwise list
                     // `dir` without the create, whose commit it has not applied yet.
@@ -664,27 +719,36 @@ impl ZkLock {
         }
     }
 
-    /// Creates `/{prefix}` and `dir` as container nodes (the server deletes a container once its
-    /// last child is gone, so names used once do not pile up), open to everyone
-    /// ([`shared_acls`]) whatever the credentials.
-    async fn ensure_dirs(
+    /// Creates `/{prefix}`, the directories between it and `t.dir`, and `t.dir` itself (with
+    /// `t.dir_data`) as container nodes (the server deletes a container once its last child is
+    /// gone, so names used once do not pile up), open to everyone ([`shared_acls`]) whatever
+    /// the credentials.
+    pub(crate) async fn ensure_dirs(
         &self,
         session: &Session,
-        dir: &str,
+        t: &Target<'_>,
         io_deadline: Option<Instant>,
     ) -> Result<(), zk::Error> {
         let mode = zk::CreateMode::Container.with_acls(shared_acls());
         let prefix = format!("/{}", self.inner.cfg.get_prefix());
-        for path in [prefix.as_str(), dir] {
+        let mut paths = vec![prefix.clone()];
+        let rest = t.dir.strip_prefix(&prefix).unwrap_or_default();
+        let mut at = prefix.clone();
+        for part in rest.split('/').filter(|p| !p.is_empty()) {
+            at = format!("{at}/{part}");
+            paths.push(at.clone());
+        }
+        for path in &paths {
+            let data = if *path == t.dir { t.dir_data } else { &[] };
             match session
-                .retry_loss(io_deadline, || session.client.create(path, &[], &mode))
+                .retry_loss(io_deadline, || session.client.create(path, data, &mode))
                 .await
             {
                 Ok(_) | Err(zk::Error::NodeExists) => {}
                 // The prefix node's parent is the chroot's root, which always exists unless the
                 // chroot itself is missing (deleted after connect).
-                Err(zk::Error::NoNode) if path == prefix => return Err(CHROOT_GONE),
-                // The server reaped the (empty) prefix container between the two creates: the
+                Err(zk::Error::NoNode) if *path == prefix => return Err(CHROOT_GONE),
+                // The server reaped an (empty) parent container between two creates: the
                 // caller's next create fails with `NoNode` again and brings us back here.
                 Err(zk::Error::NoNode) => return Ok(()),
                 Err(e) => return Err(e),
@@ -735,13 +799,6 @@ const CHROOT_GONE: zk::Error = zk::Error::BadArguments(&"the chroot does not exi
 /// ended without a release. Never taken for a lock node (no `-lock-NNNN`).
 pub(crate) const DELAY_MARKER: &str = "lock-delay";
 
-/// A lock node's creation: its `czxid` (the token) and `ctime` (server clock, ms since epoch).
-#[derive(Clone, Copy)]
-struct Created {
-    czxid: i64,
-    ctime: i64,
-}
-
 /// A marker's data, `{delay in ms} {holder node}`: its delay (at most
 /// [`MAX_LOCK_DELAY`](lockkit_core::MAX_LOCK_DELAY); that much for data this crate did not
 /// write) and the holder node's name.
@@ -753,59 +810,6 @@ fn parse_marker(data: &[u8]) -> (Duration, &str) {
         .map(Duration::from_millis)
         .unwrap_or(lockkit_core::MAX_LOCK_DELAY);
     (delay.min(lockkit_core::MAX_LOCK_DELAY), holder)
-}
-
-/// The sequence number of a lock node `…-lock-NNNNNNNNNN`.
-fn sequence_of(child: &str) -> Option<i64> {
-    let (_, seq) = child.rsplit_once("-lock-")?;
-    if seq.is_empty() || !seq.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    seq.parse().ok()
-}
-
-/// This acquire's node until the lease is handed out: deleted (in the background) if the acquire
-/// fails or is dropped at any await point. When the create's reply never came, the node is
-/// found by this acquire's unique id.
-struct Pending {
-    session: Arc<Session>,
-    dir: String,
-    own: String,
-    path: Option<String>,
-    armed: bool,
-}
-
-impl Pending {
-    /// Deletes the node now (bounded wait); on failure the drop retries in the background.
-    async fn delete_now(&mut self) {
-        if let Some(path) = &self.path {
-            let deadline = Instant::now() + Duration::from_secs(2);
-            match self
-                .session
-                .retry_loss(Some(deadline), || self.session.client.delete(path, Some(0)))
-                .await
-            {
-                Ok(()) | Err(zk::Error::NoNode) => self.armed = false,
-                Err(_) => {}
-            }
-        }
-    }
-}
-
-impl Drop for Pending {
-    fn drop(&mut self) {
-        if !self.armed || self.session.is_dead() {
-            return;
-        }
-        match self.path.take() {
-            Some(path) => spawn_delete(self.session.clone(), path, None),
-            None => spawn_delete_own(
-                self.session.clone(),
-                std::mem::take(&mut self.dir),
-                std::mem::take(&mut self.own),
-            ),
-        }
-    }
 }
 
 struct WaitingGauge<'a>(&'a watch::Sender<WaitStats>);
@@ -850,31 +854,14 @@ impl LockBackend for ZkLock {
     /// down the session's expiry deletes it.
     async fn grant(&self, name: &str, opts: AcquireOptions) -> Result<Lease> {
         validate_name(name)?;
-        opts.validate()?;
-        if !opts.keepalive {
-            return Err(Error::NotSupported {
-                operation: "keepalive(false) (manual renewal)",
-                backend: BACKEND,
-            });
-        }
-        if opts.ttl.subsec_nanos() % 1_000_000 != 0 {
-            return Err(Error::config(format!(
-                "TTL {:?} is not a whole number of milliseconds (ZooKeeper session timeouts are)",
-                opts.ttl
-            )));
-        }
-        let start = Instant::now();
-        let deadline = wait_deadline(opts.wait, start);
-        let dir = self.lock_dir(name)?;
-        let acquire = retry_transient(&opts, deadline, || {
-            self.attempt(name, &dir, &opts, start, deadline)
-        });
-        if opts.wait == Wait::No {
-            // `retry_transient` retries a try-once acquire's transient errors without a deadline;
-            // bound the whole of it by one connect timeout (dropping attempts is cancel safe).
-            return self.bounded(acquire).await;
-        }
-        acquire.await
+        let t = Target {
+            name,
+            dir: self.lock_dir(name)?,
+            token_id: self.lock_id(name),
+            data: &[],
+            dir_data: &[],
+        };
+        Ok(self.grant_at(&t, opts).await?.lease)
     }
 
     fn guarantees(&self) -> Guarantees {

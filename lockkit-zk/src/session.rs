@@ -344,26 +344,28 @@ impl Session {
         }
     }
 
-    /// Deletes a holder's lock node `path` (version 0: lock nodes are never written) and, in the
-    /// same multi-op, its lock-delay marker `marker` if it has one: a release frees the lock
-    /// at once. A marker found gone (deleted by hand) does not stop the node's delete.
+    /// Deletes a holder's node `path` at `version` (`Some(0)` for a lock node, which is never
+    /// written; `None` once a leader proclaimed into it) and, in the same multi-op, its
+    /// lock-delay marker `marker` if it has one: a release frees the lock at once. A marker
+    /// found gone (deleted by hand) does not stop the node's delete.
     pub(crate) async fn delete_holder(
         &self,
         path: &str,
         marker: Option<&str>,
+        version: Option<i32>,
     ) -> Result<(), zk::Error> {
         let Some(marker) = marker else {
-            return self.client.delete(path, Some(0)).await;
+            return self.client.delete(path, version).await;
         };
         let mut w = self.client.new_multi_writer();
-        w.add_delete(path, Some(0))?;
+        w.add_delete(path, version)?;
         w.add_delete(marker, None)?;
         match w.commit().await {
             Ok(_) => Ok(()),
             Err(zk::MultiWriteError::OperationFailed {
                 index: 1,
                 source: zk::Error::NoNode,
-            }) => self.client.delete(path, Some(0)).await,
+            }) => self.client.delete(path, version).await,
             Err(e) => Err(e.into()),
         }
     }
@@ -412,11 +414,12 @@ async fn check_sasl(client: &zk::Client, timeout: Duration) -> Result<()> {
     }
 }
 
-/// Deletes `path` (a node this client created) in the background, retrying lost connections
+/// Deletes `path` (a node this client created, whose name holds its acquire's unique id, so
+/// at any version) in the background, retrying lost connections
 /// until the delete is acknowledged, the node is found gone, or the session ends (its ephemeral
 /// nodes then go with it). Then deregisters `lease_id`.
 pub(crate) fn spawn_delete(session: Arc<Session>, path: String, lease_id: Option<u64>) {
-    spawn_release(session, path, None, lease_id);
+    spawn_release(session, path, None, None, lease_id);
 }
 
 /// [`spawn_delete`] of a released holder's node together with its lock-delay `marker`
@@ -426,6 +429,7 @@ pub(crate) fn spawn_release(
     session: Arc<Session>,
     path: String,
     marker: Option<String>,
+    version: Option<i32>,
     lease_id: Option<u64>,
 ) {
     let Ok(rt) = tokio::runtime::Handle::try_current() else {
@@ -433,7 +437,9 @@ pub(crate) fn spawn_release(
     };
     rt.spawn(async move {
         let res = session
-            .retry_loss(None, || session.delete_holder(&path, marker.as_deref()))
+            .retry_loss(None, || {
+                session.delete_holder(&path, marker.as_deref(), version)
+            })
             .await;
         if let Err(e) = &res {
             if !matches!(e, zk::Error::NoNode | zk::Error::BadVersion) && !session.is_dead() {

@@ -44,3 +44,4 @@ mod fence;
 mod private;
 mod sasl;
 mod server;
+mod slots;

@@ -1,0 +1,100 @@
+//! What the lock recipe (`lock.rs`) and the slots built on it (`slots.rs`) share: the grant's
+//! target and result, the acquire's unique id, the pending node's guard, the node names.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use lockkit_core::{Instant, Lease};
+use zookeeper_client as zk;
+
+use crate::lease::ZkLease;
+use crate::session::{Session, spawn_delete, spawn_delete_own};
+
+/// An acquire's unique id, `{32 hex digits}-lock-`: the head of its sequential node's name (so
+/// that an acquire whose create reply was lost finds its node) and of a slot node's data.
+pub(crate) fn own_id() -> String {
+    format!("{:032x}-lock-", rand::random::<u128>())
+}
+
+/// The length of [`own_id`]'s ids.
+pub(crate) const OWN_LEN: usize = 38;
+
+/// Where and what one grant of the lock recipe creates.
+pub(crate) struct Target<'a> {
+    /// The user's name (errors, the lease's name).
+    pub(crate) name: &'a str,
+    /// The container node the contenders' nodes are created in.
+    pub(crate) dir: String,
+    /// The token's lock identity ([`FencingToken::lock`](lockkit_core::FencingToken::lock)).
+    pub(crate) token_id: String,
+    /// The data of our node (a candidate's value).
+    pub(crate) data: &'a [u8],
+    /// The data `dir` gets when this grant creates it (a semaphore's N).
+    pub(crate) dir_data: &'a [u8],
+}
+
+/// A grant of the lock recipe: the lease and its server half.
+pub(crate) struct Granted {
+    pub(crate) lease: Lease,
+    pub(crate) ops: Arc<ZkLease>,
+}
+
+/// A lock node's creation: its `czxid` (the token) and `ctime` (server clock, ms since epoch).
+#[derive(Clone, Copy)]
+pub(crate) struct Created {
+    pub(crate) czxid: i64,
+    pub(crate) ctime: i64,
+}
+
+/// The sequence number of a lock node `…-lock-NNNNNNNNNN`.
+pub(crate) fn sequence_of(child: &str) -> Option<i64> {
+    let (_, seq) = child.rsplit_once("-lock-")?;
+    if seq.is_empty() || !seq.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    seq.parse().ok()
+}
+
+/// This acquire's node until the lease is handed out: deleted (in the background) if the acquire
+/// fails or is dropped at any await point. When the create's reply never came, the node is
+/// found by this acquire's unique id.
+pub(crate) struct Pending {
+    pub(crate) session: Arc<Session>,
+    pub(crate) dir: String,
+    pub(crate) own: String,
+    pub(crate) path: Option<String>,
+    pub(crate) armed: bool,
+}
+
+impl Pending {
+    /// Deletes the node now (bounded wait); on failure the drop retries in the background.
+    pub(crate) async fn delete_now(&mut self) {
+        if let Some(path) = &self.path {
+            let deadline = Instant::now() + Duration::from_secs(2);
+            match self
+                .session
+                .retry_loss(Some(deadline), || self.session.client.delete(path, Some(0)))
+                .await
+            {
+                Ok(()) | Err(zk::Error::NoNode) => self.armed = false,
+                Err(_) => {}
+            }
+        }
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if !self.armed || self.session.is_dead() {
+            return;
+        }
+        match self.path.take() {
+            Some(path) => spawn_delete(self.session.clone(), path, None),
+            None => spawn_delete_own(
+                self.session.clone(),
+                std::mem::take(&mut self.dir),
+                std::mem::take(&mut self.own),
+            ),
+        }
+    }
+}

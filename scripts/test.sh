@@ -36,9 +36,8 @@ for url in memory:// "$LOCKKIT_REDIS_URL" "$LOCKKIT_ETCD_URL" "$LOCKKIT_ZK_URL" 
   fi
 done
 
-# The election and semaphore example of the README, on every backend that has them (ZooKeeper
-# joins once it implements SlotBackend).
-for url in memory:// "$LOCKKIT_POSTGRES_URL" "$LOCKKIT_ETCD_URL" "$LOCKKIT_REDIS_URL"; do
+# The election and semaphore example of the README, on every backend.
+for url in memory:// "$LOCKKIT_POSTGRES_URL" "$LOCKKIT_ETCD_URL" "$LOCKKIT_REDIS_URL" "$LOCKKIT_ZK_URL"; do
   if ! out=$(cargo run -q --all-features --example election -- --backend "$url" 2>&1); then
     echo "$out"; echo "election example on ${url%%://*}: FAILED"; failed=1
   fi

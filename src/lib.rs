@@ -11,7 +11,7 @@
 //! | `memory://` | in-process ([`MemoryLock`]) | always on | yes |
 //! | `redis://host:port`, `rediss://…` (TLS) | Redis (efficiency lock) | `redis` | yes |
 //! | `etcd://host:port[,host:port]`, `etcds://…` (TLS) | etcd v3 (correctness lock) | `etcd` | yes |
-//! | `zk://host:port[,host:port][/chroot]` | ZooKeeper (correctness lock) | `zk` | coming (`NotSupported` for now) |
+//! | `zk://host:port[,host:port][/chroot]` | ZooKeeper (correctness lock) | `zk` | yes |
 //! | `postgres://user@host:port/db` (TLS with `sslmode`, `tls_ca`, …) | PostgreSQL advisory locks | `postgres` | yes |
 //!
 //! ```
@@ -85,7 +85,7 @@
 //! | PostgreSQL | yes (the server's lock queue; permit waiters on a gate lock) | changes while the observer's connection is down (`LISTEN` is not durable): `Missed`, then the state |
 //! | etcd | yes (create-revision order; permit waiters on a gate lock) | nothing while the watch lasts; after a reconnect, `Missed` only if etcd compacted past where it resumes |
 //! | Redis (single node) | yes (a hand-off queue: a release hands the slot to the first waiter and tells only it) | pub/sub is at-most-once: after a resubscribe, or a token or value version that jumps, `Missed`, then the state |
-//! | ZooKeeper | coming | coming |
+//! | ZooKeeper | yes (sequence order; each waiter watches only the node ahead; the first permit waiter alone watches the slots) | watches are one-shot: a leader that came and went between a watch firing and the re-read, or changes during a session loss: `Missed`, then the state |
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations)]
 #![deny(rustdoc::broken_intra_doc_links)]
@@ -155,10 +155,9 @@ pub async fn connect(url: &str) -> Result<Arc<dyn Lock>> {
 /// ```
 ///
 /// # Errors
-/// As [`connect`], and [`Error::NotSupported`] (naming the backend) where the backend has no
-/// elections yet (ZooKeeper and Redis, for now).
+/// As [`connect`]: every backend has elections.
 pub async fn connect_election(url: &str) -> Result<Arc<dyn Election>> {
-    Ok(Connected::open(url).await?.slots()?.election)
+    Ok(Connected::open(url).await?.slots().election)
 }
 
 /// Connects to the service named by `url` and returns its counting semaphores as
@@ -185,7 +184,7 @@ pub async fn connect_election(url: &str) -> Result<Arc<dyn Election>> {
 /// # Errors
 /// As [`connect_election`].
 pub async fn connect_semaphore(url: &str) -> Result<Arc<dyn Semaphore>> {
-    Ok(Connected::open(url).await?.slots()?.semaphore)
+    Ok(Connected::open(url).await?.slots().semaphore)
 }
 
 /// One backend, connected: what [`connect`], [`connect_election`] and [`connect_semaphore`]
@@ -215,15 +214,6 @@ impl Slots {
             election: b.clone(),
             semaphore: b,
         }
-    }
-}
-
-/// `NotSupported` for a backend that has no [`backend::SlotBackend`] yet.
-#[allow(dead_code)] // unused when no such backend is compiled in
-fn no_slots(backend: &'static str) -> Error {
-    Error::NotSupported {
-        operation: "elections and semaphores (not implemented yet)",
-        backend,
     }
 }
 
@@ -300,19 +290,18 @@ impl Connected {
         }
     }
 
-    /// The backend's elections and semaphores. A backend without a `SlotBackend` yet says so
-    /// here, in its one line (it becomes `Self::X(b) => Ok(Slots::of(b))` when it has one).
-    fn slots(self) -> Result<Slots> {
+    /// The backend's elections and semaphores (every backend implements `SlotBackend`).
+    fn slots(self) -> Slots {
         match self {
-            Self::Memory(b) => Ok(Slots::of(b)),
+            Self::Memory(b) => Slots::of(b),
             #[cfg(feature = "redis")]
-            Self::Redis(b) => Ok(Slots::of(b)),
+            Self::Redis(b) => Slots::of(b),
             #[cfg(feature = "etcd")]
-            Self::Etcd(b) => Ok(Slots::of(b)),
+            Self::Etcd(b) => Slots::of(b),
             #[cfg(feature = "zk")]
-            Self::Zk(_) => Err(no_slots("zk")),
+            Self::Zk(b) => Slots::of(b),
             #[cfg(feature = "postgres")]
-            Self::Postgres(b) => Ok(Slots::of(b)),
+            Self::Postgres(b) => Slots::of(b),
         }
     }
 }

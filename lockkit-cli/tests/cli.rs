@@ -487,19 +487,13 @@ per_backend! {
     elect_takes_turns_and_leader_watch_sees_each_term_postgres: elect_takes_turns_and_leader_watch_sees_each_term("LOCKKIT_POSTGRES_URL");
     sigkilled_leader_is_succeeded_postgres: sigkilled_leader_is_succeeded("LOCKKIT_POSTGRES_URL");
     permit_admits_at_most_n_postgres: permit_admits_at_most_n("LOCKKIT_POSTGRES_URL");
-    // Until each implements SlotBackend; the lead deletes the line when it switches the backend.
-    no_elections_yet_zk: no_elections_yet("LOCKKIT_ZK_URL");
     elect_takes_turns_and_leader_watch_sees_each_term_etcd: elect_takes_turns_and_leader_watch_sees_each_term("LOCKKIT_ETCD_URL");
     sigkilled_leader_is_succeeded_etcd: sigkilled_leader_is_succeeded("LOCKKIT_ETCD_URL");
     permit_admits_at_most_n_etcd: permit_admits_at_most_n("LOCKKIT_ETCD_URL");
     lost_leadership_terminates_the_command_etcd: lost_lease_terminates_the_command("LOCKKIT_ETCD_URL", "elect");
-    #[ignore = "until zk implements SlotBackend"]
     elect_takes_turns_and_leader_watch_sees_each_term_zk: elect_takes_turns_and_leader_watch_sees_each_term("LOCKKIT_ZK_URL");
-    #[ignore = "until zk implements SlotBackend"]
     sigkilled_leader_is_succeeded_zk: sigkilled_leader_is_succeeded("LOCKKIT_ZK_URL");
-    #[ignore = "until zk implements SlotBackend"]
     permit_admits_at_most_n_zk: permit_admits_at_most_n("LOCKKIT_ZK_URL");
-    #[ignore = "until zk implements SlotBackend"]
     lost_leadership_terminates_the_command_zk: lost_lease_terminates_the_command("LOCKKIT_ZK_URL", "elect");
     elect_takes_turns_and_leader_watch_sees_each_term_redis: elect_takes_turns_and_leader_watch_sees_each_term("LOCKKIT_REDIS_URL");
     sigkilled_leader_is_succeeded_redis: sigkilled_leader_is_succeeded("LOCKKIT_REDIS_URL");
@@ -1390,37 +1384,4 @@ fn permit_admits_at_most_n(url: &str) {
         "{backend}: at most {most} of 3 ran at once; P3 started {} ms after P1 ended, in its slot",
         (p3_start.at - p1_end.at) / 1_000_000
     );
-}
-
-/// A backend without elections yet: `elect`, `leader` and `permit` exit 64 naming it, without
-/// running the command; `guarantees` says so and JSON has `"elections": null`.
-fn no_elections_yet(url: &str) {
-    let backend = url.split(':').next().unwrap();
-    let name = unique("noelect");
-    for args in [
-        sub_args("elect", url, &name, &[], &["false"]),
-        sub_args("permit", url, &name, &[], &["false"]),
-        vec![
-            "leader".into(),
-            "--backend".into(),
-            url.into(),
-            name.clone(),
-        ],
-    ] {
-        let (code, _, err) = code_of(&args);
-        assert_eq!(code, Some(64), "{args:?}: {err}");
-        assert!(
-            err.contains("not implemented yet") && err.contains(&format!("the {backend} backend")),
-            "{err}"
-        );
-    }
-    let (code, out, err) = code_of(&["guarantees", url]);
-    assert_eq!(code, Some(0), "{err}");
-    assert!(
-        out.contains("elections, semaphores   not supported by this backend yet"),
-        "{out}"
-    );
-    let (_, out, _) = code_of(&["guarantees", "--json", url]);
-    let v: serde_json::Value = serde_json::from_str(&out).expect("JSON");
-    assert!(v["elections"].is_null(), "{v}");
 }

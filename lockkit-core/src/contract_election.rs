@@ -125,21 +125,33 @@ async fn read_until_no_leader_after(
 ) -> Vec<LeaderEvent> {
     let mut got = Vec::new();
     let mut seen_last = false;
+    let mut after_missed = false;
     loop {
-        let event = tokio::time::timeout(patience, events.recv())
-            .await
-            .unwrap_or_else(|_| panic!("no observer event for {patience:?}; so far {got:?}"))
-            .expect("observer task ended")
-            .expect("observer error");
+        // A `NoLeader` right after a `Missed` may be the final state with the last term hidden
+        // in the gap (a one-shot watch re-read after the last resign): called once the sequence
+        // is over, so it is the end if nothing follows it within the quiet time.
+        let quiet = matches!(got.last(), Some(LeaderEvent::NoLeader)) && after_missed;
+        let wait = if quiet { patience / 5 } else { patience };
+        let event = match tokio::time::timeout(wait, events.recv()).await {
+            Ok(e) => e.expect("observer task ended").expect("observer error"),
+            Err(_) if quiet => return got,
+            Err(_) => panic!("no observer event for {patience:?}; so far {got:?}"),
+        };
         match &event {
-            LeaderEvent::Leader(l) if l.term == *last => seen_last = true,
+            LeaderEvent::Leader(l) => {
+                seen_last = l.term == *last;
+                after_missed = false;
+            }
             LeaderEvent::NoLeader if seen_last => {
                 got.push(event);
                 return got;
             }
             // A gap may have hidden the last term; what follows is a state after it.
-            LeaderEvent::Missed => seen_last = false,
-            _ => {}
+            LeaderEvent::Missed => {
+                seen_last = false;
+                after_missed = true;
+            }
+            LeaderEvent::NoLeader => {}
         }
         got.push(event);
     }
@@ -239,7 +251,11 @@ pub async fn observers_see_every_term(h: &dyn SlotHarness) {
         }
     }
     assert_eq!(got.last(), Some(&LeaderEvent::NoLeader));
-    assert_eq!(at, expected.len(), "the last leader was not seen: {got:?}");
+    // Leaders after the last one delivered may be missing only behind a final `Missed`.
+    assert!(
+        at == expected.len() || gap,
+        "the last leader was not seen (and no Missed said so): {got:?}"
+    );
 }
 
 /// A resign hands leadership to the next candidate in line, within the tolerance, and to that

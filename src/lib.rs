@@ -9,6 +9,7 @@
 //! |---|---|---|
 //! | `memory://` | in-process ([`MemoryLock`]) | always on |
 //! | `redis://host:port`, `rediss://…` (TLS) | Redis (efficiency lock) | `redis` |
+//! | `redis+sentinel://host:port[,host:port]/service` | Redis behind Sentinel (efficiency lock) | `redis` |
 //! | `etcd://host:port[,host:port]`, `etcds://…` (TLS) | etcd v3 (correctness lock) | `etcd` |
 //! | `zk://host:port[,host:port][/chroot]` | ZooKeeper (correctness lock) | `zk` |
 //! | `postgres://user@host:port/db` (TLS with `sslmode`, `tls_ca`, …) | PostgreSQL advisory locks | `postgres` |
@@ -128,7 +129,7 @@ pub async fn connect(url: &str) -> Result<Arc<dyn Lock>> {
             memory_url(url)?;
             Ok(Arc::new(MemoryLock::new()))
         }
-        "redis" | "rediss" => {
+        "redis" | "rediss" | "redis+sentinel" => {
             #[cfg(feature = "redis")]
             return Ok(Arc::new(lockkit_redis::RedisLock::connect(url).await?));
             #[cfg(not(feature = "redis"))]
@@ -164,8 +165,8 @@ pub async fn connect(url: &str) -> Result<Arc<dyn Lock>> {
                 String::new()
             };
             Err(Error::config(format!(
-                "unknown lock service scheme{named}: expected memory, redis, rediss, etcd, zk, \
-                 postgres or postgresql"
+                "unknown lock service scheme{named}: expected memory, redis, rediss, redis+sentinel, \
+                 etcd, zk, postgres or postgresql"
             )))
         }
     }

@@ -241,17 +241,21 @@ mod fence;
 mod lease;
 mod lock;
 mod renewer;
+mod replicas;
+mod sentinel;
 mod server;
 mod waiters;
 mod watch;
 
 pub use config::{
-    DEFAULT_CONNECT_TIMEOUT, DEFAULT_PREFIX, DEFAULT_RESPONSE_TIMEOUT, MAX_CA_FILE_BYTES,
-    MAX_PREFIX_BYTES, Notifications, RedisConfig, validate_prefix,
+    DEFAULT_CONNECT_TIMEOUT, DEFAULT_PREFIX, DEFAULT_REPLICA_TIMEOUT, DEFAULT_RESPONSE_TIMEOUT,
+    DEFAULT_SENTINEL_PORT, MAX_CA_FILE_BYTES, MAX_MIN_REPLICAS, MAX_PREFIX_BYTES, Notifications,
+    RedisConfig, RedisMode, validate_prefix,
 };
 pub use fence::RedisFence;
 pub use lock::{EXPIRY_JITTER, EXPIRY_SLACK, MAX_WAIT_POLL, RedisLock, WAITER_TTL};
 pub use renewer::BATCH as RENEW_BATCH;
+pub use replicas::NotReplicated;
 pub use watch::LOSS_NOTICE;
 
 /// The redis crate this backend is built on, for users who need its types.

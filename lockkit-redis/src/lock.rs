@@ -27,9 +27,10 @@ use crate::core::{
 };
 use crate::error::{BACKEND, bad_reply, from_redis, timed_out};
 use crate::renewer::Renewer;
-use crate::server;
+use crate::sentinel::Discovery;
 use crate::waiters::{Hub, Waiting};
 use crate::watch::{LOSS_NOTICE, Watch};
+use crate::{replicas, server};
 
 /// The longest a waiter sleeps without looking at the lock again, when no release message
 /// arrives: about 1 s (jittered down by up to 10 %).
@@ -271,6 +272,15 @@ impl RedisLock {
         .map_err(|e| {
             Error::config_with("cannot use the TLS files (tls_ca, tls_cert, tls_key)", e)
         })?;
+        let discovery = match &config.sentinel {
+            Some(s) => Some(Discovery::new(s, config.redis_settings().clone(), ct)?),
+            None => None,
+        };
+        let client = match &discovery {
+            // The master the sentinels name now (the client above was for the first sentinel).
+            Some(d) => d.master().await?,
+            None => client,
+        };
         let rt = config.response_timeout;
         let probe = AsyncConnectionConfig::new()
             .set_connection_timeout(Some(ct))
@@ -304,7 +314,7 @@ impl RedisLock {
             Ok(Err(e)) => return Err(from_redis(e)),
             Err(_) => return Err(timed_out("connecting to redis", ct)),
         };
-        let conn = Conn::new(client.clone(), manager, conn);
+        let conn = Conn::new(client, manager, conn, discovery);
         let facts = match tokio::time::timeout(
             ct,
             server::inspect(&conn, config.strict, config.notifications),
@@ -321,8 +331,10 @@ impl RedisLock {
             facts.notifications,
             config.notifications,
             facts.run_id,
+            config.sentinel.is_some(),
         );
-        let hub = Hub::new(client, &config.prefix, ct, rt, watch);
+        let hub = Hub::new(conn.clone(), &config.prefix, ct, rt, watch);
+        crate::sentinel::follow(&hub, &conn);
         if hub.watch().notifications() {
             // Subscribed before the first lease exists; if this fails, it is retried in the
             // background (or, refused, notifications are off: see `loss_notice`).
@@ -446,6 +458,15 @@ impl RedisLock {
         };
         match reply {
             (1, token, _) if token > 0 => {
+                if let Err(e) = self.confirm(keys, &me, ttl, delay).await {
+                    // Not replicated: give the grant back (the next waiter gets it).
+                    if cancel_once(&self.inner.conn, keys, &me, ttl).await.is_ok() {
+                        call.forget(&me);
+                    } else {
+                        call.retire(&me);
+                    }
+                    return Err(e);
+                }
                 let tracker = TrackerHandle::new(sent, ttl);
                 if tracker.state() == LeaseState::Lost {
                     // Too late to be of use: undo it now (if that fails, the cleanup retries in
@@ -488,6 +509,40 @@ impl RedisLock {
                 Err(bad_reply("acquire"))
             }
         }
+    }
+
+    /// With [`RedisConfig::min_replicas`]: waits until that many replicas acknowledged the grant
+    /// of `keys` to `owner` (see `replicas.rs`); else nothing.
+    ///
+    /// # Errors
+    /// As `replicas::confirm`: the caller gives the grant back.
+    async fn confirm(
+        &self,
+        keys: &Keys,
+        owner: &str,
+        ttl: Duration,
+        delay: Option<Duration>,
+    ) -> Result<()> {
+        let c = &self.inner.config;
+        if c.min_replicas == 0 {
+            return Ok(());
+        }
+        replicas::confirm(
+            &self.inner.conn,
+            keys,
+            owner,
+            ttl,
+            delay,
+            c.min_replicas,
+            c.replica_timeout,
+        )
+        .await
+    }
+
+    /// The address (`host:port`) of the server this client sends its commands to now: in
+    /// Sentinel mode the master the sentinels named last, for logs and tests.
+    pub fn master_addr(&self) -> String {
+        self.inner.conn.master_addr()
     }
 
     /// The lease of a grant with `token` to `owner`, renewed by this connection's batch when
@@ -888,6 +943,18 @@ impl LockBackend for RedisLock {
                         }
                         tracker = TrackerHandle::new(sent, opts.ttl);
                     }
+                    if self.confirm(&keys, &me, opts.ttl, delay).await.is_err() {
+                        // Not replicated: give it back, and look again.
+                        if cancel_once(&self.inner.conn, &keys, &me, opts.ttl)
+                            .await
+                            .is_ok()
+                        {
+                            call.forget(&me);
+                        } else {
+                            call.retire(&me);
+                        }
+                        continue;
+                    }
                     let owner = call.granted();
                     return Ok(self.lease(name, keys, owner, token, tracker, &opts));
                 }
@@ -905,7 +972,11 @@ impl LockBackend for RedisLock {
         g.lock_delay = true;
         g.expiry_slack = EXPIRY_SLACK;
         g.loss_notice = self.loss_notice();
-        g.notes = NOTES;
+        g.notes = if self.inner.config.sentinel.is_some() {
+            crate::sentinel::NOTES
+        } else {
+            NOTES
+        };
         g
     }
 

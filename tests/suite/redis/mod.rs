@@ -18,6 +18,7 @@ mod failures;
 mod fence;
 mod notify;
 mod queue;
+mod sentinel;
 
 mod contract {
     use crate::common::UrlHarness;

@@ -68,7 +68,8 @@
 //! | backend | kind | tokens survive server restart | safe across failover | FIFO waiters | loss heard when the server ends a lease | lock-delay |
 //! |---|---|---|---|---|---|---|
 //! | memory | correctness, one process | no | yes (nothing to fail over to) | yes | (nothing ends it early) | yes |
-//! | Redis (single node) | **efficiency** | yes (counter started at server `TIME`) | **no** | yes (a queue the release hands the lock to) | ≤ 200 ms with keyspace notifications, else at the next renewal | yes |
+//! | Redis (single node) | **efficiency** | yes (counter never below server `TIME`) | **no** | yes (a queue the release hands the lock to) | ≤ 200 ms with keyspace notifications, else at the next renewal | yes |
+//! | Redis Sentinel | **efficiency** | yes (also on a promoted replica that lost the last grants) | **no**: an unreplicated grant can be given twice; leases must prove the new master holds them, else Lost (`min_replicas` narrows, not consensus) | yes | as single node, and at the master switch | yes |
 //! | etcd | correctness (Raft) | yes | yes | yes | ≤ 500 ms (one watch stream per client) | yes |
 //! | ZooKeeper | correctness (ZAB) | yes | yes | yes | ≤ 500 ms (a watch on the holder node) | yes |
 //! | PostgreSQL | correctness, one server | yes | **no** (advisory locks are not replicated) | yes | ≤ 100 ms (the connection closing) | yes |

@@ -223,7 +223,8 @@ impl RedisConfig {
     /// assert_eq!(c.mode(), RedisMode::Sentinel);
     /// let u: RedisConfig = "redis+sentinel://:master-secret@10.0.0.1,10.0.0.2/locks?sentinel_password=sentinel-secret&min_replicas=1".parse()?;
     /// assert_eq!((u.get_service_name(), u.get_min_replicas()), (Some("locks"), 1));
-    /// assert!(!format!("{c:?}{u:?}").contains("secret\""));
+    /// let shown = format!("{c:?}{u:?}");
+    /// assert!(!shown.contains("master-secret") && !shown.contains("sentinel-secret"));
     /// # Ok::<(), lockkit_core::Error>(())
     /// ```
     pub fn sentinel<S: Into<String>>(
@@ -873,6 +874,68 @@ mod tests {
         let secret = "redis://:hunter2@localhost/x";
         let e = RedisConfig::from_url(secret).unwrap_err();
         assert!(!format!("{e:?} {e}").contains("hunter2"));
+    }
+
+    #[test]
+    fn sentinel_urls_keep_the_two_sets_of_credentials_apart() {
+        let c = RedisConfig::from_url(
+            "redis+sentinel://app:m%40ster@s1:5000,s2,[::1]:5002/my%20svc/3?sentinel_username=sen&sentinel_password=s3nt&min_replicas=2&replica_timeout=250ms&prefix=p",
+        )
+        .unwrap();
+        assert_eq!(c.mode(), RedisMode::Sentinel);
+        assert_eq!(c.get_service_name(), Some("my svc"));
+        let hosts: Vec<(&str, u16)> = c
+            .get_sentinels()
+            .iter()
+            .map(|(h, p)| (h.as_str(), *p))
+            .collect();
+        assert_eq!(
+            hosts,
+            [("s1", 5000), ("s2", DEFAULT_SENTINEL_PORT), ("[::1]", 5002)]
+        );
+        // The user info is the master's; the parameters are the sentinels'.
+        assert_eq!(c.redis.username(), Some("app"));
+        assert_eq!(c.redis.password(), Some("m@ster"));
+        assert_eq!(c.redis.db(), 3);
+        let s = c.sentinel.as_ref().unwrap();
+        assert_eq!(s.username.as_deref(), Some("sen"));
+        assert_eq!(s.password.as_deref(), Some("s3nt"));
+        assert_eq!(c.get_min_replicas(), 2);
+        assert_eq!(c.get_replica_timeout(), Duration::from_millis(250));
+        let dbg = format!("{c:?}");
+        assert!(!dbg.contains("m@ster") && !dbg.contains("s3nt"), "{dbg}");
+        let plain = RedisConfig::from_url("redis+sentinel://s1/svc").unwrap();
+        assert_eq!(plain.redis.db(), 0);
+        assert_eq!(plain.get_min_replicas(), 0);
+        let single = RedisConfig::from_url("redis://h?min_replicas=1").unwrap();
+        assert_eq!(single.mode(), RedisMode::Single);
+        assert_eq!(
+            (single.get_min_replicas(), single.get_replica_timeout()),
+            (1, DEFAULT_REPLICA_TIMEOUT)
+        );
+        for bad in [
+            "redis+sentinel://s1",
+            "redis+sentinel://s1/",
+            "redis+sentinel://s1/svc/x",
+            "redis+sentinel://:hunter2@s1/svc?tls_ca=ca.pem",
+            "redis+sentinel://s1/svc#insecure",
+            "redis+sentinel://s1/svc?min_replicas=-1",
+            "redis+sentinel://s1/svc?min_replicas=65",
+            "redis+sentinel://s1/svc?min_replicas=1&replica_timeout=0ms",
+            "redis+sentinel://s1/svc?min_replicas=1&replica_timeout=2s",
+            "redis+sentinel://s1/svc?sentinel_pasword=x",
+            "redis://:hunter2@h?sentinel_password=hunter2",
+            "rediss+sentinel://s1/svc",
+        ] {
+            match RedisConfig::from_url(bad) {
+                Err(Error::InvalidConfig { reason, .. }) => {
+                    assert!(!reason.contains("hunter2"), "secret echoed: {reason}")
+                }
+                other => panic!("{bad:?}: {other:?}"),
+            }
+        }
+        let by_hand = RedisConfig::sentinel(Vec::<(String, u16)>::new(), "svc");
+        assert!(by_hand.validate().is_err());
     }
 
     #[cfg(feature = "serde")]

@@ -142,9 +142,9 @@ return {1, redis.call('PTTL', KEYS[1]), redis.call('GET', KEYS[2]) or ''}
 });
 
 const NOTES: &str = "efficiency lock on one Redis server. Tokens: a per-name counter that never \
-expires, started at the server's TIME in µs whenever it is missing, so they keep increasing across \
-restarts without persistence as long as the server's wall clock never steps backwards and the lock \
-is granted fewer than once per µs on average. A failover to an asynchronously replicated replica can \
+expires and is never left below the server's TIME in µs, so they keep increasing across restarts \
+without persistence as long as the server's wall clock never steps backwards and the lock is \
+granted fewer than once per µs on average. A failover to an asynchronously replicated replica can \
 grant a held lock a second time, and so can a restart that loses the data: a waiter may get the \
 lock while the old holder still reads Held until the client sees the server's new run_id (when its \
 pub/sub connection is back, or at the next keepalive tick) or its next renewal fails. A lock key \

@@ -83,7 +83,7 @@ pub(crate) async fn confirm(
     wait.arg(wanted).arg(ttl_millis(timeout));
     let (renewed, acked): (i64, i64) = conn
         .invoke_then(
-            &RENEW
+            RENEW
                 .key(&keys.lock)
                 .key(&keys.delay)
                 .arg(owner)

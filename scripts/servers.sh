@@ -13,16 +13,16 @@
 # LOCKKIT_ZK_TLS_URL (ZooKeeper's secureClientPort, ssl.clientAuth=need),
 # LOCKKIT_ZK_SASL_URL (a ZooKeeper that requires SASL DIGEST-MD5, user app / password secret) and
 # LOCKKIT_POSTGRES_TLS_URL (a PostgreSQL that accepts only TLS with a client certificate).
-# The server name `sentinel` (not in the default set) starts a Redis Sentinel topology: a primary,
-# a replica and three sentinels watching service `lockkit` (LOCKKIT_REDIS_SENTINEL_URL). Tests that
-# kill a primary start their own topology; this one is only for the contract suite.
+# The server name `sentinel` starts a Redis Sentinel topology: a primary, a replica and three
+# sentinels watching service `lockkit` (LOCKKIT_REDIS_SENTINEL_URL). Tests that kill a primary
+# start their own topology; this one is for the contract suite.
 # Set LOCKKIT_SERVERS="redis etcd" to start a subset.
 set -euo pipefail
 
 cmd=${1:-start}
 root=$(cd "$(dirname "$0")/.." && pwd)
 dir=${2:-$root/target/lockkit-servers}
-servers=${LOCKKIT_SERVERS:-redis etcd zk postgres}
+servers=${LOCKKIT_SERVERS:-redis sentinel etcd zk postgres}
 
 free_port() {
   python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'

@@ -51,10 +51,14 @@ fn redis_server(name: &str, port: u16, extra: &[&str]) -> ServerProcess {
     ServerProcess::spawn(name, dir, cmd)
 }
 
-fn cli(port: u16, args: &[&str]) -> String {
-    Command::new("redis-cli")
-        .args(["-p", &port.to_string()])
-        .args(args)
+/// `redis-cli -p PORT [-a PASSWORD] ARGS…`'s output.
+fn cli(port: u16, password: Option<&str>, args: &[&str]) -> String {
+    let mut cmd = Command::new("redis-cli");
+    cmd.args(["-p", &port.to_string()]);
+    if let Some(pw) = password {
+        cmd.args(["--no-auth-warning", "-a", pw]);
+    }
+    cmd.args(args)
         .output()
         .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
         .unwrap_or_default()
@@ -62,22 +66,31 @@ fn cli(port: u16, args: &[&str]) -> String {
 
 impl Topology {
     async fn start() -> Self {
+        Self::start_with(None).await
+    }
+
+    /// With `auth` = (the master's password, the sentinels' password): the primary and the
+    /// replica `requirepass` the first, the sentinels the second.
+    async fn start_with(auth: Option<(&str, &str)>) -> Self {
+        let (master_pw, sentinel_pw) = auth.unzip();
+        let auth_args: Vec<&str> = match master_pw {
+            Some(pw) => vec!["--requirepass", pw, "--masterauth", pw],
+            None => vec![],
+        };
         let primary_port = free_port();
-        let primary = redis_server("sentinel-primary", primary_port, &[]);
+        let primary = redis_server("sentinel-primary", primary_port, &auth_args);
         wait_until("the primary", Duration::from_secs(10), || {
-            cli(primary_port, &["ping"]).trim() == "PONG"
+            cli(primary_port, master_pw, &["ping"]).trim() == "PONG"
         })
         .await;
         let link = Proxy::start_local(primary_port).await;
         let replica_port = free_port();
         let link_port = link.port.to_string();
-        let replica = redis_server(
-            "sentinel-replica",
-            replica_port,
-            &["--replicaof", "127.0.0.1", &link_port],
-        );
+        let mut replica_args = vec!["--replicaof", "127.0.0.1", &link_port];
+        replica_args.extend(&auth_args);
+        let replica = redis_server("sentinel-replica", replica_port, &replica_args);
         wait_until("the replica's link", Duration::from_secs(10), || {
-            cli(replica_port, &["info", "replication"]).contains("master_link_status:up")
+            cli(replica_port, master_pw, &["info", "replication"]).contains("master_link_status:up")
         })
         .await;
         let replication = link.connections() - 1;
@@ -100,6 +113,11 @@ impl Topology {
                 dir = dir.path().display(),
                 id = ids[i],
             );
+            if let (Some(m), Some(s)) = (master_pw, sentinel_pw) {
+                conf.push_str(&format!(
+                    "sentinel auth-pass lockkit {m}\nrequirepass {s}\nsentinel sentinel-pass {s}\n"
+                ));
+            }
             for (j, other) in sentinel_ports.iter().enumerate() {
                 if j != i {
                     conf.push_str(&format!(
@@ -117,8 +135,12 @@ impl Topology {
         for port in &sentinel_ports {
             let port = *port;
             wait_until("a sentinel", Duration::from_secs(10), || {
-                cli(port, &["sentinel", "get-master-addr-by-name", "lockkit"])
-                    .contains(&master_port.to_string())
+                cli(
+                    port,
+                    sentinel_pw,
+                    &["sentinel", "get-master-addr-by-name", "lockkit"],
+                )
+                .contains(&master_port.to_string())
             })
             .await;
         }
@@ -267,6 +289,35 @@ async fn sentinel_urls_and_a_bad_service_name() {
             assert!(source.to_string().contains("no usable master"), "{source}")
         }
         other => panic!("an unknown service: {other:?}"),
+    }
+}
+
+/// The URL's user info logs in to the master, `sentinel_password` to the sentinels; each wrong
+/// or missing one is an `Auth` error that shows neither password.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_master_and_the_sentinels_have_their_own_passwords() {
+    let topo = Topology::start_with(Some(("m-secret", "s-secret"))).await;
+    let base = topo.url(&fresh_prefix(), "");
+    let with = |master: &str, sentinel: &str| {
+        let url = base.replace("redis+sentinel://", &format!("redis+sentinel://:{master}@"));
+        format!("{url}&sentinel_password={sentinel}")
+    };
+    let locks = RedisLock::connect(&with("m-secret", "s-secret"))
+        .await
+        .expect("both passwords right");
+    let lease = locks.acquire("job", opts()).await.unwrap();
+    lease.release().await.unwrap();
+    for (master, sentinel) in [("m-secret", "wrong-s"), ("wrong-m", "s-secret")] {
+        match RedisLock::connect(&with(master, sentinel)).await {
+            Err(e @ Error::Auth { .. }) => {
+                let shown = format!("{e} {e:?}");
+                assert!(
+                    !shown.contains("secret") && !shown.contains("wrong-"),
+                    "a password shown: {shown}"
+                );
+            }
+            other => panic!("master {master}, sentinel {sentinel}: {other:?}"),
+        }
     }
 }
 

@@ -184,10 +184,10 @@
 //!   anew); a lease that cannot is [`Lost`](lockkit_core::LeaseState::Lost)
 //!   ([`NotHeldOnServer`](lockkit_core::LossReason::NotHeldOnServer)). Never silently kept: a
 //!   grant the old master did not replicate is lost. Measured on loopback (three sentinels,
-//!   `down-after-milliseconds 500`, SIGKILL of the primary, 8 runs): `+switch-master` 1.8–3.4 s
-//!   after the kill; an unreplicated lease Lost 4–240 ms after that message and a new grant on
-//!   the promoted replica 10–60 ms later (1.9–3.7 s after the kill); a replicated lease proved
-//!   on the new master 2.2–2.5 s after the kill.
+//!   `down-after-milliseconds 500`, SIGKILL of the primary): `+switch-master` 1.8–3.5 s after
+//!   the kill (11 failovers); an unreplicated lease Lost 4–240 ms after that message and a new
+//!   grant on the promoted replica 10–60 ms later, 1.9–3.7 s after the kill (5 runs); a
+//!   replicated lease proved on the new master 2.2–2.5 s after the kill (3 runs).
 //! - **What it does not prevent**: Redis replicates asynchronously. Between the old master's
 //!   death and the switch, and for a grant no replica received, the promoted replica may grant
 //!   the lock to someone else while the old holder still reads Held: a fenced resource rejects

@@ -186,22 +186,22 @@ impl Conn {
         .await;
         if let Err(e) = &r {
             if e.is_timeout() {
-                // A silent side connection: open a new one next time.
+                // A silent side connection: open a new one next time (the command connection
+                // is not concerned).
                 let mut cur = self.lock();
                 if cur.generation == generation {
                     cur.side = None;
                 }
             }
+            self.maybe_failed_over(e);
         }
-        self.check(generation, &r);
         r
     }
 
-    /// After a response timeout, retires connection `generation` (unless it was replaced
-    /// already): the next command connects anew. In Sentinel mode a failed connection or a
-    /// `READONLY` reply also starts a discovery of the master.
-    fn check<T>(&self, generation: u64, r: &RedisResult<T>) {
-        let Err(e) = r else { return };
+    /// In Sentinel mode, starts a discovery of the master after an error that a failover
+    /// explains: a failed connection, a timeout, `READONLY` (the old master came back as a
+    /// replica) or `MASTERDOWN`.
+    fn maybe_failed_over(&self, e: &redis::RedisError) {
         if self.inner.discovery.is_some()
             && (e.is_timeout()
                 || e.is_io_error()
@@ -212,6 +212,14 @@ impl Conn {
         {
             self.rediscover();
         }
+    }
+
+    /// After a response timeout, retires connection `generation` (unless it was replaced
+    /// already): the next command connects anew. In Sentinel mode a failed connection or a
+    /// `READONLY` reply also starts a discovery of the master.
+    fn check<T>(&self, generation: u64, r: &RedisResult<T>) {
+        let Err(e) = r else { return };
+        self.maybe_failed_over(e);
         if !e.is_timeout() {
             return;
         }

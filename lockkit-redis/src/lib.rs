@@ -209,7 +209,10 @@
 //! number of replicas), and writes lost in memory on both sides (`WAIT` does not make them
 //! durable). It is still **not a consensus lock**: [`Guarantees::safe_across_failover`](lockkit_core::Guarantees::safe_across_failover)
 //! stays `false`. It costs one more round trip per grant (the renewal and `WAIT`), plus the
-//! replicas' acknowledgement; a master without `N` connected replicas grants nothing.
+//! replicas' acknowledgement; a master without `N` connected replicas grants nothing. The
+//! confirmations of one [`RedisLock`] share one connection, on which the server runs one `WAIT`
+//! after the other: while replicas lag, concurrent grants wait for each other's timeouts (and
+//! fail as `Unavailable` once that passes the response timeout).
 //!
 //! ## Keys
 //! For the prefix `P` (default `lockkit`; see [`RedisConfig::prefix`]) and the lock name `N`:

@@ -13,13 +13,16 @@
 # LOCKKIT_ZK_TLS_URL (ZooKeeper's secureClientPort, ssl.clientAuth=need),
 # LOCKKIT_ZK_SASL_URL (a ZooKeeper that requires SASL DIGEST-MD5, user app / password secret) and
 # LOCKKIT_POSTGRES_TLS_URL (a PostgreSQL that accepts only TLS with a client certificate).
+# The server name `sentinel` starts a Redis Sentinel topology: a primary, a replica and three
+# sentinels watching service `lockkit` (LOCKKIT_REDIS_SENTINEL_URL). Tests that kill a primary
+# start their own topology; this one is for the contract suite.
 # Set LOCKKIT_SERVERS="redis etcd" to start a subset.
 set -euo pipefail
 
 cmd=${1:-start}
 root=$(cd "$(dirname "$0")/.." && pwd)
 dir=${2:-$root/target/lockkit-servers}
-servers=${LOCKKIT_SERVERS:-redis etcd zk postgres}
+servers=${LOCKKIT_SERVERS:-redis sentinel etcd zk postgres}
 
 free_port() {
   python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'
@@ -71,6 +74,43 @@ start_redis() {
   wait_for redis-tls 100 redis-cli --tls --cacert "$t/ca.pem" --cert "$t/client.pem" \
     --key "$t/client.key" -h 127.0.0.1 -p "$tp" ping
   echo "export LOCKKIT_REDIS_TLS_URL='rediss://127.0.0.1:$tp?tls_ca=$t/ca.pem&tls_cert=$t/client.pem&tls_key=$t/client.key'" >> "$dir/env"
+}
+
+# A primary, its replica and three sentinels (quorum 2) on loopback, for service `lockkit`.
+start_sentinel() {
+  local m r; m=$(free_port); r=$(free_port)
+  mkdir -p "$dir/sentinel-primary" "$dir/sentinel-replica"
+  redis-server --bind 127.0.0.1 --port "$m" --dir "$dir/sentinel-primary" --save '' \
+    --appendonly no --repl-diskless-sync-delay 0 --daemonize no \
+    --logfile "$dir/sentinel-primary.log" >/dev/null 2>&1 &
+  echo $! > "$dir/sentinel-primary.pid"
+  wait_for sentinel-primary 100 redis-cli -p "$m" ping
+  redis-server --bind 127.0.0.1 --port "$r" --dir "$dir/sentinel-replica" --save '' \
+    --appendonly no --repl-diskless-sync-delay 0 --replicaof 127.0.0.1 "$m" --daemonize no \
+    --logfile "$dir/sentinel-replica.log" >/dev/null 2>&1 &
+  echo $! > "$dir/sentinel-replica.pid"
+  wait_for sentinel-replica 100 bash -c "redis-cli -p $r info replication | grep -q master_link_status:up"
+  local hosts="" i s
+  for i in 1 2 3; do
+    s=$(free_port)
+    mkdir -p "$dir/sentinel-$i"
+    # A fresh writable config per run: sentinel rewrites its file.
+    cat > "$dir/sentinel-$i/sentinel.conf" <<CONF
+port $s
+bind 127.0.0.1
+dir $dir/sentinel-$i
+logfile $dir/sentinel-$i.log
+sentinel monitor lockkit 127.0.0.1 $m 2
+sentinel down-after-milliseconds lockkit 1000
+sentinel failover-timeout lockkit 5000
+sentinel known-replica lockkit 127.0.0.1 $r
+CONF
+    redis-server "$dir/sentinel-$i/sentinel.conf" --sentinel --daemonize no >/dev/null 2>&1 &
+    echo $! > "$dir/sentinel-$i.pid"
+    wait_for "sentinel-$i" 100 bash -c "redis-cli -p $s sentinel get-master-addr-by-name lockkit | grep -q $m"
+    hosts="$hosts${hosts:+,}127.0.0.1:$s"
+  done
+  echo "export LOCKKIT_REDIS_SENTINEL_URL=redis+sentinel://$hosts/lockkit" >> "$dir/env"
 }
 
 start_etcd() {
@@ -245,7 +285,7 @@ case "$cmd" in
     echo "export LOCKKIT_TLS_DIR=$dir/tls" >> "$dir/env"
     for s in $servers; do
       case "$s" in
-        redis) start_redis;; etcd) start_etcd;; zk) start_zk;; postgres) start_postgres;;
+        redis) start_redis;; sentinel) start_sentinel;; etcd) start_etcd;; zk) start_zk;; postgres) start_postgres;;
         *) echo "servers: unknown server $s" >&2; exit 2;;
       esac
     done
@@ -253,7 +293,8 @@ case "$cmd" in
     ;;
   stop)
     [ -d "$dir" ] || exit 0
-    for s in redis redis-tls etcd etcd-tls zk zk-tls zk-sasl; do stop_pid "$dir/$s.pid"; done
+    for s in redis redis-tls sentinel-1 sentinel-2 sentinel-3 sentinel-replica sentinel-primary \
+      etcd etcd-tls zk zk-tls zk-sasl; do stop_pid "$dir/$s.pid"; done
     stop_postgres
     for f in "$dir/etcd.datadir" "$dir/etcd-tls.datadir"; do
       if [ -f "$f" ]; then rm -rf "$(cat "$f")"; fi

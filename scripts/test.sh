@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The whole test suite: installs what is missing (Debian packages), starts private Redis, etcd,
-# ZooKeeper and PostgreSQL instances on loopback, runs every test against them, stops them.
+# The whole test suite: installs what is missing (Debian packages), starts private Redis (also a
+# Sentinel topology), etcd, ZooKeeper and PostgreSQL instances on loopback, runs every test
+# against them, stops them.
 # Extra arguments go to `cargo test` (e.g. scripts/test.sh -- contract_name_filter).
 set -euo pipefail
 cd "$(dirname "$0")/.."

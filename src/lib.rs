@@ -10,6 +10,7 @@
 //! |---|---|---|---|
 //! | `memory://` | in-process ([`MemoryLock`]) | always on | yes |
 //! | `redis://host:port`, `rediss://…` (TLS) | Redis (efficiency lock) | `redis` | yes |
+//! | `redis+sentinel://host:port[,host:port]/service` | Redis behind Sentinel (efficiency lock) | `redis` | yes |
 //! | `etcd://host:port[,host:port]`, `etcds://…` (TLS) | etcd v3 (correctness lock) | `etcd` | yes |
 //! | `zk://host:port[,host:port][/chroot]` | ZooKeeper (correctness lock) | `zk` | yes |
 //! | `postgres://user@host:port/db` (TLS with `sslmode`, `tls_ca`, …) | PostgreSQL advisory locks | `postgres` | yes |
@@ -68,7 +69,8 @@
 //! | backend | kind | tokens survive server restart | safe across failover | FIFO waiters | loss heard when the server ends a lease | lock-delay |
 //! |---|---|---|---|---|---|---|
 //! | memory | correctness, one process | no | yes (nothing to fail over to) | yes | (nothing ends it early) | yes |
-//! | Redis (single node) | **efficiency** | yes (counter started at server `TIME`) | **no** | yes (a queue the release hands the lock to) | ≤ 200 ms with keyspace notifications, else at the next renewal | yes |
+//! | Redis (single node) | **efficiency** | yes (counter never below server `TIME`) | **no** | yes (a queue the release hands the lock to) | ≤ 200 ms with keyspace notifications, else at the next renewal | yes |
+//! | Redis Sentinel | **efficiency** | yes (also on a promoted replica that lost the last grants) | **no**: an unreplicated grant can be given twice; leases must prove the new master holds them, else Lost (`min_replicas` narrows, not consensus) | yes | as single node, and at the master switch | yes |
 //! | etcd | correctness (Raft) | yes | yes | yes | ≤ 500 ms (one watch stream per client) | yes |
 //! | ZooKeeper | correctness (ZAB) | yes | yes | yes | ≤ 500 ms (a watch on the holder node) | yes |
 //! | PostgreSQL | correctness, one server | yes | **no** (advisory locks are not replicated) | yes | ≤ 100 ms (the connection closing) | yes |
@@ -231,7 +233,7 @@ impl Connected {
                 memory_url(url)?;
                 Ok(Self::Memory(MemoryLock::new()))
             }
-            "redis" | "rediss" => {
+            "redis" | "rediss" | "redis+sentinel" => {
                 #[cfg(feature = "redis")]
                 return Ok(Self::Redis(lockkit_redis::RedisLock::connect(url).await?));
                 #[cfg(not(feature = "redis"))]
@@ -269,8 +271,8 @@ impl Connected {
                     String::new()
                 };
                 Err(Error::config(format!(
-                    "unknown lock service scheme{named}: expected memory, redis, rediss, etcd, \
-                     zk, postgres or postgresql"
+                    "unknown lock service scheme{named}: expected memory, redis, rediss, \
+                     redis+sentinel, etcd, zk, postgres or postgresql"
                 )))
             }
         }

@@ -1,4 +1,5 @@
-//! Connection settings: from a `redis://` / `rediss://` URL or built by hand.
+//! Connection settings: from a `redis://`, `rediss://` or `redis+sentinel://` URL or built by
+//! hand.
 
 use std::fmt;
 use std::path::PathBuf;
@@ -26,6 +27,16 @@ pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a command waits for its reply by default: 2 s.
 pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// The port of a sentinel when a `redis+sentinel://` URL names none: 26379.
+pub const DEFAULT_SENTINEL_PORT: u16 = 26379;
+
+/// How long a replication-confirmed grant waits for its replicas by default
+/// ([`RedisConfig::min_replicas`], URL parameter `replica_timeout`): 100 ms.
+pub const DEFAULT_REPLICA_TIMEOUT: Duration = Duration::from_millis(100);
+
+/// The most replicas a grant may ask to be confirmed by ([`RedisConfig::min_replicas`]): 64.
+pub const MAX_MIN_REPLICAS: u32 = 64;
+
 /// The largest PEM file (`tls_ca`, `tls_cert`, `tls_key`) read, in bytes: 1 MiB.
 pub const MAX_CA_FILE_BYTES: u64 = lockkit_core::backend::MAX_PEM_BYTES;
 
@@ -40,7 +51,36 @@ const KNOWN: &[&str] = &[
     "protocol",
     "strict",
     "notifications",
+    "min_replicas",
+    "replica_timeout",
+    "sentinel_username",
+    "sentinel_password",
 ];
+
+/// Which Redis deployment a [`RedisConfig`] talks to ([`RedisConfig::mode`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum RedisMode {
+    /// One server named by host and port (`redis://`, `rediss://`).
+    Single,
+    /// The master of a service monitored by Redis Sentinel, discovered through the sentinels and
+    /// discovered again after a failover (`redis+sentinel://`,
+    /// <https://redis.io/docs/latest/operate/oss_and_stack/management/sentinel/>).
+    Sentinel,
+}
+
+/// The sentinels of a [`RedisMode::Sentinel`] config and how to log in to them.
+#[derive(Clone)]
+pub(crate) struct SentinelSettings {
+    /// Host and port of each sentinel.
+    pub(crate) nodes: Vec<(String, u16)>,
+    /// The service (master) name the sentinels monitor.
+    pub(crate) service: String,
+    /// `AUTH` user name for the sentinels (not the master's).
+    pub(crate) username: Option<String>,
+    /// `AUTH` password for the sentinels (not the master's).
+    pub(crate) password: Option<String>,
+}
 
 /// Whether lockkit uses (and may turn on) the server's keyspace notifications, through which a
 /// holder hears within milliseconds that its lock key was deleted, evicted or expired early
@@ -100,6 +140,12 @@ pub struct RedisConfig {
     pub(crate) strict: bool,
     /// Keyspace notifications (see [`notifications`](Self::notifications)).
     pub(crate) notifications: Notifications,
+    /// The sentinels, in [`RedisMode::Sentinel`].
+    pub(crate) sentinel: Option<SentinelSettings>,
+    /// Replicas that must acknowledge a grant (`0`: no confirmation).
+    pub(crate) min_replicas: u32,
+    /// How long a grant waits for those acknowledgements.
+    pub(crate) replica_timeout: Duration,
 }
 
 impl fmt::Debug for RedisConfig {
@@ -110,10 +156,19 @@ impl fmt::Debug for RedisConfig {
             ConnectionAddr::TcpTls { host, port, .. } => (host.as_str(), *port, true),
             _ => ("(unix socket)", 0, false),
         };
-        f.debug_struct("RedisConfig")
-            .field("host", &host)
-            .field("port", &port)
-            .field("tls", &tls)
+        let mut d = f.debug_struct("RedisConfig");
+        match &self.sentinel {
+            None => d.field("host", &host).field("port", &port),
+            Some(s) => d
+                .field("sentinels", &s.nodes)
+                .field("service", &s.service)
+                .field("sentinel_username", &s.username)
+                .field(
+                    "sentinel_password",
+                    &s.password.as_ref().map(|_| "<hidden>"),
+                ),
+        };
+        d.field("tls", &tls)
             .field("db", &r.db())
             .field("username", &r.username())
             .field("password", &r.password().map(|_| "<hidden>"))
@@ -127,6 +182,8 @@ impl fmt::Debug for RedisConfig {
             .field("response_timeout", &self.response_timeout)
             .field("strict", &self.strict)
             .field("notifications", &self.notifications)
+            .field("min_replicas", &self.min_replicas)
+            .field("replica_timeout", &self.replica_timeout)
             .finish()
     }
 }
@@ -144,7 +201,116 @@ impl RedisConfig {
             tls: TlsOptions::default(),
             strict: false,
             notifications: Notifications::Set,
+            sentinel: None,
+            min_replicas: 0,
+            replica_timeout: DEFAULT_REPLICA_TIMEOUT,
         }
+    }
+
+    /// The master of service `service`, found through the sentinels at `sentinels` (host, port):
+    /// [`RedisMode::Sentinel`]. The master's credentials and database are set with
+    /// [`username`](Self::username), [`password`](Self::password) and [`db`](Self::db), the
+    /// sentinels' with [`sentinel_username`](Self::sentinel_username) and
+    /// [`sentinel_password`](Self::sentinel_password). TLS is not supported in this mode.
+    ///
+    /// ```
+    /// use lockkit_redis::{RedisConfig, RedisMode};
+    ///
+    /// let c = RedisConfig::sentinel([("10.0.0.1", 26379), ("10.0.0.2", 26379)], "locks")
+    ///     .password("master-secret")
+    ///     .sentinel_password("sentinel-secret")
+    ///     .min_replicas(1);
+    /// assert_eq!(c.mode(), RedisMode::Sentinel);
+    /// let u: RedisConfig = "redis+sentinel://:master-secret@10.0.0.1,10.0.0.2/locks?sentinel_password=sentinel-secret&min_replicas=1".parse()?;
+    /// assert_eq!((u.get_service_name(), u.get_min_replicas()), (Some("locks"), 1));
+    /// let shown = format!("{c:?}{u:?}");
+    /// assert!(!shown.contains("master-secret") && !shown.contains("sentinel-secret"));
+    /// # Ok::<(), lockkit_core::Error>(())
+    /// ```
+    pub fn sentinel<S: Into<String>>(
+        sentinels: impl IntoIterator<Item = (S, u16)>,
+        service: impl Into<String>,
+    ) -> Self {
+        let nodes: Vec<(String, u16)> = sentinels.into_iter().map(|(h, p)| (h.into(), p)).collect();
+        let first = nodes
+            .first()
+            .cloned()
+            .unwrap_or_else(|| (String::new(), DEFAULT_SENTINEL_PORT));
+        let mut cfg = Self::new(first.0, first.1);
+        cfg.sentinel = Some(SentinelSettings {
+            nodes,
+            service: service.into(),
+            username: None,
+            password: None,
+        });
+        cfg
+    }
+
+    /// Sets the user name lockkit sends the sentinels with `AUTH` ([`RedisMode::Sentinel`]; URL
+    /// parameter `sentinel_username`). The master's is [`username`](Self::username).
+    pub fn sentinel_username(mut self, user: impl Into<String>) -> Self {
+        if let Some(s) = &mut self.sentinel {
+            s.username = Some(user.into());
+        }
+        self
+    }
+
+    /// Sets the password lockkit sends the sentinels with `AUTH` ([`RedisMode::Sentinel`]; URL
+    /// parameter `sentinel_password`). The master's is [`password`](Self::password).
+    pub fn sentinel_password(mut self, password: impl Into<String>) -> Self {
+        if let Some(s) = &mut self.sentinel {
+            s.password = Some(password.into());
+        }
+        self
+    }
+
+    /// Replication-confirmed grants (URL parameter `min_replicas`; default 0, off; at most
+    /// [`MAX_MIN_REPLICAS`]): every grant is followed by `WAIT n replica_timeout`
+    /// (<https://redis.io/docs/latest/commands/wait/>); if fewer than `n` replicas acknowledged
+    /// it within [`replica_timeout`](Self::replica_timeout), the grant is given back and the
+    /// attempt fails with [`Error::Unavailable`] whose source is a
+    /// [`NotReplicated`](crate::NotReplicated) (retried while the acquire may wait). See the crate
+    /// docs, "Replication-confirmed grants", for what this does and does not prevent.
+    pub fn min_replicas(mut self, n: u32) -> Self {
+        self.min_replicas = n;
+        self
+    }
+
+    /// How long a replication-confirmed grant waits for its replicas (URL parameter
+    /// `replica_timeout`; default [`DEFAULT_REPLICA_TIMEOUT`], 100 ms; whole milliseconds,
+    /// rounded up; less than the response timeout).
+    pub fn replica_timeout(mut self, timeout: Duration) -> Self {
+        self.replica_timeout = timeout;
+        self
+    }
+
+    /// Single server or Sentinel.
+    pub fn mode(&self) -> RedisMode {
+        if self.sentinel.is_some() {
+            RedisMode::Sentinel
+        } else {
+            RedisMode::Single
+        }
+    }
+
+    /// The Sentinel service name ([`RedisMode::Sentinel`]), else `None`.
+    pub fn get_service_name(&self) -> Option<&str> {
+        self.sentinel.as_ref().map(|s| s.service.as_str())
+    }
+
+    /// The sentinels' addresses (host, port); empty for [`RedisMode::Single`].
+    pub fn get_sentinels(&self) -> &[(String, u16)] {
+        self.sentinel.as_ref().map_or(&[], |s| s.nodes.as_slice())
+    }
+
+    /// The number of replicas that must acknowledge a grant (0: off).
+    pub fn get_min_replicas(&self) -> u32 {
+        self.min_replicas
+    }
+
+    /// How long a grant waits for its replicas' acknowledgements.
+    pub fn get_replica_timeout(&self) -> Duration {
+        self.replica_timeout
     }
 
     /// Parses a Redis URL, by the grammar all lockkit backends share
@@ -174,7 +340,8 @@ impl RedisConfig {
     /// the host), or `rediss` when the crate was built without its `tls` feature. The URL is
     /// never echoed in the error (it may carry a password).
     pub fn from_url(url: &str) -> Result<Self> {
-        let mut u = BackendUrl::parse(url, &["redis", "rediss"])?;
+        let mut u = BackendUrl::parse(url, &["redis", "rediss", "redis+sentinel"])?;
+        let sentinel = u.scheme() == "redis+sentinel";
         let tls = u.scheme() == "rediss";
         if tls && !cfg!(feature = "tls") {
             return Err(Error::config(
@@ -190,12 +357,38 @@ impl RedisConfig {
                 ));
             }
         };
-        let mut hosts = u.host_list(Some(DEFAULT_PORT))?;
-        if hosts.len() != 1 {
-            return Err(Error::config("a redis URL names exactly one host"));
+        let hosts = u.host_list(Some(if sentinel {
+            DEFAULT_SENTINEL_PORT
+        } else {
+            DEFAULT_PORT
+        }))?;
+        if hosts.len() != 1 && !sentinel {
+            return Err(Error::config(
+                "a redis URL names exactly one host (several sentinels: redis+sentinel://)",
+            ));
         }
-        let host = hosts.remove(0);
-        let db = match u.path().trim_end_matches('/') {
+        let host = hosts[0].clone();
+        let path = u.path().trim_end_matches('/');
+        let (service, path) = if sentinel {
+            let rest = path.strip_prefix('/').unwrap_or(path);
+            let (service, db) = match rest.split_once('/') {
+                Some((s, db)) => (s, format!("/{db}")),
+                None => (rest, String::new()),
+            };
+            let service = url::form_urlencoded::parse(format!("s={service}").as_bytes())
+                .next()
+                .map(|(_, v)| v.into_owned())
+                .unwrap_or_default();
+            if service.is_empty() {
+                return Err(Error::config(
+                    "a redis+sentinel URL names the service: redis+sentinel://host:26379/SERVICE[/db]",
+                ));
+            }
+            (Some(service), db)
+        } else {
+            (None, path.to_owned())
+        };
+        let db = match path.as_str() {
             "" => 0,
             p => match p[1..].parse::<i64>() {
                 Ok(n) if n >= 0 && p[1..].bytes().all(|b| b.is_ascii_digit()) => n,
@@ -214,6 +407,22 @@ impl RedisConfig {
             Some(_) => return Err(Error::config("protocol must be resp2 or resp3")),
         };
         let strict = u.take_bool("strict")?;
+        let min_replicas = match u.take("min_replicas", &[])? {
+            None => 0,
+            Some(n) => n
+                .parse::<u32>()
+                .ok()
+                .filter(|_| n.bytes().all(|b| b.is_ascii_digit()))
+                .ok_or_else(|| Error::config("min_replicas must be a whole number"))?,
+        };
+        let replica_timeout = u.take_duration("replica_timeout", None)?;
+        let sentinel_username = u.take("sentinel_username", &[])?;
+        let sentinel_password = u.take("sentinel_password", &[])?;
+        if !sentinel && (sentinel_username.is_some() || sentinel_password.is_some()) {
+            return Err(Error::config(
+                "sentinel_username and sentinel_password belong to redis+sentinel:// URLs",
+            ));
+        }
         let notifications = match u.take("notifications", &[])?.as_deref() {
             None | Some("set") => Notifications::Set,
             Some("use") => Notifications::Use,
@@ -235,7 +444,17 @@ impl RedisConfig {
         if let Some(pw) = u.password().filter(|p| !p.is_empty()) {
             redis = redis.set_password(pw);
         }
-        let mut cfg = Self::new(host.host, host.port);
+        let mut cfg = match service {
+            Some(service) => {
+                let mut c = Self::sentinel(hosts.into_iter().map(|h| (h.host, h.port)), service);
+                if let Some(s) = &mut c.sentinel {
+                    s.username = sentinel_username.filter(|u| !u.is_empty());
+                    s.password = sentinel_password.filter(|p| !p.is_empty());
+                }
+                c
+            }
+            None => Self::new(host.host, host.port),
+        };
         if tls {
             let ConnectionAddr::Tcp(host, port) = cfg.addr else {
                 unreachable!("new() builds a TCP address")
@@ -256,6 +475,8 @@ impl RedisConfig {
         cfg.tls = common.tls;
         cfg.strict = strict.unwrap_or(false);
         cfg.notifications = notifications;
+        cfg.min_replicas = min_replicas;
+        cfg.replica_timeout = replica_timeout.unwrap_or(DEFAULT_REPLICA_TIMEOUT);
         cfg.validate()?;
         Ok(cfg)
     }
@@ -449,6 +670,11 @@ impl RedisConfig {
         self.redis.db()
     }
 
+    /// The master's `AUTH`, database and protocol settings.
+    pub(crate) fn redis_settings(&self) -> &RedisConnectionInfo {
+        &self.redis
+    }
+
     /// The redis crate's connection settings.
     pub(crate) fn connection_info(&self) -> Result<ConnectionInfo> {
         Ok(self
@@ -480,6 +706,35 @@ impl RedisConfig {
             ));
         }
         self.tls.validate()?;
+        if let Some(s) = &self.sentinel {
+            if s.nodes.is_empty() || s.nodes.iter().any(|(h, _)| h.is_empty()) {
+                return Err(Error::config(
+                    "Sentinel mode needs at least one sentinel host",
+                ));
+            }
+            if s.service.is_empty() || s.service.chars().any(char::is_control) {
+                return Err(Error::config(
+                    "the Sentinel service name is empty or has control characters",
+                ));
+            }
+            if self.is_tls() || self.tls_root_cert.is_some() || self.tls.is_set() {
+                return Err(Error::config(
+                    "TLS is not supported in Sentinel mode by the redis backend yet",
+                ));
+            }
+        }
+        if self.min_replicas > MAX_MIN_REPLICAS {
+            return Err(Error::config(format!(
+                "min_replicas is larger than {MAX_MIN_REPLICAS}"
+            )));
+        }
+        if self.min_replicas > 0
+            && (self.replica_timeout.is_zero() || self.replica_timeout >= self.response_timeout)
+        {
+            return Err(Error::config(
+                "replica_timeout must be more than zero and less than the response timeout",
+            ));
+        }
         for (what, d) in [
             ("connect timeout", self.connect_timeout),
             ("response timeout", self.response_timeout),
@@ -619,6 +874,68 @@ mod tests {
         let secret = "redis://:hunter2@localhost/x";
         let e = RedisConfig::from_url(secret).unwrap_err();
         assert!(!format!("{e:?} {e}").contains("hunter2"));
+    }
+
+    #[test]
+    fn sentinel_urls_keep_the_two_sets_of_credentials_apart() {
+        let c = RedisConfig::from_url(
+            "redis+sentinel://app:m%40ster@s1:5000,s2,[::1]:5002/my%20svc/3?sentinel_username=sen&sentinel_password=s3nt&min_replicas=2&replica_timeout=250ms&prefix=p",
+        )
+        .unwrap();
+        assert_eq!(c.mode(), RedisMode::Sentinel);
+        assert_eq!(c.get_service_name(), Some("my svc"));
+        let hosts: Vec<(&str, u16)> = c
+            .get_sentinels()
+            .iter()
+            .map(|(h, p)| (h.as_str(), *p))
+            .collect();
+        assert_eq!(
+            hosts,
+            [("s1", 5000), ("s2", DEFAULT_SENTINEL_PORT), ("[::1]", 5002)]
+        );
+        // The user info is the master's; the parameters are the sentinels'.
+        assert_eq!(c.redis.username(), Some("app"));
+        assert_eq!(c.redis.password(), Some("m@ster"));
+        assert_eq!(c.redis.db(), 3);
+        let s = c.sentinel.as_ref().unwrap();
+        assert_eq!(s.username.as_deref(), Some("sen"));
+        assert_eq!(s.password.as_deref(), Some("s3nt"));
+        assert_eq!(c.get_min_replicas(), 2);
+        assert_eq!(c.get_replica_timeout(), Duration::from_millis(250));
+        let dbg = format!("{c:?}");
+        assert!(!dbg.contains("m@ster") && !dbg.contains("s3nt"), "{dbg}");
+        let plain = RedisConfig::from_url("redis+sentinel://s1/svc").unwrap();
+        assert_eq!(plain.redis.db(), 0);
+        assert_eq!(plain.get_min_replicas(), 0);
+        let single = RedisConfig::from_url("redis://h?min_replicas=1").unwrap();
+        assert_eq!(single.mode(), RedisMode::Single);
+        assert_eq!(
+            (single.get_min_replicas(), single.get_replica_timeout()),
+            (1, DEFAULT_REPLICA_TIMEOUT)
+        );
+        for bad in [
+            "redis+sentinel://s1",
+            "redis+sentinel://s1/",
+            "redis+sentinel://s1/svc/x",
+            "redis+sentinel://:hunter2@s1/svc?tls_ca=ca.pem",
+            "redis+sentinel://s1/svc#insecure",
+            "redis+sentinel://s1/svc?min_replicas=-1",
+            "redis+sentinel://s1/svc?min_replicas=65",
+            "redis+sentinel://s1/svc?min_replicas=1&replica_timeout=0ms",
+            "redis+sentinel://s1/svc?min_replicas=1&replica_timeout=2s",
+            "redis+sentinel://s1/svc?sentinel_pasword=x",
+            "redis://:hunter2@h?sentinel_password=hunter2",
+            "rediss+sentinel://s1/svc",
+        ] {
+            match RedisConfig::from_url(bad) {
+                Err(Error::InvalidConfig { reason, .. }) => {
+                    assert!(!reason.contains("hunter2"), "secret echoed: {reason}")
+                }
+                other => panic!("{bad:?}: {other:?}"),
+            }
+        }
+        let by_hand = RedisConfig::sentinel(Vec::<(String, u16)>::new(), "svc");
+        assert!(by_hand.validate().is_err());
     }
 
     #[cfg(feature = "serde")]

@@ -1,16 +1,34 @@
 //! The command connection of a [`RedisLock`](crate::RedisLock): the redis crate's
-//! auto-reconnecting [`ConnectionManager`], replaced by a fresh one when a command times out.
+//! auto-reconnecting [`ConnectionManager`], replaced by a fresh one when a command times out,
+//! and in Sentinel mode when the sentinels name another master.
 //!
 //! The connection manager reconnects when the connection is closed or reset, but not when a
 //! reply merely never comes: a connection that silently stopped carrying bytes (a dead NAT
 //! entry, a partition that drops packets, a stuck proxy) would otherwise time out every
 //! command forever while new connections work. So a response timeout retires the connection
 //! that timed out, and the next command opens a new one.
+//!
+//! In Sentinel mode ([`crate::sentinel`]) a failed command (refused, dropped, timed out, or
+//! `READONLY`: the old master came back as a replica) and every `+switch-master` message of the
+//! sentinels start a discovery of the master; when it names another address, the connection,
+//! the confirmation connection and the client are replaced, and the master's generation number
+//! ([`Conn::switches`]) goes up, which the pub/sub connection and the loss notices follow.
 
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{Cmd, FromRedisValue, RedisResult, ScriptInvocation};
+use tokio::sync::watch;
+
+use lockkit_core::backend::Backoff;
+
+use crate::sentinel::Discovery;
+
+/// How long one discovery keeps asking the sentinels for a master before it gives up (the next
+/// failed command starts another): 30 s.
+const DISCOVERY_PERSISTENCE: Duration = Duration::from_secs(30);
 
 /// Cheap to clone: clones share the current connection.
 #[derive(Clone)]
@@ -19,34 +37,85 @@ pub(crate) struct Conn {
 }
 
 struct Inner {
-    client: redis::Client,
     config: ConnectionManagerConfig,
+    current: Mutex<Current>,
+    /// The sentinels, in Sentinel mode.
+    discovery: Option<Arc<Discovery>>,
+    /// A discovery is running.
+    discovering: AtomicBool,
+    /// The master's generation number, bumped when the sentinels name another master.
+    switched: watch::Sender<u64>,
+}
+
+struct Current {
     /// The connection in use and its generation number (bumped on every replacement).
-    current: Mutex<(u64, ConnectionManager)>,
+    generation: u64,
+    manager: ConnectionManager,
+    /// The connection for replication-confirmed grants (`WAIT` blocks its connection), opened
+    /// on first use.
+    side: Option<ConnectionManager>,
+    client: redis::Client,
+    /// The master's address, as `host:port`.
+    addr: String,
 }
 
 impl Conn {
-    /// Wraps a connected `first` manager; replacements are built from `client` and `config`.
+    /// Wraps a connected `first` manager of `client`; replacements are built from `client` and
+    /// `config`, or in Sentinel mode from the master `discovery` names.
     pub(crate) fn new(
         client: redis::Client,
         config: ConnectionManagerConfig,
         first: ConnectionManager,
+        discovery: Option<Arc<Discovery>>,
     ) -> Self {
-        Self {
+        let addr = client.get_connection_info().addr().to_string();
+        let this = Self {
             inner: Arc::new(Inner {
-                client,
                 config,
-                current: Mutex::new((0, first)),
+                current: Mutex::new(Current {
+                    generation: 0,
+                    manager: first,
+                    side: None,
+                    client,
+                    addr,
+                }),
+                discovering: AtomicBool::new(false),
+                discovery,
+                switched: watch::channel(0).0,
             }),
+        };
+        if let Some(d) = &this.inner.discovery {
+            d.listen(this.downgrade(), this.switches());
         }
+        this
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Current> {
+        self.inner.current.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn current(&self) -> (u64, ConnectionManager) {
-        self.inner
-            .current
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        let cur = self.lock();
+        (cur.generation, cur.manager.clone())
+    }
+
+    /// The client of the current master (for the pub/sub connection).
+    pub(crate) fn client(&self) -> redis::Client {
+        self.lock().client.clone()
+    }
+
+    /// The current master's address (`host:port`), for logs and tests.
+    pub(crate) fn master_addr(&self) -> String {
+        self.lock().addr.clone()
+    }
+
+    /// Changes of the master's generation number (Sentinel mode; never changes otherwise).
+    pub(crate) fn switches(&self) -> watch::Receiver<u64> {
+        self.inner.switched.subscribe()
+    }
+
+    pub(crate) fn downgrade(&self) -> WeakConn {
+        WeakConn(Arc::downgrade(&self.inner))
     }
 
     /// Runs a script (`EVALSHA`, loading it on `NOSCRIPT`).
@@ -80,26 +149,177 @@ impl Conn {
         r
     }
 
+    /// Runs `script` and then `wait` on the confirmation connection, one after the other: the
+    /// `WAIT` of a replication-confirmed grant covers the script's write (and everything the
+    /// master applied before it).
+    ///
+    /// # Errors
+    /// The redis client's error.
+    ///
+    /// # Cancel safety
+    /// Cancel safe; the commands may still run on the server.
+    pub(crate) async fn invoke_then<T: FromRedisValue, U: FromRedisValue>(
+        &self,
+        script: &ScriptInvocation<'_>,
+        wait: &Cmd,
+    ) -> RedisResult<(T, U)> {
+        let (generation, mut side) = {
+            let mut cur = self.lock();
+            let side = match &cur.side {
+                Some(s) => s.clone(),
+                None => {
+                    let s = ConnectionManager::new_lazy_with_config(
+                        cur.client.clone(),
+                        self.inner.config.clone(),
+                    )?;
+                    cur.side = Some(s.clone());
+                    s
+                }
+            };
+            (cur.generation, side)
+        };
+        let r: RedisResult<(T, U)> = async {
+            let t = script.invoke_async(&mut side).await?;
+            let u = wait.query_async(&mut side).await?;
+            Ok((t, u))
+        }
+        .await;
+        if let Err(e) = &r {
+            if e.is_timeout() {
+                // A silent side connection: open a new one next time (the command connection
+                // is not concerned).
+                let mut cur = self.lock();
+                if cur.generation == generation {
+                    cur.side = None;
+                }
+            }
+            self.maybe_failed_over(e);
+        }
+        r
+    }
+
+    /// In Sentinel mode, starts a discovery of the master after an error that a failover
+    /// explains: a failed connection, a timeout, `READONLY` (the old master came back as a
+    /// replica) or `MASTERDOWN`.
+    fn maybe_failed_over(&self, e: &redis::RedisError) {
+        if self.inner.discovery.is_some()
+            && (e.is_timeout()
+                || e.is_io_error()
+                || e.is_connection_refusal()
+                || e.is_connection_dropped()
+                || e.code() == Some("READONLY")
+                || e.code() == Some("MASTERDOWN"))
+        {
+            self.rediscover();
+        }
+    }
+
     /// After a response timeout, retires connection `generation` (unless it was replaced
-    /// already): the next command connects anew.
+    /// already): the next command connects anew. In Sentinel mode a failed connection or a
+    /// `READONLY` reply also starts a discovery of the master.
     fn check<T>(&self, generation: u64, r: &RedisResult<T>) {
         let Err(e) = r else { return };
+        self.maybe_failed_over(e);
         if !e.is_timeout() {
             return;
         }
-        let mut cur = self.inner.current.lock().unwrap_or_else(|p| p.into_inner());
-        if cur.0 != generation {
+        let mut cur = self.lock();
+        if cur.generation != generation {
             return;
         }
-        match ConnectionManager::new_lazy_with_config(
-            self.inner.client.clone(),
-            self.inner.config.clone(),
-        ) {
+        match ConnectionManager::new_lazy_with_config(cur.client.clone(), self.inner.config.clone())
+        {
             Ok(fresh) => {
-                *cur = (generation + 1, fresh);
+                cur.generation += 1;
+                cur.manager = fresh;
                 tracing::debug!("a redis command timed out; the next one uses a new connection");
             }
             Err(e) => tracing::debug!(error = %e, "cannot replace a timed-out redis connection"),
         }
+    }
+
+    /// Starts a discovery of the master in the background (Sentinel mode; one at a time): asks
+    /// the sentinels (with backoff, 50 ms doubling up to 500 ms, for up to
+    /// [`DISCOVERY_PERSISTENCE`]) until one names a master that confirms its role; if that is
+    /// another address than the current one, switches to it.
+    pub(crate) fn rediscover(&self) {
+        let Some(discovery) = self.inner.discovery.clone() else {
+            return;
+        };
+        if self.inner.discovering.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            self.inner.discovering.store(false, Ordering::Release);
+            return;
+        };
+        let weak = self.downgrade();
+        rt.spawn(async move {
+            let until = tokio::time::Instant::now() + DISCOVERY_PERSISTENCE;
+            let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_millis(500));
+            loop {
+                let found = discovery.master().await;
+                let Some(conn) = weak.upgrade() else { return };
+                match found {
+                    Ok(client) => {
+                        conn.switch_to(client);
+                        break;
+                    }
+                    Err(e) if tokio::time::Instant::now() < until => {
+                        tracing::debug!(error = %e, "no master from the sentinels yet; asking again");
+                        drop(conn);
+                        tokio::time::sleep(backoff.next_delay()).await;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e,
+                            "the sentinels named no reachable master within 30 s; the next \
+                             failed command asks again");
+                        break;
+                    }
+                }
+            }
+            if let Some(conn) = weak.upgrade() {
+                conn.inner.discovering.store(false, Ordering::Release);
+            }
+        });
+    }
+
+    /// Uses the master of `client` from now on, if it is another one than the current master.
+    fn switch_to(&self, client: redis::Client) {
+        let addr = client.get_connection_info().addr().to_string();
+        let mut cur = self.lock();
+        if cur.addr == addr {
+            return;
+        }
+        let fresh = match ConnectionManager::new_lazy_with_config(
+            client.clone(),
+            self.inner.config.clone(),
+        ) {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot connect to the new master");
+                return;
+            }
+        };
+        tracing::warn!(old = %cur.addr, new = %addr,
+            "the sentinels name a new redis master: leases held are kept only where it proves it \
+             holds them");
+        cur.generation += 1;
+        cur.manager = fresh;
+        cur.side = None;
+        cur.client = client;
+        cur.addr = addr;
+        drop(cur);
+        self.inner.switched.send_modify(|g| *g += 1);
+    }
+}
+
+/// A [`Conn`] that does not keep it alive (for its background tasks).
+#[derive(Clone)]
+pub(crate) struct WeakConn(Weak<Inner>);
+
+impl WeakConn {
+    pub(crate) fn upgrade(&self) -> Option<Conn> {
+        self.0.upgrade().map(|inner| Conn { inner })
     }
 }

@@ -75,10 +75,14 @@ return 0
 /// `ARGV[1]` the waiter-key prefix (`P:waiter:`).
 ///
 /// `bump()` is the one place a token is made: `INCR` of the fence counter, floored at the
-/// server's `TIME` in µs when the counter is new (a restart without persistence, an eviction or
-/// a deletion lost it), so tokens keep increasing across such losses while a grant costs no
-/// `TIME` call. `INCR` fails (and the script with it, before anything is written) if the counter
-/// is not an integer.
+/// server's `TIME` in µs (the counter is set to the floor when it is below): so tokens keep
+/// increasing when the counter was lost (a restart without persistence, an eviction, a
+/// deletion) and also when it is merely *old*: a replica promoted after a failover that did not
+/// receive the last grants has the counter of an earlier grant, and `INCR` alone would hand out
+/// a lost grant's token a second time (the Sentinel test
+/// `failover_with_replication_blocked_loses_the_lease_and_tokens_still_increase` saw equal
+/// tokens before the floor applied to every grant). `INCR` fails (and the script with it,
+/// before anything is written) if the counter is not an integer.
 ///
 /// `serve(me)` hands the free lock to the first live waiter of the queue (a ZSET in arrival
 /// order, members are waiter IDs): a waiter is live while its key `P:waiter:ID` (value
@@ -93,9 +97,10 @@ return 0
 pub(crate) const SERVE_LUA: &str = r"
 local function bump()
   local t = redis.call('INCR', KEYS[2])
-  if t == 1 then
-    local now = redis.call('TIME')
-    t = tonumber(now[1]) * 1000000 + tonumber(now[2])
+  local now = redis.call('TIME')
+  local floor = tonumber(now[1]) * 1000000 + tonumber(now[2])
+  if t < floor then
+    t = floor
     redis.call('SET', KEYS[2], string.format('%d', t))
   end
   return t

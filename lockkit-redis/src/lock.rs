@@ -27,9 +27,10 @@ use crate::core::{
 };
 use crate::error::{BACKEND, bad_reply, from_redis, timed_out};
 use crate::renewer::Renewer;
-use crate::server;
+use crate::sentinel::Discovery;
 use crate::waiters::{Hub, Waiting};
 use crate::watch::{LOSS_NOTICE, Watch};
+use crate::{replicas, server};
 
 /// The longest a waiter sleeps without looking at the lock again, when no release message
 /// arrives: about 1 s (jittered down by up to 10 %).
@@ -156,9 +157,9 @@ return {1, redis.call('PTTL', KEYS[1]), redis.call('GET', KEYS[2]) or ''}
 });
 
 const NOTES: &str = "efficiency lock on one Redis server. Tokens: a per-name counter that never \
-expires, started at the server's TIME in µs whenever it is missing, so they keep increasing across \
-restarts without persistence as long as the server's wall clock never steps backwards and the lock \
-is granted fewer than once per µs on average. A failover to an asynchronously replicated replica can \
+expires and is never left below the server's TIME in µs, so they keep increasing across restarts \
+without persistence as long as the server's wall clock never steps backwards and the lock is \
+granted fewer than once per µs on average. A failover to an asynchronously replicated replica can \
 grant a held lock a second time, and so can a restart that loses the data: a waiter may get the \
 lock while the old holder still reads Held until the client sees the server's new run_id (when its \
 pub/sub connection is back, or at the next keepalive tick) or its next renewal fails. A lock key \
@@ -286,6 +287,15 @@ impl RedisLock {
         .map_err(|e| {
             Error::config_with("cannot use the TLS files (tls_ca, tls_cert, tls_key)", e)
         })?;
+        let discovery = match &config.sentinel {
+            Some(s) => Some(Discovery::new(s, config.redis_settings().clone(), ct)?),
+            None => None,
+        };
+        let client = match &discovery {
+            // The master the sentinels name now (the client above was for the first sentinel).
+            Some(d) => d.master().await?,
+            None => client,
+        };
         let rt = config.response_timeout;
         let probe = AsyncConnectionConfig::new()
             .set_connection_timeout(Some(ct))
@@ -319,7 +329,7 @@ impl RedisLock {
             Ok(Err(e)) => return Err(from_redis(e)),
             Err(_) => return Err(timed_out("connecting to redis", ct)),
         };
-        let conn = Conn::new(client.clone(), manager, conn);
+        let conn = Conn::new(client, manager, conn, discovery);
         let facts = match tokio::time::timeout(
             ct,
             server::inspect(&conn, config.strict, config.notifications),
@@ -336,8 +346,10 @@ impl RedisLock {
             facts.notifications,
             config.notifications,
             facts.run_id,
+            config.sentinel.is_some(),
         );
-        let hub = Hub::new(client, &config.prefix, ct, rt, watch);
+        let hub = Hub::new(conn.clone(), &config.prefix, ct, rt, watch);
+        crate::sentinel::follow(&hub, &conn);
         if hub.watch().notifications() {
             // Subscribed before the first lease exists; if this fails, it is retried in the
             // background (or, refused, notifications are off: see `loss_notice`).
@@ -461,6 +473,15 @@ impl RedisLock {
         };
         match reply {
             (1, token, _) if token > 0 => {
+                if let Err(e) = self.confirm(keys, &me, ttl, delay).await {
+                    // Not replicated: give the grant back (the next waiter gets it).
+                    if cancel_once(&self.inner.conn, keys, &me, ttl).await.is_ok() {
+                        call.forget(&me);
+                    } else {
+                        call.retire(&me);
+                    }
+                    return Err(e);
+                }
                 let tracker = TrackerHandle::new(sent, ttl);
                 if tracker.state() == LeaseState::Lost {
                     // Too late to be of use: undo it now (if that fails, the cleanup retries in
@@ -503,6 +524,40 @@ impl RedisLock {
                 Err(bad_reply("acquire"))
             }
         }
+    }
+
+    /// With [`RedisConfig::min_replicas`]: waits until that many replicas acknowledged the grant
+    /// of `keys` to `owner` (see `replicas.rs`); else nothing.
+    ///
+    /// # Errors
+    /// As `replicas::confirm`: the caller gives the grant back.
+    async fn confirm(
+        &self,
+        keys: &Keys,
+        owner: &str,
+        ttl: Duration,
+        delay: Option<Duration>,
+    ) -> Result<()> {
+        let c = &self.inner.config;
+        if c.min_replicas == 0 {
+            return Ok(());
+        }
+        replicas::confirm(
+            &self.inner.conn,
+            keys,
+            owner,
+            ttl,
+            delay,
+            c.min_replicas,
+            c.replica_timeout,
+        )
+        .await
+    }
+
+    /// The address (`host:port`) of the server this client sends its commands to now: in
+    /// Sentinel mode the master the sentinels named last, for logs and tests.
+    pub fn master_addr(&self) -> String {
+        self.inner.conn.master_addr()
     }
 
     /// The lease of a grant with `token` to `owner`, renewed by this connection's batch when
@@ -903,6 +958,18 @@ impl LockBackend for RedisLock {
                         }
                         tracker = TrackerHandle::new(sent, opts.ttl);
                     }
+                    if self.confirm(&keys, &me, opts.ttl, delay).await.is_err() {
+                        // Not replicated: give it back, and look again.
+                        if cancel_once(&self.inner.conn, &keys, &me, opts.ttl)
+                            .await
+                            .is_ok()
+                        {
+                            call.forget(&me);
+                        } else {
+                            call.retire(&me);
+                        }
+                        continue;
+                    }
                     let owner = call.granted();
                     return Ok(self.lease(name, keys, owner, token, tracker, &opts));
                 }
@@ -920,7 +987,11 @@ impl LockBackend for RedisLock {
         g.lock_delay = true;
         g.expiry_slack = EXPIRY_SLACK;
         g.loss_notice = self.loss_notice();
-        g.notes = NOTES;
+        g.notes = if self.inner.config.sentinel.is_some() {
+            crate::sentinel::NOTES
+        } else {
+            NOTES
+        };
         g
     }
 

@@ -32,6 +32,7 @@ use tokio::task::AbortHandle;
 use lockkit_core::backend::Backoff;
 use lockkit_core::{Error, Result};
 
+use crate::conn::Conn;
 use crate::error::{from_redis, timed_out};
 use crate::watch::Watch;
 
@@ -50,7 +51,9 @@ struct State {
 
 /// The shared pub/sub connection of one `RedisLock` and its waiters' routes.
 pub(crate) struct Hub {
-    client: redis::Client,
+    /// The command connection, whose current client (in Sentinel mode: the current master's)
+    /// opens the pub/sub connection.
+    conn: Conn,
     /// This client's hand-off channel, `P:client:ID`.
     channel: String,
     /// Bounds opening the pub/sub connection (the connect timeout).
@@ -153,14 +156,14 @@ impl Drop for Waiting {
 
 impl Hub {
     pub(crate) fn new(
-        client: redis::Client,
+        conn: Conn,
         prefix: &str,
         connect_timeout: Duration,
         timeout: Duration,
         watch: Arc<Watch>,
     ) -> Arc<Self> {
         Arc::new_cyclic(|me| Self {
-            client,
+            conn,
             channel: format!("{prefix}:client:{:032x}", rand::random::<u128>()),
             connect_timeout,
             timeout,
@@ -317,7 +320,7 @@ impl Hub {
             return Ok(());
         }
         let ct = self.connect_timeout;
-        let pubsub = match tokio::time::timeout(ct, self.client.get_async_pubsub()).await {
+        let pubsub = match tokio::time::timeout(ct, self.conn.client().get_async_pubsub()).await {
             Ok(Ok(p)) => p,
             Ok(Err(e)) => return Err(from_redis(e)),
             Err(_) => return Err(timed_out("connecting the pub/sub connection", ct)),
@@ -387,7 +390,7 @@ impl Hub {
     /// Cancel safe: a dropped call closes what it opened.
     pub(crate) async fn open_pubsub(&self) -> Result<redis::aio::PubSub> {
         let ct = self.connect_timeout;
-        match tokio::time::timeout(ct, self.client.get_async_pubsub()).await {
+        match tokio::time::timeout(ct, self.conn.client().get_async_pubsub()).await {
             Ok(Ok(p)) => Ok(p),
             Ok(Err(e)) => Err(from_redis(e)),
             Err(_) => Err(timed_out("connecting the pub/sub connection", ct)),
@@ -422,6 +425,15 @@ impl Hub {
                 "the redis server refused PSUBSCRIBE to the lock keys' keyspace channels (an \
                  ACL without channel permission?): holders hear of a lost lock key only at \
                  their next renewal (within TTL/3)");
+        }
+    }
+
+    /// Drops the current pub/sub connection (the master changed): its waiters look at their
+    /// locks again, and a connection kept up is reopened, to the new master.
+    pub(crate) fn reconnect(&self) {
+        let current = lock(&self.state).conn.as_ref().map(|c| c.0);
+        if let Some(generation) = current {
+            self.drop_connection(generation);
         }
     }
 

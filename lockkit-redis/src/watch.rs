@@ -23,6 +23,15 @@
 //!   as lapsed (compare-and-delete, keeping a lock-delay) in case it survived. A lease the new run granted before the client
 //!   saw the new `run_id` is lost too (which run granted it cannot be told apart cheaply): the
 //!   holder stops early, and the lock is free again at once.
+//! - **New master** (Sentinel mode): a failover also shows as a new `run_id` (the promoted
+//!   replica's), but there a lease is not lost for that alone: each lease held here must prove
+//!   that the new master holds it, with one compare-and-`PEXPIRE` of its key and owner value
+//!   (which also makes good a renewal the old master did not replicate). Until then it is
+//!   [`Suspect`](lockkit_core::LeaseState::Suspect) (from the moment the client switched
+//!   masters); a key that is missing or holds another value makes it
+//!   [`Lost`](lockkit_core::LeaseState::Lost) with
+//!   [`NotHeldOnServer`](LossReason::NotHeldOnServer). The same holds for a restart of the
+//!   master in Sentinel mode.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -30,12 +39,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
-use lockkit_core::backend::TrackerHandle;
+use lockkit_core::backend::{SuspectReason, TrackerHandle};
 use lockkit_core::{LeaseState, LossReason};
 
 use crate::config::Notifications;
 use crate::conn::Conn;
-use crate::core::{RedisLease, holds};
+use crate::core::{RedisLease, compare_and_pexpire, holds};
 use crate::server::info_field;
 
 /// Within how long a holder hears that its lock key was deleted, evicted or expired on the
@@ -80,6 +89,8 @@ pub(crate) struct Watch {
     /// The `run_id` of the server run the client talks to (`None` if `INFO` never answered);
     /// the lock serializes checks.
     run: tokio::sync::Mutex<Option<String>>,
+    /// Sentinel mode: on a new `run_id` leases prove they are held instead of being lost.
+    prove: bool,
 }
 
 impl fmt::Debug for Watch {
@@ -130,6 +141,7 @@ impl Watch {
         notifications: bool,
         mode: Notifications,
         run_id: Option<String>,
+        prove: bool,
     ) -> Arc<Self> {
         let channel_prefix = format!("__keyspace@{db}__:");
         let pattern = format!("{channel_prefix}{}:lock:*", glob_escape(prefix));
@@ -141,6 +153,7 @@ impl Watch {
             pattern,
             state: Mutex::new(State::default()),
             run: tokio::sync::Mutex::new(run_id),
+            prove,
         })
     }
 
@@ -233,6 +246,64 @@ impl Watch {
         }
     }
 
+    /// Every lease held here that is not lost, with its registration.
+    fn held(&self) -> Vec<(String, u64, TrackerHandle, Weak<RedisLease>)> {
+        let st = lock(&self.state);
+        st.by_key
+            .iter()
+            .flat_map(|(k, v)| v.iter().map(move |e| (k, e)))
+            .filter(|(_, e)| e.tracker.state() != LeaseState::Lost)
+            .map(|(k, e)| (k.clone(), e.id, e.tracker.clone(), e.lease.clone()))
+            .collect()
+    }
+
+    /// Marks every lease held here suspect (the client switched to a new master; they have not
+    /// proved it holds them yet).
+    pub(crate) fn suspect_all(&self) {
+        for (_, _, tracker, _) in self.held() {
+            tracker.mark_suspect(SuspectReason::ConnectionLost);
+        }
+    }
+
+    /// After the server run changed from `old` to `now` (Sentinel mode): each lease held here
+    /// proves the new run holds it (compare-and-`PEXPIRE`, which also restarts its expiry
+    /// there), or is lost. A lease whose call fails stays as it is: its renewal decides.
+    async fn prove_all(&self, old: &str, now: &str) {
+        let held = self.held();
+        tracing::warn!(old_run_id = %old, new_run_id = %now, leases = held.len(),
+            "the redis master changed: every lease held through this client must prove the new              master holds it");
+        let proofs = held.into_iter().map(|(key, id, tracker, lease)| async move {
+            let Some(lease) = lease.upgrade() else { return };
+            let sent = tokio::time::Instant::now();
+            match compare_and_pexpire(
+                &lease.conn,
+                &lease.keys,
+                &lease.owner,
+                tracker.ttl(),
+                lease.delay,
+            )
+            .await
+            {
+                Ok(true) => {
+                    tracker.confirm(sent);
+                    tracing::info!(key = %key, "the new master holds the lease: kept");
+                }
+                Ok(false) => {
+                    if self.is_registered(&key, id) {
+                        tracing::warn!(key = %key,
+                            "the new master does not hold the lease (not replicated before the                              failover, or expired since): lease lost");
+                        tracker.mark_lost(LossReason::NotHeldOnServer);
+                    }
+                }
+                Err(e) => {
+                    tracing::debug!(key = %key, error = %e,
+                        "cannot prove a lease on the new master; its next renewal will");
+                }
+            }
+        });
+        futures_util::future::join_all(proofs).await;
+    }
+
     fn is_registered(&self, key: &str, id: u64) -> bool {
         lock(&self.state)
             .by_key
@@ -270,6 +341,13 @@ impl Watch {
         let Some(old) = run.replace(now.to_owned()) else {
             return true; // the first answer: nothing to compare with
         };
+        if self.prove {
+            self.prove_all(&old, now).await;
+            if self.notifications() && !crate::server::renotify(&self.conn, self.mode).await {
+                self.disable_notifications();
+            }
+            return true;
+        }
         let held: Vec<Weak<RedisLease>> = {
             let st = lock(&self.state);
             st.by_key

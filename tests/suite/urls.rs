@@ -30,7 +30,7 @@ fn closed_port() -> u16 {
 fn schemes() -> Vec<&'static str> {
     let mut s = vec!["memory"];
     if cfg!(feature = "redis") {
-        s.extend(["redis", "rediss"]);
+        s.extend(["redis", "rediss", "redis+sentinel"]);
     }
     if cfg!(feature = "etcd") {
         s.extend(["etcd", "etcds"]);
@@ -77,6 +77,10 @@ fn param() -> impl Strategy<Value = (String, String)> {
         "protocol",
         "db",
         "prefx",
+        "sentinel_password",
+        "sentinel_username",
+        "min_replicas",
+        "replica_timeout",
     ])
     .prop_map(str::to_owned);
     let key = prop_oneof![3 => known, 1 => tricky(), 1 => "[a-z_]{1,40}"];
@@ -86,6 +90,7 @@ fn param() -> impl Strategy<Value = (String, String)> {
         Just("jobs".to_owned()),
         Just("/nonexistent/ca.pem".to_owned()),
         Just("verify-full".to_owned()),
+        Just(format!("{SECRET}p")),
         tricky(),
     ];
     (key, value)

@@ -18,6 +18,7 @@ mod failures;
 mod fence;
 mod notify;
 mod queue;
+mod sentinel;
 mod slots;
 
 mod contract {

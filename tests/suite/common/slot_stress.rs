@@ -1,0 +1,209 @@
+//! Attacks shared by the backends' slot tests (breakslots): many contending permit clients
+//! that cancel, lapse and try once, checked against what every client believes it holds.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use lockkit::{AcquireOptions, Error, LeaseState, MemoryFence, Permit, Semaphore, Wait};
+
+/// What a stress run saw.
+#[derive(Debug, Default)]
+pub struct StressReport {
+    pub granted: usize,
+    pub cancelled: usize,
+    pub lapsed: usize,
+    pub refused: usize,
+    pub violations: Vec<String>,
+}
+
+/// `clients` contend for `name` (N = `permits`) for `rounds` each: most acquires wait and hold
+/// briefly, some are dropped after a few ms, some try once, and some stop renewing (`ttl`,
+/// keepalive off) and are left to lapse. Every grant checks, under one mutex, that fewer than N
+/// other permits are `Held` and none of them on the same slot, and fences a write per slot.
+pub async fn permit_stress(
+    clients: Vec<Arc<dyn Semaphore>>,
+    name: &str,
+    permits: u32,
+    rounds: usize,
+    ttl: Duration,
+) -> StressReport {
+    let live: Arc<Mutex<Vec<Arc<Permit>>>> = Arc::default();
+    let report: Arc<Mutex<StressReport>> = Arc::default();
+    let fence = Arc::new(MemoryFence::<u64>::new());
+    let mut joins = Vec::new();
+    for client in clients {
+        let (live, report, fence, name) =
+            (live.clone(), report.clone(), fence.clone(), name.to_owned());
+        joins.push(tokio::spawn(async move {
+            for _ in 0..rounds {
+                let action = rand::random::<u8>() % 8;
+                let mut opts = AcquireOptions::new()
+                    .ttl(Duration::from_secs(10))
+                    .wait(Wait::Timeout(Duration::from_secs(20)));
+                if action == 6 {
+                    opts = AcquireOptions::new()
+                        .ttl(ttl)
+                        .keepalive(false)
+                        .wait(Wait::Timeout(Duration::from_secs(20)));
+                }
+                if action == 7 {
+                    opts = opts.wait(Wait::No);
+                }
+                let res = if action == 5 {
+                    let cut = Duration::from_millis(1 + u64::from(rand::random::<u8>() % 60));
+                    match tokio::time::timeout(cut, client.acquire_permit(&name, permits, opts))
+                        .await
+                    {
+                        Ok(r) => r,
+                        Err(_) => {
+                            report.lock().unwrap().cancelled += 1;
+                            continue;
+                        }
+                    }
+                } else {
+                    client.acquire_permit(&name, permits, opts).await
+                };
+                let p = match res {
+                    Ok(p) => Arc::new(p),
+                    Err(Error::Held { .. } | Error::Timeout { .. }) => {
+                        report.lock().unwrap().refused += 1;
+                        continue;
+                    }
+                    Err(e) => {
+                        report
+                            .lock()
+                            .unwrap()
+                            .violations
+                            .push(format!("acquire failed: {e:?}"));
+                        continue;
+                    }
+                };
+                {
+                    let mut l = live.lock().unwrap();
+                    l.retain(|o| o.state() == LeaseState::Held);
+                    if p.state() == LeaseState::Held {
+                        if l.len() >= permits as usize {
+                            report.lock().unwrap().violations.push(format!(
+                                "{} others Held when slot {} was granted",
+                                l.len(),
+                                p.slot()
+                            ));
+                        }
+                        if let Some(o) = l.iter().find(|o| o.slot() == p.slot()) {
+                            report.lock().unwrap().violations.push(format!(
+                                "slot {} Held twice: {:?} and {:?}",
+                                p.slot(),
+                                o.token(),
+                                p.token()
+                            ));
+                        }
+                        l.push(p.clone());
+                    }
+                    let resource = format!("slot-{}", p.slot());
+                    let v = fence.read(&resource).unwrap_or(0);
+                    if let Err(e) = fence.write(&resource, p.token(), v + 1) {
+                        report
+                            .lock()
+                            .unwrap()
+                            .violations
+                            .push(format!("fenced write: {e:?}"));
+                    }
+                }
+                report.lock().unwrap().granted += 1;
+                if action == 6 {
+                    // Not renewed: lapses after its TTL.
+                    p.lost().await;
+                    report.lock().unwrap().lapsed += 1;
+                    live.lock().unwrap().retain(|o| !Arc::ptr_eq(o, &p));
+                    drop(p);
+                    continue;
+                }
+                tokio::time::sleep(Duration::from_millis(u64::from(rand::random::<u8>() % 20)))
+                    .await;
+                live.lock().unwrap().retain(|o| !Arc::ptr_eq(o, &p));
+                if let Ok(p) = Arc::try_unwrap(p) {
+                    if let Err(e) = p.release().await {
+                        report
+                            .lock()
+                            .unwrap()
+                            .violations
+                            .push(format!("release: {e:?}"));
+                    }
+                }
+            }
+        }));
+    }
+    for j in joins {
+        if let Err(e) = j.await {
+            report
+                .lock()
+                .unwrap()
+                .violations
+                .push(format!("client panicked: {e}"));
+        }
+    }
+    Arc::try_unwrap(report)
+        .map(|m| m.into_inner().unwrap())
+        .unwrap_or_default()
+}
+
+/// After a stress run: a fresh client gets all N permits within `within` (nothing is left
+/// blocking), and once they are released the idle semaphore takes another N.
+pub async fn nothing_left(
+    fresh: &dyn Semaphore,
+    name: &str,
+    permits: u32,
+    within: Duration,
+) -> Vec<String> {
+    let mut bad = Vec::new();
+    let mut held = Vec::new();
+    for _ in 0..permits {
+        match fresh
+            .acquire_permit(
+                name,
+                permits,
+                AcquireOptions::new()
+                    .ttl(Duration::from_secs(10))
+                    .wait(Wait::Timeout(within)),
+            )
+            .await
+        {
+            Ok(p) => held.push(p),
+            Err(e) => bad.push(format!(
+                "after the run, permit {} of {permits}: {e:?}",
+                held.len()
+            )),
+        }
+    }
+    for p in held {
+        let _ = p.release().await;
+    }
+    // Idle now: another N is taken (a few tries: a dropped grant's key may still be going).
+    let mut last = None;
+    for _ in 0..20 {
+        match fresh
+            .acquire_permit(
+                name,
+                permits + 1,
+                AcquireOptions::new()
+                    .ttl(Duration::from_secs(10))
+                    .wait(Wait::No),
+            )
+            .await
+        {
+            Ok(p) => {
+                let _ = p.release().await;
+                last = None;
+                break;
+            }
+            Err(e) => {
+                last = Some(e);
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    }
+    if let Some(e) = last {
+        bad.push(format!("the idle semaphore kept its N: {e:?}"));
+    }
+    bad
+}

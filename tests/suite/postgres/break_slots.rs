@@ -93,7 +93,7 @@ async fn permits_hold_under_cancels_and_lapses() {
             PgLock::connect(&url).await.expect("connect"),
         ));
     }
-    let report = permit_stress(clients, &name, 3, 12, Duration::from_secs(2)).await;
+    let report = permit_stress(clients, &name, &[3], 12, Duration::from_secs(2)).await;
     println!("postgres stress: {report:?}");
     let fresh = PgLock::connect(&url).await.expect("connect");
     let left = nothing_left(&fresh, &name, 3, Duration::from_secs(8)).await;
@@ -101,4 +101,55 @@ async fn permits_hold_under_cancels_and_lapses() {
         report.violations.is_empty() && left.is_empty(),
         "{report:?} {left:?}"
     );
+}
+
+/// Ten candidates campaign with waits, cancels, try-onces and lapses (keepalive off, 2 s TTL):
+/// never two leaders Held at once, every term's fenced write accepted, a lapsed leader's
+/// proclaim refused; afterwards a fresh candidate leads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_leader_under_cancels_and_lapses() {
+    use crate::common::slot_stress::election_stress;
+    let url = with_prefix(&base_url(), &fresh_prefix());
+    let name = format!("estress-{:08x}", rand::random::<u32>());
+    let mut clients: Vec<std::sync::Arc<dyn Election>> = Vec::new();
+    for _ in 0..10 {
+        clients.push(std::sync::Arc::new(
+            PgLock::connect(&url).await.expect("connect"),
+        ));
+    }
+    let report = election_stress(clients, &name, 10, Duration::from_secs(2)).await;
+    println!("postgres election stress: {report:?}");
+    let fresh = PgLock::connect(&url).await.expect("connect");
+    let l = fresh
+        .campaign(
+            &name,
+            b"last",
+            AcquireOptions::new().wait(Wait::Timeout(Duration::from_secs(8))),
+        )
+        .await;
+    assert!(report.violations.is_empty(), "{report:?}");
+    l.expect("a fresh candidate after the run")
+        .resign()
+        .await
+        .expect("resign");
+}
+
+/// Five clients contend with N = 2 or N = 3 at random (plus cancels and try-onces; no lapses, which would keep it busy):
+/// a permit is never granted while a permit of the other N is Held, never more than N at once;
+/// the losers get `PermitsMismatch`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn permits_of_two_ns_never_mix() {
+    use crate::common::slot_stress::permit_stress;
+    let url = with_prefix(&base_url(), &fresh_prefix());
+    let name = format!("mixed-{:08x}", rand::random::<u32>());
+    let mut clients: Vec<std::sync::Arc<dyn lockkit::Semaphore>> = Vec::new();
+    for _ in 0..5 {
+        clients.push(std::sync::Arc::new(
+            PgLock::connect(&url).await.expect("connect"),
+        ));
+    }
+    let report = permit_stress(clients, &name, &[2, 3], 30, Duration::from_secs(2)).await;
+    println!("postgres mixed-N stress: {report:?}");
+    assert!(report.violations.is_empty(), "{report:?}");
+    assert!(report.switches > 0, "N never changed: {report:?}");
 }

@@ -994,7 +994,9 @@ impl PgWatch {
         h
     }
 
-    /// Reads the slots and applies what is newer; `true` if a change was not seen.
+    /// Reads the slots and applies what is newer; `true` if a change was not seen: a token or
+    /// value version skipped, or a new token while the last one applied was still held (its
+    /// end and any value it proclaimed meanwhile are only in notifications not yet read).
     async fn read(&mut self) -> Result<bool> {
         let status = self.lock.read_status(&self.names).await?;
         self.recheck = match &status {
@@ -1019,7 +1021,14 @@ impl PgWatch {
                     token: r.granted.unwrap_or(0),
                 },
             };
-            missed |= self.apply(change).unwrap_or(false);
+            let jumped = match &change {
+                Change::Held { slot, token, .. } => {
+                    let st = self.state(*slot);
+                    *token > st.token && st.value.is_some()
+                }
+                Change::Free { .. } => false,
+            };
+            missed |= self.apply(change).is_some_and(|m| m || jumped);
         }
         Ok(missed)
     }

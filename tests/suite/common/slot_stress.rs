@@ -375,3 +375,43 @@ pub async fn election_stress(
         .map(|m| m.into_inner().unwrap())
         .unwrap_or_default()
 }
+
+/// A permit holder cut off from the server (`freeze` cuts its traffic, keepalives included)
+/// while a waiter waits: the waiter is granted the slot only once the cut-off holder itself no
+/// longer believes it holds (its state is not `Held`), with a higher token of that slot.
+pub async fn cut_off_holder_is_not_held_when_reclaimed(
+    holder: &dyn Semaphore,
+    waiter: Arc<dyn Semaphore>,
+    name: &str,
+    freeze: impl FnOnce(),
+) {
+    let ttl = Duration::from_secs(2);
+    let held = holder
+        .acquire_permit(name, 1, AcquireOptions::new().ttl(ttl).wait(Wait::No))
+        .await
+        .expect("permit");
+    let n = name.to_owned();
+    let w = tokio::spawn(async move {
+        waiter
+            .acquire_permit(
+                &n,
+                1,
+                AcquireOptions::new()
+                    .ttl(Duration::from_secs(10))
+                    .wait(Wait::Timeout(Duration::from_secs(30))),
+            )
+            .await
+    });
+    freeze();
+    let p = w.await.expect("task").expect("the waiter's permit");
+    let state = held.state();
+    assert_ne!(
+        state,
+        LeaseState::Held,
+        "the cut-off holder still believed it held slot {} when {:?} was granted",
+        held.slot(),
+        p.token()
+    );
+    assert!(p.token() > held.token());
+    let _ = p.release().await;
+}

@@ -179,3 +179,22 @@ async fn terms_and_observers_survive_an_etcd_restart() {
     );
     lc.resign().await.expect("resign c");
 }
+
+/// A permit holder whose network is cut (proxy frozen) loses its slot to a waiter only after
+/// its own state left `Held`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_off_permit_holder_is_not_held_when_reclaimed() {
+    use crate::common::proxy::Proxy;
+    use crate::common::slot_stress::cut_off_holder_is_not_held_when_reclaimed;
+    let prefix = fresh_prefix();
+    let direct = server_url("LOCKKIT_ETCD_URL");
+    let hostport = direct.trim_start_matches("etcd://").to_owned();
+    let proxy = Proxy::start(hostport.clone()).await;
+    let via = with_prefix(&format!("etcd://{}", proxy.endpoint()), &prefix);
+    let a = EtcdLock::connect(&via).await.expect("connect via proxy");
+    let b = EtcdLock::connect(&with_prefix(&direct, &prefix))
+        .await
+        .expect("connect");
+    let name = format!("cut-{:08x}", rand::random::<u32>());
+    cut_off_holder_is_not_held_when_reclaimed(&a, Arc::new(b), &name, || proxy.freeze()).await;
+}

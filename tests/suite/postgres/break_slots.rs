@@ -153,3 +153,26 @@ async fn permits_of_two_ns_never_mix() {
     assert!(report.violations.is_empty(), "{report:?}");
     assert!(report.switches > 0, "N never changed: {report:?}");
 }
+
+/// A permit holder whose network is cut (proxy frozen) loses its slot to a waiter only after
+/// its own state left `Held` (its idle timeout starts after its last statement, its tracker at
+/// that statement's send).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_off_permit_holder_is_not_held_when_reclaimed() {
+    use crate::common::proxy::Proxy;
+    use crate::common::slot_stress::cut_off_holder_is_not_held_when_reclaimed;
+    let prefix = fresh_prefix();
+    let port = super::port_of(&base_url());
+    let proxy = Proxy::start_local(port).await;
+    let via = with_prefix(
+        &base_url().replacen(&format!(":{port}/"), &format!(":{}/", proxy.port), 1),
+        &prefix,
+    );
+    let a = PgLock::connect(&via).await.expect("connect via proxy");
+    let b = PgLock::connect(&with_prefix(&base_url(), &prefix))
+        .await
+        .expect("connect");
+    let name = format!("cut-{:08x}", rand::random::<u32>());
+    cut_off_holder_is_not_held_when_reclaimed(&a, std::sync::Arc::new(b), &name, || proxy.freeze())
+        .await;
+}

@@ -176,3 +176,88 @@ async fn a_cut_off_permit_holder_is_not_held_when_reclaimed() {
     cut_off_holder_is_not_held_when_reclaimed(&a, std::sync::Arc::new(b), &name, || proxy.freeze())
         .await;
 }
+
+/// An observer whose server goes down while it waits for the next event gets an error (its
+/// listener cannot reconnect), and the caller calls `next()` again once the server is back, as
+/// a watch loop does. The leader died with the server and the next candidate leads: the
+/// observer must say `Missed` (notifications were lost) or report the leader's end before the
+/// next term; `SlotWatch::next` says a watch is finished after an error, so it may also keep
+/// failing. FAILS on main 6b24150: the listener reconnects silently on the call after the error
+/// (sqlx returns `None` only when its eager reconnect succeeds), and the re-read then finds the
+/// next term one token on: `Leader(T2)` straight after `Leader(T1)`. Passes with the read fix
+/// of 256dc71, but only because the re-read comes first: had the next grant's notification
+/// come first, there would still be no `Missed` (a watch should resync after any error).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_observer_called_again_after_an_outage_error_says_missed() {
+    use super::server::PgServer;
+    let srv = PgServer::start(None);
+    let url = with_prefix(&srv.url(), &fresh_prefix());
+    let (a, b, w) = (
+        PgLock::connect(&url).await.expect("connect"),
+        PgLock::connect(&url).await.expect("connect"),
+        PgLock::connect(&url).await.expect("connect"),
+    );
+    let name = format!("outage-{:08x}", rand::random::<u32>());
+    let opts = AcquireOptions::new()
+        .ttl(Duration::from_secs(10))
+        .wait(Wait::No);
+    let la = a
+        .campaign(&name, b"a", opts.clone())
+        .await
+        .expect("campaign");
+    let t1 = la.term();
+    let mut obs = w.observe(&name).await.expect("observe");
+    assert_eq!(
+        obs.next().await.expect("first"),
+        LeaderEvent::Leader(LeaderInfo::new(t1, b"a".to_vec()))
+    );
+    srv.stop_immediate();
+    let mut errors = 0;
+    let mut seen = Vec::new();
+    // While the server is down: the observer fails (or says Missed).
+    match tokio::time::timeout(Duration::from_secs(15), obs.next()).await {
+        Ok(Err(_)) => errors += 1,
+        Ok(Ok(e)) => seen.push(e),
+        Err(_) => {}
+    }
+    srv.start_again();
+    drop(la);
+    let lb = loop {
+        match b.campaign(&name, b"b", opts.clone()).await {
+            Ok(l) => break l,
+            Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let mut finished = false;
+    while tokio::time::Instant::now() < deadline {
+        match tokio::time::timeout(Duration::from_secs(10), obs.next()).await {
+            Ok(Ok(e)) => {
+                seen.push(e.clone());
+                if matches!(&e, LeaderEvent::Leader(l) if l.term == lb.term()) {
+                    break;
+                }
+            }
+            Ok(Err(_)) => {
+                errors += 1;
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(_) => {
+                finished = true;
+                break;
+            }
+        }
+    }
+    println!("errors {errors}, finished {finished}, seen {seen:?}");
+    let before_b: Vec<_> = seen
+        .iter()
+        .take_while(|e| !matches!(e, LeaderEvent::Leader(l) if l.term == lb.term()))
+        .collect();
+    assert!(
+        seen.is_empty()
+            || before_b.contains(&&LeaderEvent::Missed)
+            || before_b.contains(&&LeaderEvent::NoLeader),
+        "after {errors} errors the observer went on from the dead leader to the next term with no Missed: {seen:?}"
+    );
+    lb.resign().await.ok();
+}

@@ -184,9 +184,9 @@ async fn a_cut_off_permit_holder_is_not_held_when_reclaimed() {
 /// next term; `SlotWatch::next` says a watch is finished after an error, so it may also keep
 /// failing. FAILS on main 6b24150: the listener reconnects silently on the call after the error
 /// (sqlx returns `None` only when its eager reconnect succeeds), and the re-read then finds the
-/// next term one token on: `Leader(T2)` straight after `Leader(T1)`. Passes with the read fix
-/// of 256dc71, but only because the re-read comes first: had the next grant's notification
-/// come first, there would still be no `Missed` (a watch should resync after any error).
+/// next term one token on: `Leader(T2)` straight after `Leader(T1)`. (The read fix of 256dc71
+/// alone also passes it, but only because the re-read comes first; the watch now reads the
+/// state and says `Missed` on the call after any error.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_observer_called_again_after_an_outage_error_says_missed() {
     use super::server::PgServer;

@@ -862,6 +862,9 @@ struct PgWatch {
     last: Vec<SlotHolder>,
     pending: VecDeque<WatchEvent>,
     recheck: Instant,
+    /// Notifications may have been lost (an error, or the listener reconnected): read the
+    /// state and emit it after a `Missed` before anything else.
+    resync: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -994,7 +997,9 @@ impl PgWatch {
         h
     }
 
-    /// Reads the slots and applies what is newer; `true` if a change was not seen.
+    /// Reads the slots and applies what is newer; `true` if a change was not seen: a token or
+    /// value version skipped, or a new token while the last one applied was still held (its
+    /// end and any value it proclaimed meanwhile are only in notifications not yet read).
     async fn read(&mut self) -> Result<bool> {
         let status = self.lock.read_status(&self.names).await?;
         self.recheck = match &status {
@@ -1019,7 +1024,14 @@ impl PgWatch {
                     token: r.granted.unwrap_or(0),
                 },
             };
-            missed |= self.apply(change).unwrap_or(false);
+            let jumped = match &change {
+                Change::Held { slot, token, .. } => {
+                    let st = self.state(*slot);
+                    *token > st.token && st.value.is_some()
+                }
+                Change::Free { .. } => false,
+            };
+            missed |= self.apply(change).is_some_and(|m| m || jumped);
         }
         Ok(missed)
     }
@@ -1040,9 +1052,28 @@ impl PgWatch {
 #[async_trait]
 impl SlotWatch for PgWatch {
     async fn next(&mut self) -> Result<WatchEvent> {
+        let res = self.next_inner().await;
+        if res.is_err() {
+            // The listener reconnects on the next call, silently: what was sent meanwhile is
+            // lost, so that call starts with a read and a `Missed`.
+            self.resync = true;
+        }
+        res
+    }
+}
+
+impl PgWatch {
+    async fn next_inner(&mut self) -> Result<WatchEvent> {
         loop {
             if let Some(e) = self.pending.pop_front() {
                 return Ok(e);
+            }
+            if self.resync {
+                // Cleared only once the state is read: a failed read is retried next call.
+                let _ = self.read().await?;
+                self.resync = false;
+                self.emit(true);
+                continue;
             }
             let note = tokio::select! {
                 got = self.listener.try_recv() => Some(got.map_err(from_sqlx)?),
@@ -1069,10 +1100,7 @@ impl SlotWatch for PgWatch {
                     }
                 }
                 // The connection was lost (and re-established): notifications are gone.
-                Some(None) => {
-                    let _ = self.read().await?;
-                    self.emit(true);
-                }
+                Some(None) => self.resync = true,
                 None => {
                     let missed = self.read().await?;
                     self.emit(missed);
@@ -1209,6 +1237,7 @@ impl SlotBackend for PgLock {
             last: Vec::new(),
             pending: VecDeque::new(),
             recheck: Instant::now(),
+            resync: false,
         };
         // The first state is the one when `observe` returned.
         let _ = w.read().await?;

@@ -3,6 +3,7 @@
 #![allow(dead_code)] // each backend module uses a part
 
 pub mod proxy;
+pub mod slot_stress;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

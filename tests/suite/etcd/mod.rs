@@ -1,6 +1,7 @@
 //! etcd backend: the contract suite on the shared single-member etcd (`LOCKKIT_ETCD_URL`), bad
 //! connects, and failure tests on private etcd processes (`cluster`, `failures`).
 
+mod break_slots;
 mod cluster;
 mod delay;
 mod failures;

@@ -200,6 +200,7 @@ mod error;
 mod fence;
 mod lease;
 mod lock;
+mod session;
 mod slots;
 
 pub use config::{
@@ -209,6 +210,7 @@ pub use core::SESSION_CHECK;
 pub use fence::PgFence;
 pub use lease::PgLease;
 pub use lock::{PgLock, lock_key, lock_key_in};
+pub use session::SESSION_LEASES;
 
 /// sqlx, as used by this crate (for [`PgFence`]'s arguments and [`PgConfig::new`]'s options).
 #[doc(no_inline)]

@@ -15,9 +15,10 @@ use lockkit_core::{
 };
 
 use crate::config::PgConfig;
-use crate::core::{Conn, Inner, Sql, Watch, duration_ms, key_of, ttl_ms};
+use crate::core::{Conn, Inner, Sql, duration_ms, key_of, ttl_ms};
 use crate::error::{BACKEND, Msg, backend, from_sqlx, sqlstate, unavailable};
 use crate::lease::PgLease;
+use crate::session::{Adopted, Grant, Sessions, TryGrant};
 
 /// Extra time the client waits for the server's `lock_timeout` to fire before it gives up on
 /// its own and closes the connection.
@@ -462,7 +463,7 @@ enum Outcome {
 
 impl Request<'_> {
     /// The acquire's own lock-delay in ms, 0 for none (at most `MAX_LOCK_DELAY`, so it fits).
-    fn delay_ms(&self) -> i64 {
+    pub(crate) fn delay_ms(&self) -> i64 {
         self.opts
             .effective_lock_delay()
             .map_or(0, |d| i64::try_from(duration_ms(d)).unwrap_or(i64::MAX))
@@ -491,6 +492,7 @@ pub(crate) struct Granted {
 #[derive(Clone)]
 pub struct PgLock {
     pub(crate) inner: Arc<Inner>,
+    pub(crate) sessions: Arc<Sessions>,
 }
 
 impl fmt::Debug for PgLock {
@@ -498,6 +500,7 @@ impl fmt::Debug for PgLock {
         f.debug_struct("PgLock")
             .field("config", &self.inner.config)
             .field("idle_connections", &self.inner.idle().len())
+            .field("holder_sessions", &self.sessions.count())
             .finish()
     }
 }
@@ -551,17 +554,19 @@ impl PgLock {
         config.validate()?;
         config.check_tls_files()?;
         let inner = Arc::new(Inner {
-            sql: Sql::new(&config.schema),
+            sql: Arc::new(Sql::new(&config.schema)),
             config,
             idle: Mutex::new(Vec::new()),
-            watch: Mutex::new(Watch::default()),
         });
         let mut c = inner.open().await?;
         if inner.config.auto_migrate && !inner.all_tables_exist(&mut c).await? {
             inner.migrate_on(&mut c).await?;
         }
         inner.put_idle(c);
-        Ok(Self { inner })
+        Ok(Self {
+            inner,
+            sessions: Arc::new(Sessions::default()),
+        })
     }
 
     /// Creates lockkit's schema and table if they do not exist (idempotent, safe to run from
@@ -626,6 +631,50 @@ impl PgLock {
     }
 }
 
+impl PgLock {
+    /// One acquire attempt. A lease kept alive by lockkit first tries once on a shared holder
+    /// session (one statement); a waiting acquire that finds the lock held, and a lease renewed
+    /// by hand, take the lock on a connection of their own ([`Inner::attempt`]), which then
+    /// becomes a holder session.
+    async fn attempt(&self, req: &Request<'_>, auto: bool) -> Result<Grant> {
+        if auto {
+            let ttl = req.opts.ttl;
+            let shared =
+                self.sessions
+                    .try_shared(&self.inner, req.key, req.full, req.delay_ms(), ttl);
+            let tried = match req.deadline.filter(|_| req.opts.wait != Wait::No) {
+                Some(d) => tokio::time::timeout_at(d, shared)
+                    .await
+                    .map_err(|_| req.timeout())?,
+                None => shared.await,
+            };
+            match tried? {
+                TryGrant::Granted(g) => return Ok(g),
+                TryGrant::Collision(stored) => {
+                    return Err(collision_error(req, stored.as_deref()));
+                }
+                TryGrant::Held if req.opts.wait == Wait::No => {
+                    return Err(Error::Held {
+                        name: req.name.to_owned(),
+                    });
+                }
+                // Wait in the server's lock queue, on a session of its own.
+                TryGrant::Held => {}
+            }
+        }
+        let g = self.inner.attempt(req).await?;
+        let tracker = TrackerHandle::new(g.sent, req.opts.ttl);
+        let adopted = Adopted {
+            key: req.key,
+            token: g.token,
+            tracker,
+            lock_delay: req.delay_ms() > 0,
+            auto,
+        };
+        Ok(self.sessions.adopt(&self.inner, g.conn, adopted))
+    }
+}
+
 #[async_trait]
 impl LockBackend for PgLock {
     /// Acquires `name` (see [`Lock::acquire`](lockkit_core::Lock::acquire)).
@@ -665,10 +714,11 @@ impl LockBackend for PgLock {
             start,
             deadline: wait_deadline(opts.wait, start),
         };
-        let attempts = retry_transient(&opts, req.deadline, || self.inner.attempt(&req));
+        let auto = opts.keepalive;
+        let attempts = retry_transient(&opts, req.deadline, || self.attempt(&req, auto));
         let granted = if opts.wait == Wait::No {
-            // A try-once gets the connect timeout in all, retries included; dropping the
-            // attempt closes its connection.
+            // A try-once gets the connect timeout in all, retries included; a dropped attempt
+            // gives back whatever it was granted.
             let t = self.inner.config.connect_timeout;
             tokio::time::timeout(t, attempts).await.map_err(|_| {
                 unavailable(Msg(format!(
@@ -680,15 +730,8 @@ impl LockBackend for PgLock {
         };
         let token = u64::try_from(granted.token)
             .map_err(|_| backend(Msg("negative fencing token in the fence table".into())))?;
-        let tracker = TrackerHandle::new(granted.sent, opts.ttl);
-        let ops = Arc::new(PgLease::new(
-            self.inner.clone(),
-            name,
-            req.key,
-            tracker.clone(),
-            granted.conn,
-            opts.effective_lock_delay().is_some(),
-        ));
+        let tracker = granted.tracker.clone();
+        let ops = Arc::new(PgLease::new(name, granted, auto));
         Ok(Lease::new(
             name,
             FencingToken::new(self.lock_id(name), token),

@@ -95,21 +95,33 @@ impl PgLease {
         }
     }
 
-    /// Asks the session's task for `cmd`, answered before the lease's deadline.
+    /// Asks the session's task for `cmd`, answered before the lease's deadline (`None`: the
+    /// session's task has ended). With `queued`, the answer may come later, as long as the
+    /// lease is not lost meanwhile (the session keeps renewing it while the command waits its
+    /// turn behind the others of the session).
     async fn ask<T>(
         &self,
+        queued: bool,
         cmd: impl FnOnce(oneshot::Sender<Result<T>>) -> Cmd,
     ) -> Option<Result<T>> {
         let (reply, answer) = oneshot::channel();
         if !self.holder.send(cmd(reply)) {
             return None;
         }
-        match tokio::time::timeout_at(self.tracker.valid_until(), answer).await {
-            Ok(Ok(r)) => Some(r),
-            Ok(Err(_)) => None,
-            Err(_) => Some(Err(unavailable(Msg(
+        let late = || {
+            Some(Err(unavailable(Msg(
                 "no answer from the holder session before the lease's deadline".into(),
-            )))),
+            ))))
+        };
+        if queued && self.tracker.state() != LeaseState::Lost {
+            return tokio::select! {
+                r = answer => r.ok(),
+                () = self.tracker.view().lost() => late(),
+            };
+        }
+        match tokio::time::timeout_at(self.tracker.valid_until(), answer).await {
+            Ok(r) => r.ok(),
+            Err(_) => late(),
         }
     }
 
@@ -143,7 +155,7 @@ impl LeaseOps for PgLease {
             return Err(self.not_held());
         }
         let ttl_ms = ttl_ms(ttl);
-        match self.ask(|reply| Cmd::Renew { ttl_ms, reply }).await {
+        match self.ask(false, |reply| Cmd::Renew { ttl_ms, reply }).await {
             Some(Ok(())) if self.tracker.state() != LeaseState::Lost => Ok(()),
             Some(Err(e)) => {
                 tracing::debug!(lock = %self.name, error = %e, "renew failed: session gone");
@@ -165,7 +177,7 @@ impl LeaseOps for PgLease {
             return Err(self.not_held());
         }
         let key = self.key;
-        match self.ask(|reply| Cmd::Check { key, reply }).await {
+        match self.ask(false, |reply| Cmd::Check { key, reply }).await {
             Some(Ok(true)) => Ok(()),
             Some(Err(e @ Error::Unavailable { .. })) => Err(e),
             _ => Err(self.not_held()),
@@ -200,7 +212,7 @@ impl LeaseOps for PgLease {
         self.done.store(true, Ordering::Release);
         let key = self.key;
         let res = self
-            .ask(|reply| Cmd::Release {
+            .ask(true, |reply| Cmd::Release {
                 key,
                 lapse: false,
                 reply: Some(reply),

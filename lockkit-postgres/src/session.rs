@@ -484,11 +484,16 @@ impl Actor {
         }
         loop {
             let wake = self.next_wake();
-            let ev = tokio::select! {
-                biased;
-                cmd = rx.recv() => Event::Cmd(cmd),
-                () = c.closed() => Event::Closed,
-                () = tokio::time::sleep_until(wake) => Event::Tick,
+            // Commands come first, but a stream of them never holds back a renewal.
+            let ev = if Instant::now() >= wake {
+                Event::Tick
+            } else {
+                tokio::select! {
+                    biased;
+                    cmd = rx.recv() => Event::Cmd(cmd),
+                    () = c.closed() => Event::Closed,
+                    () = tokio::time::sleep_until(wake) => Event::Tick,
+                }
             };
             let next = match ev {
                 Event::Cmd(Some(cmd)) => self.command(&mut c, cmd).await,

@@ -155,7 +155,10 @@ impl LeaseOps for PgLease {
             return Err(self.not_held());
         }
         let ttl_ms = ttl_ms(ttl);
-        match self.ask(false, |reply| Cmd::Renew { ttl_ms, reply }).await {
+        match self
+            .ask(self.auto, |reply| Cmd::Renew { ttl_ms, reply })
+            .await
+        {
             Some(Ok(())) if self.tracker.state() != LeaseState::Lost => Ok(()),
             Some(Err(e)) => {
                 tracing::debug!(lock = %self.name, error = %e, "renew failed: session gone");

@@ -484,8 +484,9 @@ pub(crate) struct Granted {
 }
 
 /// Distributed locks on one PostgreSQL server (14 or newer): each lease is a session-level
-/// advisory lock held on a connection of its own, ended by the server after one TTL without
-/// renewal, with a fencing token from lockkit's table `{schema}.fence`.
+/// advisory lock held by a holder session shared with up to [`SESSION_LEASES`](crate::SESSION_LEASES)
+/// leases of the same TTL, ended by the server after one TTL without renewal, with a fencing
+/// token from lockkit's table `{schema}.fence`.
 ///
 /// See the [crate docs](crate) for the mechanism and its guarantees. Cheap to clone: clones share
 /// the configuration and the cache of idle connections.
@@ -679,8 +680,9 @@ impl PgLock {
 impl LockBackend for PgLock {
     /// Acquires `name` (see [`Lock::acquire`](lockkit_core::Lock::acquire)).
     ///
-    /// A try-acquire is one statement: `pg_try_advisory_lock` and, if granted, the bump of the
-    /// name's token in `{schema}.fence`. A waiting acquire then waits in the server's lock queue
+    /// A try-acquire is one statement on a shared holder session of its TTL (see the crate
+    /// docs): `pg_try_advisory_lock` and, if granted, the bump of the name's token in
+    /// `{schema}.fence`. A waiting acquire then waits in the server's lock queue
     /// (`SELECT pg_advisory_lock(key)` with `lock_timeout` set to the time left), which is
     /// FIFO, and bumps the token after the grant. The wait is checked every 3 s on another
     /// connection (a cut-off connection ends it with [`Error::Unavailable`]). Opening a
@@ -696,8 +698,10 @@ impl LockBackend for PgLock {
     /// between two names (see [`lock_key`]).
     ///
     /// # Cancel safety
-    /// Cancel safe: each attempt runs on a connection owned by the attempt, and dropping the
-    /// future closes it. The server then ends the session, which drops its place in the lock
+    /// Cancel safe. A try on a shared holder session runs in that session's task: if the
+    /// future is dropped, a lock granted meanwhile is released there (the session is not
+    /// closed, its other leases stay). A wait runs on a connection owned by the attempt, and
+    /// dropping the future closes it. The server then ends the session, which drops its place in the lock
     /// queue (noticed within 250 ms through `client_connection_check_interval`) and any lock it
     /// was granted meanwhile. If the close cannot reach the server, the session's
     /// `idle_session_timeout` (the TTL, set before the lock is requested) ends it.
@@ -777,8 +781,10 @@ impl LockBackend for PgLock {
         g.expiry_slack = Duration::from_millis(100);
         g.loss_notice = Some(LOSS_NOTICE);
         g.lock_delay = true;
-        g.notes = "one PostgreSQL 14+ server: a lease is a session advisory lock on a dedicated \
-                   connection that idle_session_timeout (= TTL) ends unless renewed; tokens are \
+        g.notes = "one PostgreSQL 14+ server: a lease is a session advisory lock on a holder \
+                   session (up to 1,000 kept-alive leases of one TTL each, renewed together \
+                   once per TTL/3; a lease renewed by hand has its own) that \
+                   idle_session_timeout (= TTL) ends unless renewed; tokens are \
                    committed (synchronous_commit=on) in {schema}.fence; a session ended by a \
                    server restart or pg_terminate_backend frees the lock at once, and the \
                    holder reads the server's close on its idle connection within milliseconds \

@@ -480,7 +480,8 @@ enum Next {
 impl Actor {
     async fn run(mut self, mut c: Conn, mut rx: mpsc::UnboundedReceiver<Cmd>) {
         if self.holder.solo {
-            self.manual.extend(self.holder.state().leases.keys().copied());
+            self.manual
+                .extend(self.holder.state().leases.keys().copied());
         }
         loop {
             let wake = self.next_wake();
@@ -515,6 +516,7 @@ impl Actor {
                 Next::Retire => {
                     if self.retire() {
                         if let Some(inner) = self.inner.upgrade() {
+                            c.last_sent = self.last_ok;
                             inner.put_idle(c);
                         }
                         return;
@@ -554,7 +556,9 @@ impl Actor {
         }
         if self.holder.solo {
             let end = st.leases.values().map(|h| h.tracker.valid_until()).min();
-            return end.map_or(d, |e| d.min(e.max(Instant::now() + Duration::from_millis(1))));
+            return end.map_or(d, |e| {
+                d.min(e.max(Instant::now() + Duration::from_millis(1)))
+            });
         }
         d.min(self.last_renew + self.ttl)
     }
@@ -764,10 +768,7 @@ impl Actor {
             self.stmt(q, sent).await
         };
         match res {
-            Ok(n) => (
-                Ok(usize::try_from(n).unwrap_or(0)),
-                self.after_release(),
-            ),
+            Ok(n) => (Ok(usize::try_from(n).unwrap_or(0)), self.after_release()),
             Err(e) => {
                 tracing::debug!(backend_pid = self.holder.pid, error = %e, "unlock failed; ending the session");
                 (Err(from_sqlx(e)), Next::Die)
@@ -784,7 +785,12 @@ impl Actor {
         }
     }
 
-    async fn renew(&mut self, c: &mut Conn, ttl_ms: u64, reply: oneshot::Sender<Result<()>>) -> Next {
+    async fn renew(
+        &mut self,
+        c: &mut Conn,
+        ttl_ms: u64,
+        reply: oneshot::Sender<Result<()>>,
+    ) -> Next {
         let mut reply = reply;
         let sent = Instant::now();
         let deadline = self.deadline();
@@ -823,8 +829,11 @@ impl Actor {
                 Next::Go
             }
             Ok(pid) => {
-                tracing::warn!(expected = self.holder.pid, got = pid,
-                    "renew reached another server session (connection pooler?); leases lost");
+                tracing::warn!(
+                    expected = self.holder.pid,
+                    got = pid,
+                    "renew reached another server session (connection pooler?); leases lost"
+                );
                 let _ = reply.send(Err(session_gone()));
                 Next::Die
             }
@@ -845,8 +854,8 @@ impl Actor {
             let at = if self.last_ok > self.last_renew {
                 self.last_ok
             } else {
-                let q = sqlx::query_scalar::<_, i32>("SELECT pg_backend_pid()")
-                    .fetch_one(&mut c.conn);
+                let q =
+                    sqlx::query_scalar::<_, i32>("SELECT pg_backend_pid()").fetch_one(&mut c.conn);
                 match self.stmt(q, now).await {
                     Ok(pid) if pid == self.holder.pid => now,
                     Ok(_) => return Next::Die,
@@ -866,8 +875,7 @@ impl Actor {
                     if h.auto && !self.holder.solo {
                         // Lost on the client side (too late an answer, a stale fenced
                         // write): given back as lapsed.
-                        !h.tracker.confirm(self.last_renew)
-                            || h.tracker.state() == LeaseState::Lost
+                        !h.tracker.confirm(self.last_renew) || h.tracker.state() == LeaseState::Lost
                     } else {
                         h.tracker.valid_until() <= now || h.tracker.state() == LeaseState::Lost
                     }
@@ -885,8 +893,8 @@ impl Actor {
                 return next;
             }
         }
-        let idle = self.holder.state().leases.is_empty()
-            && self.last_grant.elapsed() >= self.ttl / 3;
+        let idle =
+            self.holder.state().leases.is_empty() && self.last_grant.elapsed() >= self.ttl / 3;
         if idle { Next::Retire } else { Next::Go }
     }
 

@@ -27,8 +27,8 @@ use sqlx::postgres::{PgListener, PgPoolOptions};
 use crate::core::{Conn, Inner, duration_ms, quote_ident, ttl_ms};
 use crate::error::{Msg, backend, from_sqlx, sqlstate, unavailable};
 use crate::lease::PgLease;
-use crate::session::Adopted;
 use crate::lock::{PgLock, Request, WAIT_CHECK, full_name, lock_key_in};
+use crate::session::Adopted;
 
 /// Extra time a waiting permit acquire gives the server's `lock_timeout` before it closes its
 /// connection itself (as for locks).

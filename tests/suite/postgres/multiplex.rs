@@ -287,7 +287,10 @@ async fn cancelled_grants_and_waiters_on_a_shared_session_leave_nothing() {
     next.release().await.unwrap();
     assert_eq!(bystander.state(), LeaseState::Held);
     assert_eq!(pid_of(&bystander), session);
-    bystander.release().await.expect("the bystander was disturbed");
+    bystander
+        .release()
+        .await
+        .expect("the bystander was disturbed");
 }
 
 /// Not a test of its own: the holder process of `a_frozen_holder_process_frees_all_its_leases`,

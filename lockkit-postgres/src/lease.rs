@@ -96,9 +96,11 @@ impl PgLease {
     }
 
     /// Asks the session's task for `cmd`, answered before the lease's deadline (`None`: the
-    /// session's task has ended). With `queued`, the answer may come later, as long as the
-    /// lease is not lost meanwhile (the session keeps renewing it while the command waits its
-    /// turn behind the others of the session).
+    /// session's task has ended). With `queued`, the answer may come later: the session keeps
+    /// renewing the lease while the command waits its turn behind the others of the session,
+    /// and each statement of the session is bounded by the connect timeout and by the
+    /// session's own deadline (a session that does not answer is closed, which ends every
+    /// command waiting for it).
     async fn ask<T>(
         &self,
         queued: bool,
@@ -114,10 +116,7 @@ impl PgLease {
             ))))
         };
         if queued && self.tracker.state() != LeaseState::Lost {
-            return tokio::select! {
-                r = answer => r.ok(),
-                () = self.tracker.view().lost() => late(),
-            };
+            return answer.await.ok();
         }
         match tokio::time::timeout_at(self.tracker.valid_until(), answer).await {
             Ok(r) => r.ok(),

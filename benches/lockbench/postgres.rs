@@ -3,11 +3,11 @@
 //! 2. sqlx's own `PgAdvisoryLock` (`try_acquire` + `release_now`), same two statements;
 //! 3. the SQL lockkit sends, by hand: the grant statement that also bumps and commits the
 //!    name's token in `lockkit.fence`, then `pg_advisory_unlock` (2 round trips, one commit);
-//! 4. lockkit try-once acquire + release (keepalive on, TTL 10 s): the row;
-//! 5. the same with `keepalive(false)`, which shows the cost of the core's per-lease keepalive
-//!    task (a spawn and an abort, i.e. cross-thread wake-ups) apart from the backend's. Both
-//!    rows 4 and 5 also spawn and abort the lease's session-watch task (which checks every
-//!    second that the session still exists; a lease released within a second never queries).
+//! 4. lockkit try-once acquire + release (keepalive on, TTL 10 s): the row; both
+//!    statements run on a shared holder session, by its task (two hand-offs between tasks per
+//!    statement);
+//! 5. the same with `keepalive(false)`: the lease takes a connection of its own from the idle
+//!    cache (the grant runs on it), which gets a task for the life of the lease.
 //!
 //! Only try-once acquires are measured: an uncontended waiting acquire sends the same grant
 //! statement; a contended one waits in `SELECT pg_advisory_lock` and bumps the token in a

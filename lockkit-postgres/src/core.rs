@@ -2,12 +2,10 @@
 //! connections (opening, the idle cache), lockkit's SQL texts, the session watch, and unit
 //! conversions.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use lockkit_core::backend::TrackerHandle;
-use lockkit_core::{Error, Instant, LeaseState, LossReason, Result};
+use lockkit_core::{Error, Instant, Result};
 use sha2::{Digest, Sha256};
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
 
@@ -212,57 +210,8 @@ pub(crate) fn quote_ident(ident: &str) -> String {
 
 pub(crate) struct Inner {
     pub(crate) config: PgConfig,
-    pub(crate) sql: Sql,
+    pub(crate) sql: Arc<Sql>,
     pub(crate) idle: Mutex<Vec<Conn>>,
-    pub(crate) watch: Mutex<Watch>,
-}
-
-/// The held leases of one [`PgLock`](crate::PgLock) whose sessions the watch task checks.
-#[derive(Default)]
-pub(crate) struct Watch {
-    next_id: u64,
-    leases: HashMap<u64, (i32, TrackerHandle)>,
-    /// Whether the watch task runs (it ends when no lease is left).
-    running: bool,
-}
-
-/// The session watch of one [`PgLock`](crate::PgLock): every [`SESSION_CHECK`], one query for all its held
-/// leases; a lease whose session no longer exists is marked lost. Ends when no lease is left
-/// or the `PgLock` (and its leases) are gone.
-async fn watch_loop(inner: Weak<Inner>) {
-    loop {
-        tokio::time::sleep(SESSION_CHECK).await;
-        let Some(inner) = inner.upgrade() else {
-            return;
-        };
-        let watched: Vec<(u64, i32, TrackerHandle)> = {
-            let mut w = inner.watch_list();
-            w.leases.retain(|_, (_, t)| t.state() != LeaseState::Lost);
-            if w.leases.is_empty() {
-                w.running = false;
-                return;
-            }
-            w.leases
-                .iter()
-                .map(|(id, (pid, t))| (*id, *pid, t.clone()))
-                .collect()
-        };
-        let pids: Vec<i32> = watched.iter().map(|(_, pid, _)| *pid).collect();
-        let Some(gone) = inner.sessions_gone(&pids).await else {
-            continue;
-        };
-        for (id, pid, tracker) in watched {
-            if gone.contains(&pid) {
-                // The tracker reports the loss, naming the lock.
-                tracing::debug!(
-                    backend_pid = pid,
-                    "the lease's server session ended; lease lost"
-                );
-                tracker.mark_lost(LossReason::SessionExpired);
-                inner.unwatch(id);
-            }
-        }
-    }
 }
 
 impl Inner {
@@ -352,6 +301,35 @@ impl Inner {
         }
     }
 
+    /// A connection for a new shared holder session: its `idle_session_timeout` set to
+    /// `ttl_ms` (a cached connection that turns out dead is replaced by a new one, once).
+    pub(crate) async fn holder_conn(&self, ttl_ms: u64) -> Result<Conn> {
+        let (mut c, reused) = self.checkout().await?;
+        match self.set_idle(&mut c, ttl_ms).await {
+            Ok(()) => Ok(c),
+            Err(_) if reused => {
+                drop(c);
+                self.idle().clear();
+                let mut c = self.open().await?;
+                self.set_idle(&mut c, ttl_ms).await?;
+                Ok(c)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Sets the session's `idle_session_timeout` to `ms` (one statement).
+    pub(crate) async fn set_idle(&self, c: &mut Conn, ms: u64) -> Result<()> {
+        c.last_sent = Instant::now();
+        sqlx::query("SELECT set_config('idle_session_timeout', $1, false)")
+            .bind(ms.to_string())
+            .execute(&mut c.conn)
+            .await
+            .map_err(from_sqlx)?;
+        c.idle_ms = ms;
+        Ok(())
+    }
+
     pub(crate) async fn table_exists(&self, c: &mut Conn) -> Result<bool> {
         c.last_sent = Instant::now();
         sqlx::query_scalar(&self.sql.table_exists)
@@ -387,7 +365,7 @@ impl Inner {
 
     /// Which of the sessions `pids` no longer exist on the server (one query on another
     /// connection, within the connect timeout); `None` if the server could not be asked.
-    async fn sessions_gone(&self, pids: &[i32]) -> Option<Vec<i32>> {
+    pub(crate) async fn sessions_gone(&self, pids: &[i32]) -> Option<Vec<i32>> {
         let query = "SELECT p FROM unnest($1::int4[]) AS p \
                      WHERE NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.pid = p)";
         let check = async {
@@ -419,31 +397,6 @@ impl Inner {
             Ok(Ok(gone)) => Some(gone),
             _ => None,
         }
-    }
-
-    fn watch_list(&self) -> MutexGuard<'_, Watch> {
-        self.watch.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Starts watching the session `pid` of a held lease (see [`SESSION_CHECK`]): the lease is
-    /// marked lost when the session no longer exists. Returns the id for [`unwatch`](Self::unwatch).
-    pub(crate) fn watch(self: &Arc<Self>, pid: i32, tracker: TrackerHandle) -> u64 {
-        let mut w = self.watch_list();
-        w.next_id += 1;
-        let id = w.next_id;
-        w.leases.insert(id, (pid, tracker));
-        if !w.running {
-            if let Ok(rt) = tokio::runtime::Handle::try_current() {
-                w.running = true;
-                rt.spawn(watch_loop(Arc::downgrade(self)));
-            }
-        }
-        id
-    }
-
-    /// Stops watching lease `id`.
-    pub(crate) fn unwatch(&self, id: u64) {
-        self.watch_list().leases.remove(&id);
     }
 }
 

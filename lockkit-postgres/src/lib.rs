@@ -45,16 +45,51 @@
 //!
 //! ## How a lease works
 //! Each lease is a **session-level advisory lock**
-//! (<https://www.postgresql.org/docs/current/explicit-locking.html#ADVISORY-LOCKS>) held on a
-//! **connection of its own** for the whole life of the lease. That connection is never shared
-//! and is only reused for another acquire after `pg_advisory_unlock` returned `true`.
+//! (<https://www.postgresql.org/docs/current/explicit-locking.html#ADVISORY-LOCKS>) held by a
+//! **holder session**: a connection of the [`PgLock`]'s own (never a pooled one, never used by
+//! anything else) that holds many leases.
 //!
-//! - **Expiry.** Before the lock is requested, the session's
+//! - **Sharing.** Leases kept alive by lockkit (the default) of one TTL share holder sessions,
+//!   up to [`SESSION_LEASES`] (1,000) per session: 10,000 such leases take 10 server
+//!   connections. A try-once grant runs its one statement on the first session of its TTL that
+//!   has room (a new session is opened when all are full), a release unlocks on that session.
+//!   Each session is owned by a task that runs its statements one at a time, so a dropped
+//!   acquire or release never leaves a shared connection mid-statement: a grant whose caller is
+//!   gone is released by that task, a dropped release still happens. Advisory locks are
+//!   re-entrant within a session, so the task never grants a key its session already holds.
+//! - **Renewal** is per session, not per lease: one statement (`SELECT pg_backend_pid()`, none
+//!   if another statement ran since) every TTL/3 restarts the session's idle timer and confirms
+//!   all its leases at once; their leases are
+//!   [`self_renewing`](lockkit_core::backend::LeaseOps::self_renewing), so the core schedules
+//!   nothing for them. 10,000 leases of TTL 3 s: about 10 statements per second.
+//! - **Waiting** acquires first try once on a shared session; if the lock is held, they wait in
+//!   the server's queue on a connection of their own (a blocking `pg_advisory_lock` cannot
+//!   share a session), and that connection, which now holds the lock, becomes a holder session
+//!   that takes further grants of its TTL. The cost: one connection per concurrent waiter (as
+//!   before), plus one statement for the first try; a session stays open while it holds a
+//!   lease, so the waiters' sessions add to the pool until their leases are released (an empty
+//!   session is closed, back to the idle cache, TTL/3 after its last grant). FIFO order is kept
+//!   by the server's queue.
+//! - **Renewed by hand** (`keepalive(false)`): such a lease keeps a session of its own, since
+//!   its expiry must follow its own renewals and any statement on a shared session restarts
+//!   the session's idle timer.
+//! - **Server limits.** Advisory locks live in the server's shared lock table, sized
+//!   `max_locks_per_transaction × (max_connections + max_prepared_transactions + background
+//!   workers)`: with the defaults (64 × about 122) that is 7,808 entries nominally, and measured
+//!   on PostgreSQL 15 with `max_connections = 100` one session could take 12,734 advisory locks
+//!   before "out of shared memory" (the table borrows spare shared memory). So 10,000 leases
+//!   fit with the defaults, but leave about 2,700 entries for every other lock of the whole
+//!   server that is not a fast-path relation lock. For more leases, or a busy server, raise
+//!   `max_locks_per_transaction` (for example 128 doubles the table; a restart is needed).
+//! - **Expiry.** Before a lock is requested, the session's
 //!   [`idle_session_timeout`](https://www.postgresql.org/docs/current/runtime-config-client.html#GUC-IDLE-SESSION-TIMEOUT)
-//!   (PostgreSQL 14+, milliseconds) is set to the TTL. While the holder renews, every renewal
-//!   is a statement on that session and restarts the timer. If the holder stops (paused
-//!   process, crash, network cut), the server terminates the session after one TTL of
-//!   idleness, and ending a session releases its advisory locks. No client cooperation and no
+//!   (PostgreSQL 14+, milliseconds) is set to the TTL (all leases of a shared session have
+//!   that TTL). While the holder renews, every renewal is a statement on that session and
+//!   restarts the timer. If the holder stops (paused process, crash, network cut), the server
+//!   terminates the session after one TTL of idleness, and ending a session releases all its
+//!   advisory locks. A lease whose holder stops renewing it while its session lives on (a
+//!   dropped or leaked [`Lease`](lockkit_core::Lease), one lost on the client side) is
+//!   unlocked by the session's task at its deadline, leaving its lock-delay row, as a lapse. No client cooperation and no
 //!   TCP timeout is needed. The client's own deadline is `send time + TTL − drift margin`, so
 //!   the holder is told it lost the lock before the server frees it.
 //! - **Dead peers.** The session also sets `tcp_keepalives_idle = 10 s`,
@@ -64,14 +99,13 @@
 //!   (<https://www.postgresql.org/docs/current/runtime-config-connection.html#GUC-CLIENT-CONNECTION-CHECK-INTERVAL>),
 //!   so a waiter whose client went away leaves the lock queue promptly.
 //! - **Session watch.** A session can also end while its holder is fine: server restart or
-//!   crash, `pg_terminate_backend`, a killed backend. The server then frees the lock at once and
-//!   may grant it to another client. It also sends a FATAL error and closes the connection, and
-//!   the holder reads that at once: between statements, a task of each lease waits on its idle
-//!   connection (sqlx's `PgListener`, listening to nothing, on a pool of that one connection)
-//!   and marks the lease lost
-//!   ([`LossReason::SessionExpired`](lockkit_core::LossReason::SessionExpired)) as soon as the
-//!   connection closes; renewals and the release take the connection from it and give it back.
-//!   No statement is sent for it.
+//!   crash, `pg_terminate_backend`, a killed backend. The server then frees its locks at once
+//!   and may grant them to other clients. It also sends a FATAL error and closes the
+//!   connection, and the session's task, which reads the idle connection between statements
+//!   (sqlx's `PgListener`, listening to nothing, on a pool of that one connection), marks all
+//!   the leases of that session lost at once
+//!   ([`LossReason::SessionExpired`](lockkit_core::LossReason::SessionExpired)); the leases of
+//!   other sessions are not touched. No statement is sent for it.
 //!   **Detection window:** milliseconds after the close reaches the client
 //!   ([`Guarantees::loss_notice`](lockkit_core::Guarantees::loss_notice) = 100 ms; measured
 //!   3–16 ms after `pg_terminate_backend`, under 1 ms after `pg_ctl stop -m immediate`). A
@@ -79,11 +113,12 @@
 //!   its state) cannot be read as closed; the server ends its session through TCP keepalive
 //!   (about 16 s). For that case each [`PgLock`] still checks every [`SESSION_CHECK`] (5 s),
 //!   with one query on another connection, that the sessions of its held leases exist in
-//!   `pg_stat_activity`: the holder is then told within `SESSION_CHECK` + 2 × connect timeout.
+//!   `pg_stat_activity` (one query for all its sessions): the holder is then told within
+//!   `SESSION_CHECK` + 2 × connect timeout.
 //!   Within the window two clients may both believe they hold the lock: writes must be fenced
 //!   by the token (a server restart or kill is not a pause the TTL covers).
-//! - **Renew** runs one statement on the session (restarting the idle timer) and checks the
-//!   backend pid is unchanged. If the session is gone (idle timeout, `pg_terminate_backend`,
+//! - **Renew** (by the session's task, or by hand) runs one statement on the session
+//!   (restarting the idle timer) and checks the backend pid is unchanged. If the session is gone (idle timeout, `pg_terminate_backend`,
 //!   server restart, broken connection), renew and release return
 //!   [`Error::NotHeld`](lockkit_core::Error::NotHeld) and the lease is lost; the lock is never
 //!   re-taken.
@@ -175,9 +210,10 @@
 //! | | |
 //! |---|---|
 //! | kind | correctness lock, on one server |
-//! | lease expiry | idle_session_timeout = TTL, ms precision, slack ≤ 100 ms |
+//! | lease expiry | idle_session_timeout = TTL, ms precision, slack ≤ 100 ms (per holder session; a lease the holder stops renewing while its session lives is unlocked at its deadline) |
+//! | renewal traffic | one statement per holder session per TTL/3 (up to 1,000 leases each) |
 //! | lock-delay | yes: a row in `{schema}.delay`, counted from when the next acquirer first saw the lock free (server clock) |
-//! | session ended by restart / kill | holder told within milliseconds (reads the close); a silently dead connection within [`SESSION_CHECK`] (5 s) + check |
+//! | session ended by restart / kill | all leases of that session told within milliseconds (reads the close); a silently dead connection within [`SESSION_CHECK`] (5 s) + check |
 //! | tokens | durable, strictly increasing per name, survive server restarts |
 //! | waiters | FIFO (PostgreSQL's lock queue) |
 //! | manual renewal | yes (`keepalive(false)`) |
@@ -187,8 +223,9 @@
 //! the system roots or `sslrootcert=…`), through sqlx's rustls support.
 //!
 //! Requires PostgreSQL 14 or newer, a role that may create lockkit's schema and tables once
-//! (or run [`PgLock::migrate`] from one that can), and one server connection per held lease
-//! plus up to 8 idle ones per [`PgLock`].
+//! (or run [`PgLock::migrate`] from one that can), and per [`PgLock`] one server connection
+//! per [`SESSION_LEASES`] kept-alive leases of one TTL, one per lease renewed by hand, one per
+//! waiting acquire while it waits, plus up to 8 idle ones.
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations)]
 #![deny(rustdoc::broken_intra_doc_links)]
@@ -200,6 +237,7 @@ mod error;
 mod fence;
 mod lease;
 mod lock;
+mod session;
 mod slots;
 
 pub use config::{
@@ -209,6 +247,7 @@ pub use core::SESSION_CHECK;
 pub use fence::PgFence;
 pub use lease::PgLease;
 pub use lock::{PgLock, lock_key, lock_key_in};
+pub use session::SESSION_LEASES;
 
 /// sqlx, as used by this crate (for [`PgFence`]'s arguments and [`PgConfig::new`]'s options).
 #[doc(no_inline)]

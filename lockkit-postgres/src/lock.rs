@@ -15,9 +15,10 @@ use lockkit_core::{
 };
 
 use crate::config::PgConfig;
-use crate::core::{Conn, Inner, Sql, Watch, duration_ms, key_of, ttl_ms};
+use crate::core::{Conn, Inner, Sql, duration_ms, key_of, ttl_ms};
 use crate::error::{BACKEND, Msg, backend, from_sqlx, sqlstate, unavailable};
 use crate::lease::PgLease;
+use crate::session::{Adopted, Grant, Sessions, TryGrant};
 
 /// Extra time the client waits for the server's `lock_timeout` to fire before it gives up on
 /// its own and closes the connection.
@@ -462,7 +463,7 @@ enum Outcome {
 
 impl Request<'_> {
     /// The acquire's own lock-delay in ms, 0 for none (at most `MAX_LOCK_DELAY`, so it fits).
-    fn delay_ms(&self) -> i64 {
+    pub(crate) fn delay_ms(&self) -> i64 {
         self.opts
             .effective_lock_delay()
             .map_or(0, |d| i64::try_from(duration_ms(d)).unwrap_or(i64::MAX))
@@ -483,14 +484,16 @@ pub(crate) struct Granted {
 }
 
 /// Distributed locks on one PostgreSQL server (14 or newer): each lease is a session-level
-/// advisory lock held on a connection of its own, ended by the server after one TTL without
-/// renewal, with a fencing token from lockkit's table `{schema}.fence`.
+/// advisory lock held by a holder session shared with up to [`SESSION_LEASES`](crate::SESSION_LEASES)
+/// leases of the same TTL, ended by the server after one TTL without renewal, with a fencing
+/// token from lockkit's table `{schema}.fence`.
 ///
 /// See the [crate docs](crate) for the mechanism and its guarantees. Cheap to clone: clones share
 /// the configuration and the cache of idle connections.
 #[derive(Clone)]
 pub struct PgLock {
     pub(crate) inner: Arc<Inner>,
+    pub(crate) sessions: Arc<Sessions>,
 }
 
 impl fmt::Debug for PgLock {
@@ -498,6 +501,7 @@ impl fmt::Debug for PgLock {
         f.debug_struct("PgLock")
             .field("config", &self.inner.config)
             .field("idle_connections", &self.inner.idle().len())
+            .field("holder_sessions", &self.sessions.count())
             .finish()
     }
 }
@@ -551,17 +555,19 @@ impl PgLock {
         config.validate()?;
         config.check_tls_files()?;
         let inner = Arc::new(Inner {
-            sql: Sql::new(&config.schema),
+            sql: Arc::new(Sql::new(&config.schema)),
             config,
             idle: Mutex::new(Vec::new()),
-            watch: Mutex::new(Watch::default()),
         });
         let mut c = inner.open().await?;
         if inner.config.auto_migrate && !inner.all_tables_exist(&mut c).await? {
             inner.migrate_on(&mut c).await?;
         }
         inner.put_idle(c);
-        Ok(Self { inner })
+        Ok(Self {
+            inner,
+            sessions: Arc::new(Sessions::default()),
+        })
     }
 
     /// Creates lockkit's schema and table if they do not exist (idempotent, safe to run from
@@ -626,12 +632,57 @@ impl PgLock {
     }
 }
 
+impl PgLock {
+    /// One acquire attempt. A lease kept alive by lockkit first tries once on a shared holder
+    /// session (one statement); a waiting acquire that finds the lock held, and a lease renewed
+    /// by hand, take the lock on a connection of their own ([`Inner::attempt`]), which then
+    /// becomes a holder session.
+    async fn attempt(&self, req: &Request<'_>, auto: bool) -> Result<Grant> {
+        if auto {
+            let ttl = req.opts.ttl;
+            let shared =
+                self.sessions
+                    .try_shared(&self.inner, req.key, req.full, req.delay_ms(), ttl);
+            let tried = match req.deadline.filter(|_| req.opts.wait != Wait::No) {
+                Some(d) => tokio::time::timeout_at(d, shared)
+                    .await
+                    .map_err(|_| req.timeout())?,
+                None => shared.await,
+            };
+            match tried? {
+                TryGrant::Granted(g) => return Ok(g),
+                TryGrant::Collision(stored) => {
+                    return Err(collision_error(req, stored.as_deref()));
+                }
+                TryGrant::Held if req.opts.wait == Wait::No => {
+                    return Err(Error::Held {
+                        name: req.name.to_owned(),
+                    });
+                }
+                // Wait in the server's lock queue, on a session of its own.
+                TryGrant::Held => {}
+            }
+        }
+        let g = self.inner.attempt(req).await?;
+        let tracker = TrackerHandle::new(g.sent, req.opts.ttl);
+        let adopted = Adopted {
+            key: req.key,
+            token: g.token,
+            tracker,
+            lock_delay: req.delay_ms() > 0,
+            auto,
+        };
+        Ok(self.sessions.adopt(&self.inner, g.conn, adopted))
+    }
+}
+
 #[async_trait]
 impl LockBackend for PgLock {
     /// Acquires `name` (see [`Lock::acquire`](lockkit_core::Lock::acquire)).
     ///
-    /// A try-acquire is one statement: `pg_try_advisory_lock` and, if granted, the bump of the
-    /// name's token in `{schema}.fence`. A waiting acquire then waits in the server's lock queue
+    /// A try-acquire is one statement on a shared holder session of its TTL (see the crate
+    /// docs): `pg_try_advisory_lock` and, if granted, the bump of the name's token in
+    /// `{schema}.fence`. A waiting acquire then waits in the server's lock queue
     /// (`SELECT pg_advisory_lock(key)` with `lock_timeout` set to the time left), which is
     /// FIFO, and bumps the token after the grant. The wait is checked every 3 s on another
     /// connection (a cut-off connection ends it with [`Error::Unavailable`]). Opening a
@@ -647,8 +698,10 @@ impl LockBackend for PgLock {
     /// between two names (see [`lock_key`]).
     ///
     /// # Cancel safety
-    /// Cancel safe: each attempt runs on a connection owned by the attempt, and dropping the
-    /// future closes it. The server then ends the session, which drops its place in the lock
+    /// Cancel safe. A try on a shared holder session runs in that session's task: if the
+    /// future is dropped, a lock granted meanwhile is released there (the session is not
+    /// closed, its other leases stay). A wait runs on a connection owned by the attempt, and
+    /// dropping the future closes it. The server then ends the session, which drops its place in the lock
     /// queue (noticed within 250 ms through `client_connection_check_interval`) and any lock it
     /// was granted meanwhile. If the close cannot reach the server, the session's
     /// `idle_session_timeout` (the TTL, set before the lock is requested) ends it.
@@ -665,10 +718,11 @@ impl LockBackend for PgLock {
             start,
             deadline: wait_deadline(opts.wait, start),
         };
-        let attempts = retry_transient(&opts, req.deadline, || self.inner.attempt(&req));
+        let auto = opts.keepalive;
+        let attempts = retry_transient(&opts, req.deadline, || self.attempt(&req, auto));
         let granted = if opts.wait == Wait::No {
-            // A try-once gets the connect timeout in all, retries included; dropping the
-            // attempt closes its connection.
+            // A try-once gets the connect timeout in all, retries included; a dropped attempt
+            // gives back whatever it was granted.
             let t = self.inner.config.connect_timeout;
             tokio::time::timeout(t, attempts).await.map_err(|_| {
                 unavailable(Msg(format!(
@@ -680,15 +734,8 @@ impl LockBackend for PgLock {
         };
         let token = u64::try_from(granted.token)
             .map_err(|_| backend(Msg("negative fencing token in the fence table".into())))?;
-        let tracker = TrackerHandle::new(granted.sent, opts.ttl);
-        let ops = Arc::new(PgLease::new(
-            self.inner.clone(),
-            name,
-            req.key,
-            tracker.clone(),
-            granted.conn,
-            opts.effective_lock_delay().is_some(),
-        ));
+        let tracker = granted.tracker.clone();
+        let ops = Arc::new(PgLease::new(name, granted, auto));
         Ok(Lease::new(
             name,
             FencingToken::new(self.lock_id(name), token),
@@ -734,8 +781,10 @@ impl LockBackend for PgLock {
         g.expiry_slack = Duration::from_millis(100);
         g.loss_notice = Some(LOSS_NOTICE);
         g.lock_delay = true;
-        g.notes = "one PostgreSQL 14+ server: a lease is a session advisory lock on a dedicated \
-                   connection that idle_session_timeout (= TTL) ends unless renewed; tokens are \
+        g.notes = "one PostgreSQL 14+ server: a lease is a session advisory lock on a holder \
+                   session (up to 1,000 kept-alive leases of one TTL each, renewed together \
+                   once per TTL/3; a lease renewed by hand has its own) that \
+                   idle_session_timeout (= TTL) ends unless renewed; tokens are \
                    committed (synchronous_commit=on) in {schema}.fence; a session ended by a \
                    server restart or pg_terminate_backend frees the lock at once, and the \
                    holder reads the server's close on its idle connection within milliseconds \

@@ -28,6 +28,7 @@ use crate::core::{Conn, Inner, duration_ms, quote_ident, ttl_ms};
 use crate::error::{Msg, backend, from_sqlx, sqlstate, unavailable};
 use crate::lease::PgLease;
 use crate::lock::{PgLock, Request, WAIT_CHECK, full_name, lock_key_in};
+use crate::session::Adopted;
 
 /// Extra time a waiting permit acquire gives the server's `lock_timeout` before it closes its
 /// connection itself (as for locks).
@@ -801,6 +802,14 @@ impl LeaseOps for PgSlotLease {
         res
     }
 
+    async fn relinquish(&self) -> Result<()> {
+        self.lease.relinquish().await
+    }
+
+    fn self_renewing(&self) -> bool {
+        self.lease.self_renewing()
+    }
+
     fn as_any(&self) -> &dyn Any {
         self.lease.as_any()
     }
@@ -1171,14 +1180,15 @@ impl SlotBackend for PgLock {
         let key = self.slot_key(&n, slot);
         let tracker = TrackerHandle::new(sent, opts.ttl);
         // Lock-delay is refused for slots (see slot_guarantees).
-        let lease = PgLease::new(
-            self.inner.clone(),
-            req.name,
+        let adopted = Adopted {
             key,
-            tracker.clone(),
-            conn,
-            false,
-        );
+            token,
+            tracker: tracker.clone(),
+            lock_delay: false,
+            auto: opts.keepalive,
+        };
+        let grant = self.sessions.adopt(&self.inner, conn, adopted);
+        let lease = PgLease::new(req.name, grant, opts.keepalive);
         let ops = Arc::new(PgSlotLease {
             lease,
             inner: self.inner.clone(),

@@ -8,6 +8,7 @@ mod delay;
 mod failures;
 mod fence;
 mod loss;
+mod multiplex;
 mod review;
 mod server;
 mod slots;

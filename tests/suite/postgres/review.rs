@@ -381,8 +381,13 @@ async fn killed_session_is_noticed_within_the_check_interval() {
         .acquire("k2", AcquireOptions::new().ttl(ttl).keepalive(false))
         .await
         .unwrap();
-    // Watched by the same query, and must not be touched.
-    let bystander = locks.try_acquire("k3", ttl).await.unwrap();
+    // Watched by the same query, and must not be touched: another TTL, so another holder
+    // session (leases of one TTL share a session, and are lost together when it ends).
+    let bystander = locks
+        .try_acquire("k3", ttl + Duration::from_secs(1))
+        .await
+        .unwrap();
+    assert_ne!(pid_of(&bystander), pid_of(&auto));
     let mut db = admin(&base_url()).await;
     for lease in [&auto, &manual] {
         let killed = Instant::now();

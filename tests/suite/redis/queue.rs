@@ -252,13 +252,14 @@ async fn batch_renewal_failing_for_one_lease_marks_only_that_one_lost() {
     }
 }
 
-/// An uncontended acquire + release runs six commands inside its two scripts: the acquire one
-/// `EXISTS` (tombstone, lock-delay key and queue at once), `SET NX PX GET` and the counter's
-/// `INCR`; the release `GET`, `ZPOPMIN` and one `DEL` (of the lock and lock-delay keys). No
-/// `TIME` once the fence counter exists, no `PUBLISH` when nobody waits. Try-acquire and
-/// waiting acquire alike.
+/// An uncontended acquire + release runs eight commands inside its two scripts: the acquire one
+/// `EXISTS` (tombstone, lock-delay key and queue at once), `SET NX PX GET` and the token bump
+/// (`INCR`, `TIME`, and a `SET` raising the counter to the server clock in µs, which it is
+/// behind unless granted more than once per µs: the floor that keeps tokens increasing on a
+/// promoted replica); the release `GET`, `ZPOPMIN` and one `DEL` (of the lock and lock-delay
+/// keys). No `PUBLISH` when nobody waits. Try-acquire and waiting acquire alike.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn uncontended_acquire_and_release_run_six_commands() {
+async fn uncontended_acquire_and_release_run_eight_commands() {
     let server = PrivateRedis::start(None).await;
     let url = with_prefix(&server.url(), &fresh_prefix());
     let locks = RedisLock::connect(&url).await.expect("connect");
@@ -291,11 +292,12 @@ async fn uncontended_acquire_and_release_run_six_commands() {
             [
                 ("evalsha", 2),
                 ("exists", 1),
-                ("set", 1),
+                ("set", 2),
                 ("incr", 1),
                 ("get", 1),
                 ("zpopmin", 1),
-                ("del", 1)
+                ("del", 1),
+                ("time", 1)
             ],
             "{wait:?}"
         );

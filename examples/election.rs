@@ -48,7 +48,10 @@ async fn election(url: &str, storage: &MemoryFence<&str>) -> lockkit::Result<()>
                 println!("term {}: {value}", l.term.get());
             }
             LeaderEvent::NoLeader => println!("no leader"),
-            _ => println!("missed: changes may be lost here; next is the state after them"),
+            _ => {
+                led = true; // our term may be among the changes this observer missed
+                println!("missed: changes may be lost here; next is the state after them");
+            }
         }
     }
     // README: end

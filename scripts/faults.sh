@@ -12,6 +12,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 scripts/install-deps.sh >/dev/null
-# --all-features: the same build as scripts/test.sh's, so running both builds once.
-cargo build -q --all-features --example faults
-exec target/debug/examples/faults run --out docs/faults.md "$@"
+# --workspace --all-features: the same build as scripts/test.sh's (which sets
+# LOCKKIT_FAULTS_BUILT once it has built the examples), so running both builds once.
+if [ -z "${LOCKKIT_FAULTS_BUILT:-}" ]; then
+  cargo build -q --workspace --all-features --example faults
+fi
+exec "${CARGO_TARGET_DIR:-target}/debug/examples/faults" run --out docs/faults.md "$@"

@@ -224,7 +224,9 @@ async fn leaked_lock_on_a_shared_lease_delays_from_its_deadline() {
         "granted {:?} after the leaked lock's deadline",
         granted.saturating_duration_since(deadline)
     );
-    assert_eq!(keeper.state(), LeaseState::Held);
+    // The shared session lease lives on (Suspect is allowed: on a loaded 2-core machine a
+    // 2 s TTL's renewal can be late; the release below proves the lease is still ours).
+    assert_ne!(keeper.state(), LeaseState::Lost);
     next.release().await.unwrap();
     keeper.release().await.unwrap();
     assert_eq!(markers(b.client(), &prefix).await, 0);
@@ -285,7 +287,9 @@ async fn admin_delete_of_the_key_delays_then_frees() {
     let after = deleted.elapsed();
     eprintln!("etcd lock-delay: admin delete -> next grant after {after:?} (delay {delay:?})");
     assert!(after >= delay, "granted {after:?} after the delete");
-    assert_eq!(keeper.state(), LeaseState::Held);
+    // The shared session lease lives on (Suspect is allowed: on a loaded 2-core machine a
+    // 2 s TTL's renewal can be late; the release below proves the lease is still ours).
+    assert_ne!(keeper.state(), LeaseState::Lost);
     next.release().await.unwrap();
     keeper.release().await.unwrap();
     drop(held);

@@ -23,6 +23,7 @@ async fn waiter_survives_pg_cancel_backend() {
         PgLock::connect(&url).await.unwrap(),
     );
     let held = a.try_acquire("c", Duration::from_secs(30)).await.unwrap();
+    let key = a.key("c");
     let waiter = tokio::spawn(async move {
         let opts = AcquireOptions::new()
             .ttl(Duration::from_secs(30))
@@ -33,10 +34,14 @@ async fn waiter_survives_pg_cancel_backend() {
     // No signal for "the waiter is queued": poll the server's view of it.
     let until = Instant::now() + Duration::from_secs(10);
     let pid: i32 = loop {
+        // Only this test's waiter: the server is shared, and cancelling another test's wait
+        // failed it (postgres::break_slots::permits_of_two_ns_never_mix got the 57014).
         let pid: Option<i32> = sqlx::query_scalar(
-            "SELECT pid FROM pg_stat_activity WHERE state = 'active' \
-             AND query = 'SELECT pg_advisory_lock($1)' AND pid <> pg_backend_pid() LIMIT 1",
+            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
+             AND classid = (($1 >> 32) & 4294967295)::oid AND objid = ($1 & 4294967295)::oid \
+             AND objsubid = 1 LIMIT 1",
         )
+        .bind(key)
         .fetch_optional(&mut db)
         .await
         .unwrap();

@@ -142,7 +142,15 @@ async fn contend(url: &str, clients: usize, secs: Duration, flaky: bool) {
     let until = Instant::now() + secs;
     let mut tasks = Vec::new();
     for c in 0..clients {
-        let locks = RedisLock::connect(url).await.expect("connect");
+        // Where the server kills connections, a connect may be cut too (`Unavailable`): again.
+        let mut attempts = 0;
+        let locks = loop {
+            match RedisLock::connect(url).await {
+                Ok(l) => break l,
+                Err(e) if flaky && e.is_retryable() && attempts < 20 => attempts += 1,
+                Err(e) => panic!("connect: {e:?}"),
+            }
+        };
         let (state, grants, stats) = (state.clone(), grants.clone(), stats.clone());
         tasks.push(tokio::spawn(async move {
             let mut round = 0u64;

@@ -431,5 +431,9 @@ fn slot_targets() -> Vec<slots::Target> {
         "LOCKKIT_REDIS_URL",
         |u| async move { lockkit::redis::RedisLock::connect(&u).await },
     ));
+    #[cfg(feature = "zk")]
+    targets.extend(slots::from_url("zk", "LOCKKIT_ZK_URL", |u| async move {
+        lockkit::zk::ZkLock::connect(&u).await
+    }));
     targets
 }

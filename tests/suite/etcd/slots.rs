@@ -16,47 +16,21 @@ use tokio::time::Instant;
 
 use super::support::{fresh_data_dir, start_single};
 use crate::common::proxy::{Direction, Framing, Proxy};
-use crate::common::{free_port, fresh_prefix, server_url, with_prefix};
+use crate::common::{ConnectUrl, SlotClients, free_port, fresh_prefix, server_url, with_prefix};
 
-/// Hands out a new `EtcdLock` (its own client and session leases) per client, all under one
-/// fresh prefix.
-pub struct EtcdSlotHarness {
-    url: String,
-}
-
-impl EtcdSlotHarness {
-    pub fn from_env() -> Self {
-        Self {
-            url: with_prefix(&server_url("LOCKKIT_ETCD_URL"), &fresh_prefix()),
-        }
-    }
-
-    async fn client(&self) -> EtcdLock {
-        EtcdLock::connect(&self.url)
-            .await
-            .unwrap_or_else(|e| panic!("connect {}: {e:#?}", self.url))
-    }
-}
+/// The slot harness: a new `EtcdLock` (its own connections) per client, all under one fresh
+/// prefix.
+pub type EtcdSlotHarness = SlotClients<EtcdLock>;
 
 #[async_trait]
-impl SlotHarness for EtcdSlotHarness {
-    async fn election(&self) -> Arc<dyn Election> {
-        Arc::new(self.client().await)
-    }
-    async fn semaphore(&self) -> Arc<dyn Semaphore> {
-        Arc::new(self.client().await)
-    }
-    // 2 s, as the lock suite's: CI has 2 cores and runs tests in parallel.
-    fn short_ttl(&self) -> Duration {
-        Duration::from_secs(2)
-    }
-    fn tolerance(&self) -> Duration {
-        Duration::from_secs(2)
+impl ConnectUrl for EtcdLock {
+    async fn connect_url(url: &str) -> lockkit::Result<Self> {
+        EtcdLock::connect(url).await
     }
 }
 
 mod contract {
-    lockkit::election_suite!(super::EtcdSlotHarness::from_env());
+    lockkit::election_suite!(super::EtcdSlotHarness::from_env("LOCKKIT_ETCD_URL"));
 }
 
 fn unique(what: &str) -> String {
@@ -74,7 +48,7 @@ fn waiting(secs: u64) -> AcquireOptions {
 /// it), the candidate in line leads with a higher term, and an observer sees the hand-over.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_revoked_leader_is_lost_and_the_next_candidate_leads() {
-    let h = EtcdSlotHarness::from_env();
+    let h = EtcdSlotHarness::from_env("LOCKKIT_ETCD_URL");
     let (a, b, watcher, admin) = (
         h.client().await,
         h.client().await,
@@ -246,7 +220,7 @@ async fn an_observer_resumes_after_compaction_with_missed() {
 /// only what must hold: terms increase and the observer sees every leader in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn handover_and_observer_latency() {
-    let h = EtcdSlotHarness::from_env();
+    let h = EtcdSlotHarness::from_env("LOCKKIT_ETCD_URL");
     let (a, b, watcher) = (h.client().await, h.client().await, h.client().await);
     let name = unique("latency");
     let mut observer = watcher.observe(&name).await.expect("observe");
@@ -323,7 +297,7 @@ async fn handover_and_observer_latency() {
 /// only. While anyone waits the N stays in force (another N is `PermitsMismatch`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn permit_waiters_are_served_in_order() {
-    let h = EtcdSlotHarness::from_env();
+    let h = EtcdSlotHarness::from_env("LOCKKIT_ETCD_URL");
     let (a, other) = (h.client().await, h.client().await);
     let name = unique("permit-fifo");
     let once = AcquireOptions::new()
@@ -408,7 +382,7 @@ async fn permit_waiters_are_served_in_order() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_semaphore_watch_sees_every_permit() {
     use lockkit::backend::{SlotBackend, SlotKind, WatchEvent};
-    let h = EtcdSlotHarness::from_env();
+    let h = EtcdSlotHarness::from_env("LOCKKIT_ETCD_URL");
     let (a, watcher) = (h.client().await, h.client().await);
     let name = unique("sem-watch");
     let mut w = watcher

@@ -1,6 +1,7 @@
 //! Attacks shared by the backends' slot tests (breakslots): many contending permit clients
 //! that cancel, lapse and try once, checked against what every client believes it holds.
 
+use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -55,31 +56,10 @@ pub async fn permit_stress(
                 // With two Ns, no lapses: a lapsed permit keeps the semaphore busy for its whole TTL
                 // and N would never change.
                 let action = rand::random::<u8>() % if ns.len() > 1 { 6 } else { 8 };
-                let mut opts = AcquireOptions::new()
-                    .ttl(Duration::from_secs(10))
-                    .wait(Wait::Timeout(Duration::from_secs(20)));
-                if action == 6 {
-                    opts = AcquireOptions::new()
-                        .ttl(ttl)
-                        .keepalive(false)
-                        .wait(Wait::Timeout(Duration::from_secs(20)));
-                }
-                if action == 7 {
-                    opts = opts.wait(Wait::No);
-                }
-                let res = if action == 5 {
-                    let cut = Duration::from_millis(1 + u64::from(rand::random::<u8>() % 60));
-                    match tokio::time::timeout(cut, client.acquire_permit(&name, permits, opts))
-                        .await
-                    {
-                        Ok(r) => r,
-                        Err(_) => {
-                            report.lock().unwrap().cancelled += 1;
-                            continue;
-                        }
-                    }
-                } else {
-                    client.acquire_permit(&name, permits, opts).await
+                let opts = round_options(action, ttl);
+                let acquire = client.acquire_permit(&name, permits, opts);
+                let Some(res) = cut_short(action, acquire, &report).await else {
+                    continue;
                 };
                 let p = match res {
                     Ok(p) => Arc::new(p),
@@ -154,21 +134,78 @@ pub async fn permit_stress(
                     drop(p);
                     continue;
                 }
-                tokio::time::sleep(Duration::from_millis(u64::from(rand::random::<u8>() % 20)))
-                    .await;
-                live.lock().unwrap().retain(|o| !Arc::ptr_eq(o, &p));
-                if let Ok(p) = Arc::try_unwrap(p) {
-                    if let Err(e) = p.release().await {
-                        report
-                            .lock()
-                            .unwrap()
-                            .violations
-                            .push(format!("release: {e:?}"));
-                    }
-                }
+                hold_then_end(p, &live, &report, "release", Permit::release).await;
             }
         }));
     }
+    collect(joins, report).await
+}
+
+/// A round's options for its `action` (a draw from 0..8): 6 stops renewing (`ttl`, keepalive
+/// off) and is left to lapse, 7 tries once, the others wait up to 20 s with a 10 s TTL.
+fn round_options(action: u8, ttl: Duration) -> AcquireOptions {
+    let mut opts = AcquireOptions::new()
+        .ttl(Duration::from_secs(10))
+        .wait(Wait::Timeout(Duration::from_secs(20)));
+    if action == 6 {
+        opts = AcquireOptions::new()
+            .ttl(ttl)
+            .keepalive(false)
+            .wait(Wait::Timeout(Duration::from_secs(20)));
+    }
+    if action == 7 {
+        opts = opts.wait(Wait::No);
+    }
+    opts
+}
+
+/// A round's acquire; for `action` 5 dropped after 1–60 ms (then `None`, counted as cancelled
+/// if it had not finished).
+async fn cut_short<T>(
+    action: u8,
+    acquire: impl Future<Output = lockkit::Result<T>>,
+    report: &Mutex<StressReport>,
+) -> Option<lockkit::Result<T>> {
+    if action != 5 {
+        return Some(acquire.await);
+    }
+    let cut = Duration::from_millis(1 + u64::from(rand::random::<u8>() % 60));
+    match tokio::time::timeout(cut, acquire).await {
+        Ok(r) => Some(r),
+        Err(_) => {
+            report.lock().unwrap().cancelled += 1;
+            None
+        }
+    }
+}
+
+/// Holds a grant for 0–19 ms, takes it off `live` and ends it with `end` (`what` names the
+/// call in the violation a failure is); a grant still shared is left to its drop.
+async fn hold_then_end<T>(
+    held: Arc<T>,
+    live: &Mutex<Vec<Arc<T>>>,
+    report: &Mutex<StressReport>,
+    what: &str,
+    end: impl AsyncFnOnce(T) -> lockkit::Result<()>,
+) {
+    tokio::time::sleep(Duration::from_millis(u64::from(rand::random::<u8>() % 20))).await;
+    live.lock().unwrap().retain(|o| !Arc::ptr_eq(o, &held));
+    if let Ok(held) = Arc::try_unwrap(held) {
+        if let Err(e) = end(held).await {
+            report
+                .lock()
+                .unwrap()
+                .violations
+                .push(format!("{what}: {e:?}"));
+        }
+    }
+}
+
+/// Waits for every client task (a panic is a violation) and returns the report.
+async fn collect(
+    joins: Vec<tokio::task::JoinHandle<()>>,
+    report: Arc<Mutex<StressReport>>,
+) -> StressReport {
     for j in joins {
         if let Err(e) = j.await {
             report
@@ -264,29 +301,10 @@ pub async fn election_stress(
         joins.push(tokio::spawn(async move {
             for _ in 0..rounds {
                 let action = rand::random::<u8>() % 8;
-                let mut opts = AcquireOptions::new()
-                    .ttl(Duration::from_secs(10))
-                    .wait(Wait::Timeout(Duration::from_secs(20)));
-                if action == 6 {
-                    opts = AcquireOptions::new()
-                        .ttl(ttl)
-                        .keepalive(false)
-                        .wait(Wait::Timeout(Duration::from_secs(20)));
-                }
-                if action == 7 {
-                    opts = opts.wait(Wait::No);
-                }
-                let res = if action == 5 {
-                    let cut = Duration::from_millis(1 + u64::from(rand::random::<u8>() % 60));
-                    match tokio::time::timeout(cut, client.campaign(&name, b"v", opts)).await {
-                        Ok(r) => r,
-                        Err(_) => {
-                            report.lock().unwrap().cancelled += 1;
-                            continue;
-                        }
-                    }
-                } else {
-                    client.campaign(&name, b"v", opts).await
+                let opts = round_options(action, ttl);
+                let acquire = client.campaign(&name, b"v", opts);
+                let Some(res) = cut_short(action, acquire, &report).await else {
+                    continue;
                 };
                 let l = match res {
                     Ok(l) => l,
@@ -347,33 +365,14 @@ pub async fn election_stress(
                         .violations
                         .push(format!("proclaim of term {term:?}: {e:?}"));
                 }
-                tokio::time::sleep(Duration::from_millis(u64::from(rand::random::<u8>() % 20)))
-                    .await;
-                live.lock().unwrap().retain(|o| !Arc::ptr_eq(o, &l));
-                if let Ok(l) = Arc::try_unwrap(l) {
-                    if let Err(e) = l.into_inner().resign().await {
-                        report
-                            .lock()
-                            .unwrap()
-                            .violations
-                            .push(format!("resign: {e:?}"));
-                    }
-                }
+                hold_then_end(l, &live, &report, "resign", async |l| {
+                    l.into_inner().resign().await
+                })
+                .await;
             }
         }));
     }
-    for j in joins {
-        if let Err(e) = j.await {
-            report
-                .lock()
-                .unwrap()
-                .violations
-                .push(format!("client panicked: {e}"));
-        }
-    }
-    Arc::try_unwrap(report)
-        .map(|m| m.into_inner().unwrap())
-        .unwrap_or_default()
+    collect(joins, report).await
 }
 
 /// A permit holder cut off from the server (`freeze` cuts its traffic, keepalives included)

@@ -1,10 +1,13 @@
 //! Attacks shared by the backends' slot tests (breakslots): many contending permit clients
-//! that cancel, lapse and try once, checked against what every client believes it holds.
+//! that cancel, lapse and try once, checked against what every client believes it holds; and
+//! the whole tests that drive them (`*_under_*`, `permits_of_two_ns_never_mix`), which a
+//! backend's `break_slots.rs` runs with its slot harness.
 
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use lockkit::contract_election::SlotHarness;
 use lockkit::{AcquireOptions, Error, LeaseState, MemoryFence, Permit, Semaphore, Wait};
 
 /// What a stress run saw.
@@ -373,6 +376,67 @@ pub async fn election_stress(
         }));
     }
     collect(joins, report).await
+}
+
+/// Twelve clients contend for a semaphore of 3 permits with waits, cancels (dropped after
+/// 1–60 ms), try-onces and lapses (keepalive off, 2 s TTL): never more than 3 permits Held at
+/// once, never one slot twice, every fenced write accepted; afterwards nothing is left blocking
+/// and the idle semaphore takes another N. `backend` labels the printed report.
+pub async fn permits_hold_under_cancels_and_lapses(h: &dyn SlotHarness, backend: &str) {
+    let name = format!("stress-{:08x}", rand::random::<u32>());
+    let mut clients = Vec::new();
+    for _ in 0..12 {
+        clients.push(h.semaphore().await);
+    }
+    let report = permit_stress(clients, &name, &[3], 12, Duration::from_secs(2)).await;
+    println!("{backend} stress: {report:?}");
+    let fresh = h.semaphore().await;
+    let left = nothing_left(&*fresh, &name, 3, Duration::from_secs(8)).await;
+    assert!(
+        report.violations.is_empty() && left.is_empty(),
+        "{report:?} {left:?}"
+    );
+}
+
+/// Ten candidates campaign with waits, cancels, try-onces and lapses (keepalive off, 2 s TTL):
+/// never two leaders Held at once, every term's fenced write accepted, a lapsed leader's
+/// proclaim refused; afterwards a fresh candidate leads (within 8 s).
+pub async fn one_leader_under_cancels_and_lapses(h: &dyn SlotHarness, backend: &str) {
+    let name = format!("estress-{:08x}", rand::random::<u32>());
+    let mut clients = Vec::new();
+    for _ in 0..10 {
+        clients.push(h.election().await);
+    }
+    let report = election_stress(clients, &name, 10, Duration::from_secs(2)).await;
+    println!("{backend} election stress: {report:?}");
+    let fresh = h.election().await;
+    let l = fresh
+        .campaign(
+            &name,
+            b"last",
+            AcquireOptions::new().wait(Wait::Timeout(Duration::from_secs(8))),
+        )
+        .await;
+    assert!(report.violations.is_empty(), "{report:?}");
+    l.expect("a fresh candidate after the run")
+        .resign()
+        .await
+        .expect("resign");
+}
+
+/// Five clients contend with N = 2 or N = 3 at random (plus cancels and try-onces; no lapses,
+/// which would keep it busy): a permit is never granted while a permit of the other N is Held,
+/// never more than N at once; the losers get `PermitsMismatch`, and N does change.
+pub async fn permits_of_two_ns_never_mix(h: &dyn SlotHarness, backend: &str) {
+    let name = format!("mixed-{:08x}", rand::random::<u32>());
+    let mut clients = Vec::new();
+    for _ in 0..5 {
+        clients.push(h.semaphore().await);
+    }
+    let report = permit_stress(clients, &name, &[2, 3], 30, Duration::from_secs(2)).await;
+    println!("{backend} mixed-N stress: {report:?}");
+    assert!(report.violations.is_empty(), "{report:?}");
+    assert!(report.switches > 0, "N never changed: {report:?}");
 }
 
 /// A permit holder cut off from the server (`freeze` cuts its traffic, keepalives included)

@@ -2,10 +2,7 @@
 //! server crash and restart, and acquires cancelled (or timed out) at every moment.
 
 use lockkit::backend::LeaseBackendExt;
-use std::future::Future;
-use std::pin::Pin;
 use std::process::Stdio;
-use std::task::Poll;
 use std::time::Duration;
 
 use lockkit::postgres::sqlx::postgres::PgArguments;
@@ -16,7 +13,7 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::time::Instant;
 
 use super::server::{PgServer, admin};
-use super::{base_url, scratch_table, wait_no_advisory_lock};
+use super::{base_url, drop_waiters, poll_paused, scratch_table, wait_no_advisory_lock};
 use crate::common::proxy::Proxy;
 use crate::common::{fresh_prefix, with_prefix};
 
@@ -36,13 +33,6 @@ fn signal(pid: u32, sig: &str) {
         .status()
         .expect("kill");
     assert!(st.success(), "kill -{sig} {pid}");
-}
-
-/// Polls `f` exactly once.
-async fn poll_once<F: Future>(f: Pin<&mut F>) -> Poll<F::Output> {
-    let mut f = Some(f);
-    std::future::poll_fn(|cx| Poll::Ready(f.take().map(|f| f.poll(cx)).unwrap_or(Poll::Pending)))
-        .await
 }
 
 /// Not a test of its own: the holder process of `paused_holder_is_fenced_out`, which re-runs
@@ -391,15 +381,7 @@ async fn cancelled_acquire_leaves_no_lock() {
                 .expect("warm-up release");
             // Boxed, so that dropping it really drops the acquire (and its connection).
             let mut fut = Box::pin(b.try_acquire("free", ttl));
-            let mut done = None;
-            for _ in 0..polls {
-                if let Poll::Ready(r) = poll_once(fut.as_mut()).await {
-                    done = Some(r);
-                    break;
-                }
-                std::thread::sleep(Duration::from_micros(us));
-            }
-            match done {
+            match poll_paused(fut.as_mut(), polls, us).await {
                 Some(Ok(lease)) => {
                     completed += 1;
                     lease.release().await.expect("release");
@@ -415,14 +397,7 @@ async fn cancelled_acquire_leaves_no_lock() {
     // Held lock: cancel waiters at several points of their wait.
     let key = a.key("held");
     let holder = a.try_acquire("held", ttl).await.unwrap();
-    for ms in [0u64, 1, 2, 5, 10, 20, 50, 100, 300] {
-        let r = tokio::time::timeout(
-            Duration::from_millis(ms),
-            b.acquire("held", AcquireOptions::new().ttl(ttl)),
-        )
-        .await;
-        assert!(r.is_err(), "an acquire of a held lock returned: {r:?}");
-    }
+    drop_waiters(&b, "held", ttl, &[0, 1, 2, 5, 10, 20, 50, 100, 300]).await;
     holder.release().await.unwrap();
     wait_no_advisory_lock(&base, key, Duration::from_secs(3)).await;
     let start = Instant::now();

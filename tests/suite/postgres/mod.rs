@@ -14,12 +14,15 @@ mod server;
 mod slots;
 mod slow_grants;
 
+use std::future::Future;
+use std::pin::Pin;
+use std::task::Poll;
 use std::time::Duration;
 
 use lockkit::postgres::sqlx::postgres::PgArguments;
 use lockkit::postgres::sqlx::{self, Arguments, Connection};
 use lockkit::postgres::{PgFence, PgLock};
-use lockkit::{Error, FencingToken, LockExt};
+use lockkit::{AcquireOptions, Error, FencingToken, Lock, LockExt};
 use tokio::time::Instant;
 
 use crate::common::{free_port, fresh_prefix, server_url, wait_until, with_prefix};
@@ -83,6 +86,42 @@ pub async fn wait_no_advisory_lock(url: &str, key: i64, limit: Duration) {
             );
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Polls `fut` up to `polls` times, each poll followed by a (blocking) pause of `us` µs during
+/// which the server may grant and answer: its output if it finished, else `None` (the caller
+/// then drops it, with the reply unread). tokio's timers tick in milliseconds, too coarse to land
+/// inside a ~0.2 ms grant, hence the polls by hand.
+pub async fn poll_paused<F: Future>(
+    mut fut: Pin<&mut F>,
+    polls: usize,
+    us: u64,
+) -> Option<F::Output> {
+    for _ in 0..polls {
+        let mut once = Some(fut.as_mut());
+        let polled = std::future::poll_fn(|cx| {
+            Poll::Ready(once.take().map(|f| f.poll(cx)).unwrap_or(Poll::Pending))
+        })
+        .await;
+        if let Poll::Ready(r) = polled {
+            return Some(r);
+        }
+        std::thread::sleep(Duration::from_micros(us));
+    }
+    None
+}
+
+/// Acquires of `name` by `locks` while another client holds it, each dropped after one of
+/// `after_ms` ms: none may return.
+pub async fn drop_waiters(locks: &PgLock, name: &str, ttl: Duration, after_ms: &[u64]) {
+    for &ms in after_ms {
+        let r = tokio::time::timeout(
+            Duration::from_millis(ms),
+            locks.acquire(name, AcquireOptions::new().ttl(ttl)),
+        )
+        .await;
+        assert!(r.is_err(), "an acquire of a held lock returned: {r:?}");
     }
 }
 

@@ -4,22 +4,19 @@
 //! whose leases all lapse within their TTL.
 
 use std::collections::HashMap;
-use std::future::Future;
-use std::pin::Pin;
 use std::process::Stdio;
-use std::task::Poll;
 use std::time::Duration;
 
 use futures_util::future::join_all;
 use lockkit::backend::LeaseBackendExt;
 use lockkit::postgres::sqlx::{self, PgConnection};
 use lockkit::postgres::{PgLease, PgLock, SESSION_LEASES};
-use lockkit::{AcquireOptions, Error, Lease, LeaseState, Lock, LockExt};
+use lockkit::{Error, Lease, LeaseState, LockExt};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::time::Instant;
 
 use super::server::{PgServer, admin};
-use super::{advisory_locks, base_url, wait_no_advisory_lock};
+use super::{advisory_locks, base_url, drop_waiters, poll_paused, wait_no_advisory_lock};
 use crate::common::{fresh_prefix, with_prefix};
 
 const SLACK: Duration = Duration::from_millis(100); // PgLock's Guarantees::expiry_slack
@@ -222,13 +219,6 @@ async fn a_terminated_session_loses_exactly_its_leases() {
     release_all(kept).await;
 }
 
-/// Polls `f` exactly once.
-async fn poll_once<F: Future>(f: Pin<&mut F>) -> Poll<F::Output> {
-    let mut f = Some(f);
-    std::future::poll_fn(|cx| Poll::Ready(f.take().map(|f| f.poll(cx)).unwrap_or(Poll::Pending)))
-        .await
-}
-
 /// A try-acquire dropped at any moment of its grant on a shared session (which another lease
 /// keeps open) leaves no lock behind, and neither does a dropped waiter; the other lease on
 /// the session is not disturbed.
@@ -247,15 +237,7 @@ async fn cancelled_grants_and_waiters_on_a_shared_session_leave_nothing() {
     for polls in 1..=3 {
         for us in [0u64, 20, 50, 100, 200, 500, 1000, 3000] {
             let mut fut = Box::pin(b.try_acquire("free", ttl));
-            let mut done = None;
-            for _ in 0..polls {
-                if let Poll::Ready(r) = poll_once(fut.as_mut()).await {
-                    done = Some(r);
-                    break;
-                }
-                std::thread::sleep(Duration::from_micros(us));
-            }
-            match done {
+            match poll_paused(fut.as_mut(), polls, us).await {
                 Some(Ok(lease)) => {
                     assert_eq!(pid_of(&lease), session);
                     lease.release().await.expect("release");
@@ -269,14 +251,7 @@ async fn cancelled_grants_and_waiters_on_a_shared_session_leave_nothing() {
     // Waiters for a lock held on a shared session, dropped at several points of their wait.
     let holder = a.try_acquire("held", ttl).await.unwrap();
     let held_key = a.key("held");
-    for ms in [0u64, 1, 5, 20, 100, 300] {
-        let r = tokio::time::timeout(
-            Duration::from_millis(ms),
-            b.acquire("held", AcquireOptions::new().ttl(ttl)),
-        )
-        .await;
-        assert!(r.is_err(), "an acquire of a held lock returned: {r:?}");
-    }
+    drop_waiters(&b, "held", ttl, &[0, 1, 5, 20, 100, 300]).await;
     holder.release().await.unwrap();
     wait_no_advisory_lock(&base, held_key, Duration::from_secs(3)).await;
     let next = b

@@ -2,7 +2,6 @@
 //! server crash and restart, and acquires cancelled (or timed out) at every moment.
 
 use lockkit::backend::LeaseBackendExt;
-use std::process::Stdio;
 use std::time::Duration;
 
 use lockkit::postgres::sqlx::postgres::PgArguments;
@@ -13,7 +12,10 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::time::Instant;
 
 use super::server::{PgServer, admin};
-use super::{base_url, drop_waiters, poll_paused, scratch_table, wait_no_advisory_lock};
+use super::{
+    base_url, drop_waiters, poll_paused, scratch_table, signal, spawn_test_child, tagged_line,
+    wait_no_advisory_lock,
+};
 use crate::common::proxy::Proxy;
 use crate::common::{fresh_prefix, with_prefix};
 
@@ -24,15 +26,6 @@ fn body_args(body: &str) -> PgArguments {
     args.add(body.to_owned()).expect("encode");
     args.add(1_i32).expect("encode");
     args
-}
-
-fn signal(pid: u32, sig: &str) {
-    let st = std::process::Command::new("kill")
-        .arg(format!("-{sig}"))
-        .arg(pid.to_string())
-        .status()
-        .expect("kill");
-    assert!(st.success(), "kill -{sig} {pid}");
 }
 
 /// Not a test of its own: the holder process of `paused_holder_is_fenced_out`, which re-runs
@@ -103,39 +96,23 @@ async fn paused_holder_is_fenced_out() {
     let table = scratch_table(&base_url()).await;
     let name = "paused";
     let ttl = Duration::from_secs(2);
-    let mut child = tokio::process::Command::new(std::env::current_exe().expect("test binary"))
-        .args([
-            "postgres::failures::holder_child_process",
-            "--exact",
-            "--nocapture",
-            "--test-threads",
-            "1",
-        ])
-        .env("LOCKKIT_PG_HOLDER_URL", &url)
-        .env("LOCKKIT_PG_HOLDER_NAME", name)
-        .env("LOCKKIT_PG_HOLDER_TABLE", &table)
-        .env("LOCKKIT_PG_HOLDER_TTL_MS", ttl.as_millis().to_string())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("spawn holder");
+    let ttl_ms = ttl.as_millis().to_string();
+    let mut child = spawn_test_child(
+        "postgres::failures::holder_child_process",
+        &[
+            ("LOCKKIT_PG_HOLDER_URL", &url),
+            ("LOCKKIT_PG_HOLDER_NAME", name),
+            ("LOCKKIT_PG_HOLDER_TABLE", &table),
+            ("LOCKKIT_PG_HOLDER_TTL_MS", &ttl_ms),
+        ],
+        true,
+    );
     let pid = child.id().expect("pid");
     let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
     let mut stdin = child.stdin.take().expect("stdin");
     let mut next = async |what: &str| -> String {
-        loop {
-            let line = tokio::time::timeout(Duration::from_secs(20), lines.next_line())
-                .await
-                .unwrap_or_else(|_| panic!("holder did not report {what}"))
-                .expect("read")
-                .unwrap_or_else(|| panic!("holder exited before {what}"));
-            // libtest may print "test … ... " before the first line of output.
-            let tag = format!("HOLDER {what} ");
-            if let Some(i) = line.find(&tag) {
-                return line[i + tag.len()..].to_owned();
-            }
-        }
+        let tag = format!("HOLDER {what} ");
+        tagged_line(&mut lines, &tag, Duration::from_secs(20)).await
     };
     let old_token = next("TOKEN")
         .await

@@ -16,6 +16,7 @@ mod slow_grants;
 
 use std::future::Future;
 use std::pin::Pin;
+use std::process::Stdio;
 use std::task::Poll;
 use std::time::Duration;
 
@@ -23,6 +24,8 @@ use lockkit::postgres::sqlx::postgres::PgArguments;
 use lockkit::postgres::sqlx::{self, Arguments, Connection};
 use lockkit::postgres::{PgFence, PgLock};
 use lockkit::{AcquireOptions, Error, FencingToken, Lock, LockExt};
+use tokio::io::{BufReader, Lines};
+use tokio::process::{Child, ChildStdout};
 use tokio::time::Instant;
 
 use crate::common::{free_port, fresh_prefix, server_url, wait_until, with_prefix};
@@ -123,6 +126,48 @@ pub async fn drop_waiters(locks: &PgLock, name: &str, ttl: Duration, after_ms: &
         .await;
         assert!(r.is_err(), "an acquire of a held lock returned: {r:?}");
     }
+}
+
+/// This test binary re-run for its one test `test` (the body of a child process, which reads
+/// its orders from `envs`): stdout piped (stdin too when `stdin`, else null), killed on drop.
+pub fn spawn_test_child(test: &str, envs: &[(&str, &str)], stdin: bool) -> Child {
+    tokio::process::Command::new(std::env::current_exe().expect("test binary"))
+        .args([test, "--exact", "--nocapture", "--test-threads", "1"])
+        .envs(envs.iter().copied())
+        .stdin(if stdin { Stdio::piped() } else { Stdio::null() })
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn holder")
+}
+
+/// What follows `tag` in the child's next line that holds it (libtest may print "test … ... "
+/// before a child's first line), each line awaited for at most `limit`.
+pub async fn tagged_line(
+    lines: &mut Lines<BufReader<ChildStdout>>,
+    tag: &str,
+    limit: Duration,
+) -> String {
+    loop {
+        let line = tokio::time::timeout(limit, lines.next_line())
+            .await
+            .unwrap_or_else(|_| panic!("holder did not report {tag:?}"))
+            .expect("read")
+            .unwrap_or_else(|| panic!("holder exited before {tag:?}"));
+        if let Some(i) = line.find(tag) {
+            return line[i + tag.len()..].to_owned();
+        }
+    }
+}
+
+/// Sends `SIGsig` to process `pid` (`kill -sig pid`: a test process or a server backend).
+pub fn signal(pid: impl std::fmt::Display, sig: &str) {
+    let st = std::process::Command::new("kill")
+        .arg(format!("-{sig}"))
+        .arg(pid.to_string())
+        .status()
+        .expect("kill");
+    assert!(st.success(), "kill -{sig} {pid}");
 }
 
 /// A token of the lock these tests pretend guards the scratch table.

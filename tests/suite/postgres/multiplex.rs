@@ -4,7 +4,6 @@
 //! whose leases all lapse within their TTL.
 
 use std::collections::HashMap;
-use std::process::Stdio;
 use std::time::Duration;
 
 use futures_util::future::join_all;
@@ -16,7 +15,10 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::time::Instant;
 
 use super::server::{PgServer, admin};
-use super::{advisory_locks, base_url, drop_waiters, poll_paused, wait_no_advisory_lock};
+use super::{
+    advisory_locks, base_url, drop_waiters, poll_paused, signal, spawn_test_child, tagged_line,
+    wait_no_advisory_lock,
+};
 use crate::common::{fresh_prefix, with_prefix};
 
 const SLACK: Duration = Duration::from_millis(100); // PgLock's Guarantees::expiry_slack
@@ -304,43 +306,24 @@ async fn a_frozen_holder_process_frees_all_its_leases() {
     let url = with_prefix(&base_url(), &fresh_prefix());
     let n = 1500;
     let ttl = Duration::from_secs(2);
-    let mut child = tokio::process::Command::new(std::env::current_exe().expect("test binary"))
-        .args([
-            "postgres::multiplex::many_holder_child_process",
-            "--exact",
-            "--nocapture",
-            "--test-threads",
-            "1",
-        ])
-        .env("LOCKKIT_PG_MANY_URL", &url)
-        .env("LOCKKIT_PG_MANY_N", n.to_string())
-        .env("LOCKKIT_PG_MANY_TTL_MS", ttl.as_millis().to_string())
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("spawn holder");
+    let mut child = spawn_test_child(
+        "postgres::multiplex::many_holder_child_process",
+        &[
+            ("LOCKKIT_PG_MANY_URL", &url),
+            ("LOCKKIT_PG_MANY_N", &n.to_string()),
+            ("LOCKKIT_PG_MANY_TTL_MS", &ttl.as_millis().to_string()),
+        ],
+        false,
+    );
     let pid = child.id().expect("pid");
     let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
     let ready = format!("HOLDER READY {n} ");
-    let pids: Vec<i32> = loop {
-        let line = tokio::time::timeout(Duration::from_secs(60), lines.next_line())
-            .await
-            .expect("holder did not report READY")
-            .expect("read")
-            .expect("holder exited before READY");
-        if let Some(i) = line.find(&ready) {
-            break line[i + ready.len()..]
-                .split(',')
-                .map(|p| p.trim().parse().expect("pid"))
-                .collect();
-        }
-    };
-    let st = std::process::Command::new("kill")
-        .args(["-STOP", &pid.to_string()])
-        .status()
-        .expect("kill");
-    assert!(st.success());
+    let pids: Vec<i32> = tagged_line(&mut lines, &ready, Duration::from_secs(60))
+        .await
+        .split(',')
+        .map(|p| p.trim().parse().expect("pid"))
+        .collect();
+    signal(pid, "STOP");
     let stopped = Instant::now();
     // The server ends each frozen session one TTL after its last statement (there is no
     // signal to await in this process: ask the server).

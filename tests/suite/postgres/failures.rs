@@ -6,15 +6,15 @@ use std::time::Duration;
 
 use lockkit::postgres::sqlx::postgres::PgArguments;
 use lockkit::postgres::sqlx::{self, Arguments, Connection};
-use lockkit::postgres::{PgFence, PgLease, PgLock};
+use lockkit::postgres::{PgFence, PgLock};
 use lockkit::{AcquireOptions, Error, LeaseState, Lock, LockExt, Wait, drift_margin};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::time::Instant;
 
 use super::server::{PgServer, admin};
 use super::{
-    base_url, drop_waiters, poll_paused, scratch_table, signal, spawn_test_child, tagged_line,
-    wait_no_advisory_lock,
+    base_url, drop_waiters, pid_of, poll_paused, scratch_table, signal, spawn_test_child,
+    tagged_line, wait_no_advisory_lock,
 };
 use crate::common::proxy::Proxy;
 use crate::common::{fresh_prefix, with_prefix};
@@ -188,12 +188,7 @@ async fn killed_session_releases_and_tells_holder() {
     );
     let ttl = Duration::from_secs(9);
     let lease = a.try_acquire("killed", ttl).await.unwrap();
-    let pid = lease
-        .ops()
-        .as_any()
-        .downcast_ref::<PgLease>()
-        .expect("a PgLease")
-        .backend_pid();
+    let pid = pid_of(&lease);
     let mut db = admin(&base_url()).await;
     let killed = Instant::now();
     let ok: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")

@@ -20,6 +20,7 @@ use std::process::Stdio;
 use std::task::Poll;
 use std::time::Duration;
 
+use lockkit::backend::LeaseBackendExt;
 use lockkit::postgres::sqlx::postgres::PgArguments;
 use lockkit::postgres::sqlx::{self, Arguments, Connection};
 use lockkit::postgres::{PgFence, PgLock};
@@ -126,6 +127,16 @@ pub async fn drop_waiters(locks: &PgLock, name: &str, ttl: Duration, after_ms: &
         .await;
         assert!(r.is_err(), "an acquire of a held lock returned: {r:?}");
     }
+}
+
+/// The server pid of the session that holds `lease` (a PostgreSQL lease's `backend_pid`).
+pub fn pid_of(lease: &lockkit::Lease) -> i32 {
+    lease
+        .ops()
+        .as_any()
+        .downcast_ref::<lockkit::postgres::PgLease>()
+        .expect("a PgLease")
+        .backend_pid()
 }
 
 /// This test binary re-run for its one test `test` (the body of a child process, which reads

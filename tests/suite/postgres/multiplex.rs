@@ -7,30 +7,20 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use futures_util::future::join_all;
-use lockkit::backend::LeaseBackendExt;
 use lockkit::postgres::sqlx::{self, PgConnection};
-use lockkit::postgres::{PgLease, PgLock, SESSION_LEASES};
+use lockkit::postgres::{PgLock, SESSION_LEASES};
 use lockkit::{Error, Lease, LeaseState, LockExt};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::time::Instant;
 
 use super::server::{PgServer, admin};
 use super::{
-    advisory_locks, base_url, drop_waiters, poll_paused, signal, spawn_test_child, tagged_line,
-    wait_no_advisory_lock,
+    advisory_locks, base_url, drop_waiters, pid_of, poll_paused, signal, spawn_test_child,
+    tagged_line, wait_no_advisory_lock,
 };
 use crate::common::{fresh_prefix, with_prefix};
 
 const SLACK: Duration = Duration::from_millis(100); // PgLock's Guarantees::expiry_slack
-
-fn pid_of(lease: &Lease) -> i32 {
-    lease
-        .ops()
-        .as_any()
-        .downcast_ref::<PgLease>()
-        .expect("a PgLease")
-        .backend_pid()
-}
 
 /// Acquires `names` try-once with `ttl`, `tasks` acquires at a time.
 async fn acquire_all(locks: &PgLock, names: &[String], ttl: Duration, tasks: usize) -> Vec<Lease> {

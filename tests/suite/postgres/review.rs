@@ -6,23 +6,14 @@ use std::time::Duration;
 
 use lockkit::postgres::sqlx::postgres::PgArguments;
 use lockkit::postgres::sqlx::{self, Arguments};
-use lockkit::postgres::{PgFence, PgLease, PgLock, SESSION_CHECK};
+use lockkit::postgres::{PgFence, PgLock, SESSION_CHECK};
 use lockkit::{AcquireOptions, Error, FencingToken, Lock, LockExt, Wait};
 use tokio::time::Instant;
 
 use super::server::{PgServer, admin};
-use super::{base_url, port_of, signal};
+use super::{base_url, pid_of, port_of, signal};
 use crate::common::proxy::Proxy;
 use crate::common::{fresh_prefix, with_prefix};
-
-fn pid_of(lease: &lockkit::Lease) -> i32 {
-    lease
-        .ops()
-        .as_any()
-        .downcast_ref::<PgLease>()
-        .expect("a PgLease")
-        .backend_pid()
-}
 
 /// The pid of a session waiting for advisory key `key` (polls pg_locks, which has no change
 /// signal, until one shows up).

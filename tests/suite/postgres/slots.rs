@@ -3,14 +3,13 @@
 
 use std::time::Duration;
 
-use lockkit::backend::LeaseBackendExt;
-use lockkit::postgres::{PgLease, PgLock};
+use lockkit::postgres::PgLock;
 use lockkit::{
     AcquireOptions, Election, LeaderEvent, LeaderInfo, LeaseState, Semaphore, Wait, async_trait,
 };
 
-use super::base_url;
 use super::server::admin;
+use super::{base_url, pid_of};
 use crate::common::{ConnectUrl, SlotClients};
 
 /// The slot harness: a new `PgLock` (its own connections) per client, all under one fresh
@@ -43,13 +42,7 @@ async fn a_terminated_permit_holder_is_reclaimed_by_a_waiter() {
         .acquire_permit(&name, 1, AcquireOptions::new().ttl(ttl).wait(Wait::No))
         .await
         .expect("permit");
-    let pid = held
-        .lease()
-        .ops()
-        .as_any()
-        .downcast_ref::<PgLease>()
-        .expect("a PostgreSQL lease")
-        .backend_pid();
+    let pid = pid_of(held.lease());
     let waiter = tokio::spawn(async move {
         b.acquire_permit(
             &name,
@@ -105,13 +98,7 @@ async fn an_observer_sees_a_terminated_leader_go() {
         observer.next().await.expect("first event"),
         LeaderEvent::Leader(LeaderInfo::new(leader.term(), b"a".to_vec()))
     );
-    let pid = leader
-        .lease()
-        .ops()
-        .as_any()
-        .downcast_ref::<PgLease>()
-        .expect("a PostgreSQL lease")
-        .backend_pid();
+    let pid = pid_of(leader.lease());
     let mut db = admin(&base_url()).await;
     let ok: bool = lockkit::postgres::sqlx::query_scalar("SELECT pg_terminate_backend($1)")
         .bind(pid)

@@ -4,9 +4,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use lockkit_core::{Instant, Lease};
+use lockkit_core::{Instant, Lease, Result};
 use zookeeper_client as zk;
 
+use crate::error::from_zk;
 use crate::lease::ZkLease;
 use crate::session::{Session, spawn_delete, spawn_delete_own};
 
@@ -53,6 +54,28 @@ pub(crate) fn sequence_of(child: &str) -> Option<i64> {
         return None;
     }
     seq.parse().ok()
+}
+
+/// The lock nodes among a container's `children`, each with its sequence number, in grant
+/// order (the first in line first); other children (markers, slots) are left out.
+pub(crate) fn in_line<S: AsRef<str> + Ord>(children: impl IntoIterator<Item = S>) -> Vec<(i64, S)> {
+    let mut queue: Vec<(i64, S)> = children
+        .into_iter()
+        .filter_map(|c| sequence_of(c.as_ref()).map(|s| (s, c)))
+        .collect();
+    queue.sort_unstable();
+    queue
+}
+
+/// The lock nodes in container `dir`, in grant order (see [`in_line`]); none when `dir` does
+/// not exist. One unbounded read on `session`: the caller bounds it.
+pub(crate) async fn sorted_children(session: &Session, dir: &str) -> Result<Vec<String>> {
+    let children = match session.client.list_children(dir).await {
+        Ok(c) => c,
+        Err(zk::Error::NoNode) => Vec::new(),
+        Err(e) => return Err(from_zk(e)),
+    };
+    Ok(in_line(children).into_iter().map(|(_, c)| c).collect())
 }
 
 /// This acquire's node until the lease is handed out: deleted (in the background) if the acquire

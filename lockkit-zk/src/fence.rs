@@ -10,6 +10,7 @@ use zookeeper_client as zk;
 
 use crate::ZkLock;
 use crate::config::encode_name;
+use crate::core::sorted_children;
 use crate::error::from_zk;
 use crate::lease::ZkLease;
 use crate::session::shared_acls;
@@ -255,18 +256,14 @@ impl ZkFence {
     /// The token of the lock's current holder (lowest node), if any.
     async fn current_token(&self, session: &crate::session::Session) -> Option<FencingToken> {
         let (dir, _) = self.node.rsplit_once('/')?;
-        let children = session.client.list_children(dir).await.ok()?;
-        let lowest = children
-            .iter()
-            .filter_map(|c| {
-                c.rsplit_once("-lock-")
-                    .map(|(_, s)| (s.parse::<i64>().ok(), c))
-            })
-            .filter_map(|(s, c)| s.map(|s| (s, c)))
-            .min()?;
+        let lowest = sorted_children(session, dir)
+            .await
+            .ok()?
+            .into_iter()
+            .next()?;
         let stat = session
             .client
-            .check_stat(&format!("{dir}/{}", lowest.1))
+            .check_stat(&format!("{dir}/{lowest}"))
             .await
             .ok()??;
         let czxid = u64::try_from(stat.czxid).ok()?;

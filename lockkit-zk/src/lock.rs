@@ -18,7 +18,7 @@ use tokio::sync::watch;
 use zookeeper_client as zk;
 
 use crate::config::{CONTROL_SESSION_TTL, ZkConfig, encode_name};
-use crate::core::{Created, Granted, Pending, Target, own_id, sequence_of};
+use crate::core::{Created, Granted, Pending, Target, in_line, own_id, sorted_children};
 use crate::error::{BACKEND, connection_lost, from_zk, unavailable};
 use crate::lease::ZkLease;
 use crate::session::{Session, shared_acls};
@@ -202,22 +202,8 @@ impl ZkLock {
     /// Cancel safe (a read).
     pub async fn contenders(&self, name: &str) -> Result<Vec<String>> {
         let dir = self.lock_dir(name)?;
-        let children = self
-            .bounded(async {
-                let session = self.control_session().await?;
-                match session.client.list_children(&dir).await {
-                    Ok(c) => Ok(c),
-                    Err(zk::Error::NoNode) => Ok(Vec::new()),
-                    Err(e) => Err(from_zk(e)),
-                }
-            })
-            .await?;
-        let mut queue: Vec<(i64, String)> = children
-            .into_iter()
-            .filter_map(|c| sequence_of(&c).map(|s| (s, c)))
-            .collect();
-        queue.sort_unstable();
-        Ok(queue.into_iter().map(|(_, c)| c).collect())
+        self.bounded(async { sorted_children(&*self.control_session().await?, &dir).await })
+            .await
     }
 
     /// The shortest TTL the server allows: the session timeout it negotiates when asked for
@@ -420,11 +406,7 @@ impl ZkLock {
                 }
             };
             let children = children.map_err(|e| self.fail(e, name, start, opts))?;
-            let mut queue: Vec<(i64, &str)> = children
-                .iter()
-                .filter_map(|c| sequence_of(c).map(|s| (s, c.as_str())))
-                .collect();
-            queue.sort_unstable();
+            let queue = in_line(children.iter().map(String::as_str));
             let Some(pos) = queue.iter().position(|(_, c)| *c == node_name) else {
                 return Err(unavailable(
                     "the lock node disappeared while waiting (its session expired)",
@@ -931,6 +913,7 @@ impl LockBackend for ZkLock {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::sequence_of;
 
     #[test]
     fn sequences() {
@@ -940,6 +923,16 @@ mod tests {
         assert_eq!(sequence_of("abc-lock-12x"), None);
         assert_eq!(sequence_of("other"), None);
         assert_eq!(sequence_of(DELAY_MARKER), None);
+        let listing = [
+            "b-lock-0000000010",
+            DELAY_MARKER,
+            "a-lock-0000000009",
+            "slot-0",
+        ];
+        assert_eq!(
+            in_line(listing),
+            [(9, "a-lock-0000000009"), (10, "b-lock-0000000010")]
+        );
     }
 
     #[test]

@@ -43,7 +43,7 @@ use lockkit_core::{
 use zookeeper_client as zk;
 
 use crate::config::encode_name;
-use crate::core::{OWN_LEN, Pending, Target, own_id, sequence_of};
+use crate::core::{OWN_LEN, Pending, Target, in_line, own_id, sequence_of, sorted_children};
 use crate::error::{BACKEND, from_zk, unavailable};
 use crate::lease::{ZkLease, watch_own_node};
 use crate::lock::ZkLock;
@@ -92,22 +92,8 @@ impl ZkLock {
     pub async fn candidates(&self, name: &str) -> Result<Vec<String>> {
         validate_name(name)?;
         let dir = self.slot_dir(SlotKind::Election, name);
-        let children = self
-            .bounded(async {
-                let session = self.control_session().await?;
-                match session.client.list_children(&dir).await {
-                    Ok(c) => Ok(c),
-                    Err(zk::Error::NoNode) => Ok(Vec::new()),
-                    Err(e) => Err(from_zk(e)),
-                }
-            })
-            .await?;
-        let mut queue: Vec<(i64, String)> = children
-            .into_iter()
-            .filter_map(|c| sequence_of(&c).map(|s| (s, c)))
-            .collect();
-        queue.sort_unstable();
-        Ok(queue.into_iter().map(|(_, c)| c).collect())
+        self.bounded(async { sorted_children(&*self.control_session().await?, &dir).await })
+            .await
     }
 
     /// One semaphore acquire attempt on one session (see the module docs).
@@ -162,11 +148,7 @@ impl ZkLock {
             };
             let (data, dstat) = read.map_err(fail)?;
             let children = children.map_err(fail)?;
-            let mut queue: Vec<(i64, &str)> = children
-                .iter()
-                .filter_map(|c| sequence_of(c).map(|s| (s, c.as_str())))
-                .collect();
-            queue.sort_unstable();
+            let queue = in_line(children.iter().map(String::as_str));
             let held: HashSet<u32> = children.iter().filter_map(|c| slot_of(c)).collect();
             let Some(pos) = queue.iter().position(|(_, c)| *c == node_name) else {
                 return Err(unavailable(
@@ -355,16 +337,7 @@ impl ZkLock {
         dir: &str,
     ) -> Result<Option<(i64, i32, Vec<u8>)>> {
         for _ in 0..3 {
-            let children = match session.client.list_children(dir).await {
-                Ok(c) => c,
-                Err(zk::Error::NoNode) => return Ok(None),
-                Err(e) => return Err(from_zk(e)),
-            };
-            let Some((_, first)) = children
-                .iter()
-                .filter_map(|c| sequence_of(c).map(|s| (s, c)))
-                .min()
-            else {
+            let Some(first) = sorted_children(session, dir).await?.into_iter().next() else {
                 return Ok(None);
             };
             match session.client.get_data(&format!("{dir}/{first}")).await {
@@ -758,11 +731,7 @@ impl ZkWatch {
                 }
                 Err(e) => return Err(from_zk(e)),
             };
-            let mut queue: Vec<(i64, String)> = children
-                .into_iter()
-                .filter_map(|c| sequence_of(&c).map(|s| (s, c)))
-                .collect();
-            queue.sort_unstable();
+            let queue = in_line(children);
             let mut seen = Seen {
                 dir_czxid: stat.czxid,
                 cversion: stat.cversion,

@@ -5,13 +5,15 @@
 pub mod proxy;
 pub mod slot_stress;
 
+use std::marker::PhantomData;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
 use lockkit::contract::Harness;
-use lockkit::{Lock, async_trait};
+use lockkit::contract_election::SlotHarness;
+use lockkit::{Election, Lock, Semaphore, async_trait};
 
 /// The URL of the shared test server in `var`. Panics loudly when it is missing: a missing server
 /// is a failure, never a skip.
@@ -134,6 +136,60 @@ impl Harness for UrlHarness {
     }
     fn tolerance(&self) -> Duration {
         self.tolerance
+    }
+}
+
+/// A backend's own client type, connected from its URL (what [`SlotClients`] hands out).
+#[async_trait]
+pub trait ConnectUrl: Election + Semaphore + Sized + 'static {
+    /// The backend's `connect(url)`.
+    async fn connect_url(url: &str) -> lockkit::Result<Self>;
+}
+
+/// Hands out a new client `L` (its own connections or sessions) per call, all under one fresh
+/// prefix: the slot suite's harness on every network backend.
+pub struct SlotClients<L> {
+    /// This harness's key prefix.
+    pub prefix: String,
+    /// The server URL with `prefix` added.
+    pub url: String,
+    backend: PhantomData<fn() -> L>,
+}
+
+impl<L: ConnectUrl> SlotClients<L> {
+    /// Clients of the shared server in env var `var`, under a fresh prefix.
+    pub fn from_env(var: &str) -> Self {
+        let prefix = fresh_prefix();
+        Self {
+            url: with_prefix(&server_url(var), &prefix),
+            prefix,
+            backend: PhantomData,
+        }
+    }
+
+    /// A new client.
+    pub async fn client(&self) -> L {
+        L::connect_url(&self.url)
+            .await
+            .unwrap_or_else(|e| panic!("connect {}: {e:#?}", self.url))
+    }
+}
+
+#[async_trait]
+impl<L: ConnectUrl> SlotHarness for SlotClients<L> {
+    async fn election(&self) -> Arc<dyn Election> {
+        Arc::new(self.client().await)
+    }
+    async fn semaphore(&self) -> Arc<dyn Semaphore> {
+        Arc::new(self.client().await)
+    }
+    // 2 s, as the lock suite: CI has 2 cores and runs tests in parallel (and ZooKeeper's
+    // shared server has minSessionTimeout 1 s: 2 s leaves room for tick rounding).
+    fn short_ttl(&self) -> Duration {
+        Duration::from_secs(2)
+    }
+    fn tolerance(&self) -> Duration {
+        Duration::from_secs(2)
     }
 }
 

@@ -1,9 +1,13 @@
 //! Attacks shared by the backends' slot tests (breakslots): many contending permit clients
-//! that cancel, lapse and try once, checked against what every client believes it holds.
+//! that cancel, lapse and try once, checked against what every client believes it holds; and
+//! the whole tests that drive them (`*_under_*`, `permits_of_two_ns_never_mix`), which a
+//! backend's `break_slots.rs` runs with its slot harness.
 
+use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use lockkit::contract_election::SlotHarness;
 use lockkit::{AcquireOptions, Error, LeaseState, MemoryFence, Permit, Semaphore, Wait};
 
 /// What a stress run saw.
@@ -55,31 +59,10 @@ pub async fn permit_stress(
                 // With two Ns, no lapses: a lapsed permit keeps the semaphore busy for its whole TTL
                 // and N would never change.
                 let action = rand::random::<u8>() % if ns.len() > 1 { 6 } else { 8 };
-                let mut opts = AcquireOptions::new()
-                    .ttl(Duration::from_secs(10))
-                    .wait(Wait::Timeout(Duration::from_secs(20)));
-                if action == 6 {
-                    opts = AcquireOptions::new()
-                        .ttl(ttl)
-                        .keepalive(false)
-                        .wait(Wait::Timeout(Duration::from_secs(20)));
-                }
-                if action == 7 {
-                    opts = opts.wait(Wait::No);
-                }
-                let res = if action == 5 {
-                    let cut = Duration::from_millis(1 + u64::from(rand::random::<u8>() % 60));
-                    match tokio::time::timeout(cut, client.acquire_permit(&name, permits, opts))
-                        .await
-                    {
-                        Ok(r) => r,
-                        Err(_) => {
-                            report.lock().unwrap().cancelled += 1;
-                            continue;
-                        }
-                    }
-                } else {
-                    client.acquire_permit(&name, permits, opts).await
+                let opts = round_options(action, ttl);
+                let acquire = client.acquire_permit(&name, permits, opts);
+                let Some(res) = cut_short(action, acquire, &report).await else {
+                    continue;
                 };
                 let p = match res {
                     Ok(p) => Arc::new(p),
@@ -154,21 +137,78 @@ pub async fn permit_stress(
                     drop(p);
                     continue;
                 }
-                tokio::time::sleep(Duration::from_millis(u64::from(rand::random::<u8>() % 20)))
-                    .await;
-                live.lock().unwrap().retain(|o| !Arc::ptr_eq(o, &p));
-                if let Ok(p) = Arc::try_unwrap(p) {
-                    if let Err(e) = p.release().await {
-                        report
-                            .lock()
-                            .unwrap()
-                            .violations
-                            .push(format!("release: {e:?}"));
-                    }
-                }
+                hold_then_end(p, &live, &report, "release", Permit::release).await;
             }
         }));
     }
+    collect(joins, report).await
+}
+
+/// A round's options for its `action` (a draw from 0..8): 6 stops renewing (`ttl`, keepalive
+/// off) and is left to lapse, 7 tries once, the others wait up to 20 s with a 10 s TTL.
+fn round_options(action: u8, ttl: Duration) -> AcquireOptions {
+    let mut opts = AcquireOptions::new()
+        .ttl(Duration::from_secs(10))
+        .wait(Wait::Timeout(Duration::from_secs(20)));
+    if action == 6 {
+        opts = AcquireOptions::new()
+            .ttl(ttl)
+            .keepalive(false)
+            .wait(Wait::Timeout(Duration::from_secs(20)));
+    }
+    if action == 7 {
+        opts = opts.wait(Wait::No);
+    }
+    opts
+}
+
+/// A round's acquire; for `action` 5 dropped after 1–60 ms (then `None`, counted as cancelled
+/// if it had not finished).
+async fn cut_short<T>(
+    action: u8,
+    acquire: impl Future<Output = lockkit::Result<T>>,
+    report: &Mutex<StressReport>,
+) -> Option<lockkit::Result<T>> {
+    if action != 5 {
+        return Some(acquire.await);
+    }
+    let cut = Duration::from_millis(1 + u64::from(rand::random::<u8>() % 60));
+    match tokio::time::timeout(cut, acquire).await {
+        Ok(r) => Some(r),
+        Err(_) => {
+            report.lock().unwrap().cancelled += 1;
+            None
+        }
+    }
+}
+
+/// Holds a grant for 0–19 ms, takes it off `live` and ends it with `end` (`what` names the
+/// call in the violation a failure is); a grant still shared is left to its drop.
+async fn hold_then_end<T>(
+    held: Arc<T>,
+    live: &Mutex<Vec<Arc<T>>>,
+    report: &Mutex<StressReport>,
+    what: &str,
+    end: impl AsyncFnOnce(T) -> lockkit::Result<()>,
+) {
+    tokio::time::sleep(Duration::from_millis(u64::from(rand::random::<u8>() % 20))).await;
+    live.lock().unwrap().retain(|o| !Arc::ptr_eq(o, &held));
+    if let Ok(held) = Arc::try_unwrap(held) {
+        if let Err(e) = end(held).await {
+            report
+                .lock()
+                .unwrap()
+                .violations
+                .push(format!("{what}: {e:?}"));
+        }
+    }
+}
+
+/// Waits for every client task (a panic is a violation) and returns the report.
+async fn collect(
+    joins: Vec<tokio::task::JoinHandle<()>>,
+    report: Arc<Mutex<StressReport>>,
+) -> StressReport {
     for j in joins {
         if let Err(e) = j.await {
             report
@@ -264,29 +304,10 @@ pub async fn election_stress(
         joins.push(tokio::spawn(async move {
             for _ in 0..rounds {
                 let action = rand::random::<u8>() % 8;
-                let mut opts = AcquireOptions::new()
-                    .ttl(Duration::from_secs(10))
-                    .wait(Wait::Timeout(Duration::from_secs(20)));
-                if action == 6 {
-                    opts = AcquireOptions::new()
-                        .ttl(ttl)
-                        .keepalive(false)
-                        .wait(Wait::Timeout(Duration::from_secs(20)));
-                }
-                if action == 7 {
-                    opts = opts.wait(Wait::No);
-                }
-                let res = if action == 5 {
-                    let cut = Duration::from_millis(1 + u64::from(rand::random::<u8>() % 60));
-                    match tokio::time::timeout(cut, client.campaign(&name, b"v", opts)).await {
-                        Ok(r) => r,
-                        Err(_) => {
-                            report.lock().unwrap().cancelled += 1;
-                            continue;
-                        }
-                    }
-                } else {
-                    client.campaign(&name, b"v", opts).await
+                let opts = round_options(action, ttl);
+                let acquire = client.campaign(&name, b"v", opts);
+                let Some(res) = cut_short(action, acquire, &report).await else {
+                    continue;
                 };
                 let l = match res {
                     Ok(l) => l,
@@ -347,33 +368,75 @@ pub async fn election_stress(
                         .violations
                         .push(format!("proclaim of term {term:?}: {e:?}"));
                 }
-                tokio::time::sleep(Duration::from_millis(u64::from(rand::random::<u8>() % 20)))
-                    .await;
-                live.lock().unwrap().retain(|o| !Arc::ptr_eq(o, &l));
-                if let Ok(l) = Arc::try_unwrap(l) {
-                    if let Err(e) = l.into_inner().resign().await {
-                        report
-                            .lock()
-                            .unwrap()
-                            .violations
-                            .push(format!("resign: {e:?}"));
-                    }
-                }
+                hold_then_end(l, &live, &report, "resign", async |l| {
+                    l.into_inner().resign().await
+                })
+                .await;
             }
         }));
     }
-    for j in joins {
-        if let Err(e) = j.await {
-            report
-                .lock()
-                .unwrap()
-                .violations
-                .push(format!("client panicked: {e}"));
-        }
+    collect(joins, report).await
+}
+
+/// Twelve clients contend for a semaphore of 3 permits with waits, cancels (dropped after
+/// 1–60 ms), try-onces and lapses (keepalive off, 2 s TTL): never more than 3 permits Held at
+/// once, never one slot twice, every fenced write accepted; afterwards nothing is left blocking
+/// and the idle semaphore takes another N. `backend` labels the printed report.
+pub async fn permits_hold_under_cancels_and_lapses(h: &dyn SlotHarness, backend: &str) {
+    let name = format!("stress-{:08x}", rand::random::<u32>());
+    let mut clients = Vec::new();
+    for _ in 0..12 {
+        clients.push(h.semaphore().await);
     }
-    Arc::try_unwrap(report)
-        .map(|m| m.into_inner().unwrap())
-        .unwrap_or_default()
+    let report = permit_stress(clients, &name, &[3], 12, Duration::from_secs(2)).await;
+    println!("{backend} stress: {report:?}");
+    let fresh = h.semaphore().await;
+    let left = nothing_left(&*fresh, &name, 3, Duration::from_secs(8)).await;
+    assert!(
+        report.violations.is_empty() && left.is_empty(),
+        "{report:?} {left:?}"
+    );
+}
+
+/// Ten candidates campaign with waits, cancels, try-onces and lapses (keepalive off, 2 s TTL):
+/// never two leaders Held at once, every term's fenced write accepted, a lapsed leader's
+/// proclaim refused; afterwards a fresh candidate leads (within 8 s).
+pub async fn one_leader_under_cancels_and_lapses(h: &dyn SlotHarness, backend: &str) {
+    let name = format!("estress-{:08x}", rand::random::<u32>());
+    let mut clients = Vec::new();
+    for _ in 0..10 {
+        clients.push(h.election().await);
+    }
+    let report = election_stress(clients, &name, 10, Duration::from_secs(2)).await;
+    println!("{backend} election stress: {report:?}");
+    let fresh = h.election().await;
+    let l = fresh
+        .campaign(
+            &name,
+            b"last",
+            AcquireOptions::new().wait(Wait::Timeout(Duration::from_secs(8))),
+        )
+        .await;
+    assert!(report.violations.is_empty(), "{report:?}");
+    l.expect("a fresh candidate after the run")
+        .resign()
+        .await
+        .expect("resign");
+}
+
+/// Five clients contend with N = 2 or N = 3 at random (plus cancels and try-onces; no lapses,
+/// which would keep it busy): a permit is never granted while a permit of the other N is Held,
+/// never more than N at once; the losers get `PermitsMismatch`, and N does change.
+pub async fn permits_of_two_ns_never_mix(h: &dyn SlotHarness, backend: &str) {
+    let name = format!("mixed-{:08x}", rand::random::<u32>());
+    let mut clients = Vec::new();
+    for _ in 0..5 {
+        clients.push(h.semaphore().await);
+    }
+    let report = permit_stress(clients, &name, &[2, 3], 30, Duration::from_secs(2)).await;
+    println!("{backend} mixed-N stress: {report:?}");
+    assert!(report.violations.is_empty(), "{report:?}");
+    assert!(report.switches > 0, "N never changed: {report:?}");
 }
 
 /// A permit holder cut off from the server (`freeze` cuts its traffic, keepalives included)

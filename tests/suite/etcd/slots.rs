@@ -16,47 +16,21 @@ use tokio::time::Instant;
 
 use super::support::{fresh_data_dir, start_single};
 use crate::common::proxy::{Direction, Framing, Proxy};
-use crate::common::{free_port, fresh_prefix, server_url, with_prefix};
+use crate::common::{ConnectUrl, SlotClients, free_port, fresh_prefix, server_url, with_prefix};
 
-/// Hands out a new `EtcdLock` (its own client and session leases) per client, all under one
-/// fresh prefix.
-pub struct EtcdSlotHarness {
-    url: String,
-}
-
-impl EtcdSlotHarness {
-    pub fn from_env() -> Self {
-        Self {
-            url: with_prefix(&server_url("LOCKKIT_ETCD_URL"), &fresh_prefix()),
-        }
-    }
-
-    async fn client(&self) -> EtcdLock {
-        EtcdLock::connect(&self.url)
-            .await
-            .unwrap_or_else(|e| panic!("connect {}: {e:#?}", self.url))
-    }
-}
+/// The slot harness: a new `EtcdLock` (its own connections) per client, all under one fresh
+/// prefix.
+pub type EtcdSlotHarness = SlotClients<EtcdLock>;
 
 #[async_trait]
-impl SlotHarness for EtcdSlotHarness {
-    async fn election(&self) -> Arc<dyn Election> {
-        Arc::new(self.client().await)
-    }
-    async fn semaphore(&self) -> Arc<dyn Semaphore> {
-        Arc::new(self.client().await)
-    }
-    // 2 s, as the lock suite's: CI has 2 cores and runs tests in parallel.
-    fn short_ttl(&self) -> Duration {
-        Duration::from_secs(2)
-    }
-    fn tolerance(&self) -> Duration {
-        Duration::from_secs(2)
+impl ConnectUrl for EtcdLock {
+    async fn connect_url(url: &str) -> lockkit::Result<Self> {
+        EtcdLock::connect(url).await
     }
 }
 
 mod contract {
-    lockkit::election_suite!(super::EtcdSlotHarness::from_env());
+    lockkit::election_suite!(super::EtcdSlotHarness::from_env("LOCKKIT_ETCD_URL"));
 }
 
 fn unique(what: &str) -> String {
@@ -69,12 +43,86 @@ fn waiting(secs: u64) -> AcquireOptions {
         .wait(Wait::Timeout(Duration::from_secs(secs)))
 }
 
+/// What [`observer_cut_at_a_grant`] set up.
+struct CutObserver {
+    /// The observer's proxy: it refuses reconnects until `accept_again`.
+    proxy: Proxy,
+    /// Two direct clients; `la` is A's term.
+    a: EtcdLock,
+    b: EtcdLock,
+    la: lockkit::Leadership,
+    /// The observer's events after its first `NoLeader`, up to a leader of value `until`.
+    pending: tokio::task::JoinHandle<Vec<LeaderEvent>>,
+}
+
+/// An observer of election `name` whose traffic goes through a proxy to `endpoint` (the
+/// `host:port` in `url`, which the direct clients A and B use): it sees `NoLeader` first, then
+/// collects its events in a task until a leader of value `until`. A campaigns, and the reply to
+/// the observer that tells of it is dropped with its connection (every reconnect refused until
+/// `proxy.accept_again()`).
+async fn observer_cut_at_a_grant(
+    url: &str,
+    endpoint: &str,
+    name: &str,
+    until: &'static [u8],
+) -> CutObserver {
+    // The observer's traffic goes through a proxy that can cut its connection at its next
+    // reply once armed, and then refuse reconnects until told otherwise.
+    let armed = Arc::new(AtomicBool::new(false));
+    let spot = armed.clone();
+    let proxy = Proxy::start_with_spotter(endpoint.to_owned(), Framing::Chunks, move || {
+        let spot = spot.clone();
+        Box::new(move |dir, _| dir == Direction::ToClient && spot.load(Ordering::SeqCst))
+    })
+    .await;
+    let watcher = EtcdLock::connect(&url.replacen(endpoint, &proxy.endpoint(), 1))
+        .await
+        .expect("connect via proxy");
+    let (a, b) = (
+        EtcdLock::connect(url).await.expect("connect"),
+        EtcdLock::connect(url).await.expect("connect"),
+    );
+    let mut observer = watcher.observe(name).await.expect("observe");
+    assert_eq!(observer.next().await.unwrap(), LeaderEvent::NoLeader);
+    let pending = tokio::spawn(async move {
+        let mut got = Vec::new();
+        loop {
+            let e = observer.next().await.expect("observer");
+            got.push(e.clone());
+            if matches!(e, LeaderEvent::Leader(ref l) if l.value == until) {
+                return got;
+            }
+        }
+    });
+    // The next reply to the observer (A's grant event) is dropped with its connection, and
+    // every reconnect is refused.
+    armed.store(true, Ordering::SeqCst);
+    proxy.cut_at_next_spotted(true);
+    let la = a.campaign(name, b"a", once()).await.expect("campaign a");
+    tokio::time::timeout(Duration::from_secs(10), proxy.wait_cuts(1))
+        .await
+        .expect("the observer's connection was not cut");
+    CutObserver {
+        proxy,
+        a,
+        b,
+        la,
+        pending,
+    }
+}
+
+fn once() -> AcquireOptions {
+    AcquireOptions::new()
+        .ttl(Duration::from_secs(10))
+        .wait(Wait::No)
+}
+
 /// An admin revokes the leader's etcd lease (`etcdctl lease revoke`): etcd deletes its
 /// candidate key, the leader turns Lost within the loss-notice bound (the key watch tells
 /// it), the candidate in line leads with a higher term, and an observer sees the hand-over.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_revoked_leader_is_lost_and_the_next_candidate_leads() {
-    let h = EtcdSlotHarness::from_env();
+    let h = EtcdSlotHarness::from_env("LOCKKIT_ETCD_URL");
     let (a, b, watcher, admin) = (
         h.client().await,
         h.client().await,
@@ -154,49 +202,14 @@ async fn an_observer_resumes_after_compaction_with_missed() {
     let member = start_single(data.path(), free_port(), free_port()).await;
     let prefix = fresh_prefix();
     let direct = format!("etcd://{}?prefix={prefix}", member.endpoint());
-    // The observer's traffic goes through a proxy that can cut its connection at its next
-    // reply once armed, and then refuse reconnects until told otherwise.
-    let armed = Arc::new(AtomicBool::new(false));
-    let spot = armed.clone();
-    let proxy = Proxy::start_with_spotter(member.endpoint(), Framing::Chunks, move || {
-        let spot = spot.clone();
-        Box::new(move |dir, _| dir == Direction::ToClient && spot.load(Ordering::SeqCst))
-    })
-    .await;
-    let through_proxy = format!("etcd://{}?prefix={prefix}", proxy.endpoint());
-    let watcher = EtcdLock::connect(&through_proxy)
-        .await
-        .expect("connect via proxy");
-    let (a, b) = (
-        EtcdLock::connect(&direct).await.expect("connect"),
-        EtcdLock::connect(&direct).await.expect("connect"),
-    );
     let name = unique("compacted");
-    let mut observer = watcher.observe(&name).await.expect("observe");
-    assert_eq!(observer.next().await.unwrap(), LeaderEvent::NoLeader);
-    let pending = tokio::spawn(async move {
-        let mut got = Vec::new();
-        loop {
-            let e = observer.next().await.expect("observer");
-            got.push(e.clone());
-            if matches!(e, LeaderEvent::Leader(ref l) if l.value == b"c") {
-                return got;
-            }
-        }
-    });
-    // The next reply to the observer (A's grant event) is dropped with its connection, and
-    // every reconnect is refused.
-    armed.store(true, Ordering::SeqCst);
-    proxy.cut_at_next_spotted(true);
-    let once = || {
-        AcquireOptions::new()
-            .ttl(Duration::from_secs(10))
-            .wait(Wait::No)
-    };
-    let la = a.campaign(&name, b"a", once()).await.expect("campaign a");
-    tokio::time::timeout(Duration::from_secs(10), proxy.wait_cuts(1))
-        .await
-        .expect("the observer's connection was not cut");
+    let CutObserver {
+        proxy,
+        a,
+        b,
+        la,
+        pending,
+    } = observer_cut_at_a_grant(&direct, &member.endpoint(), &name, b"c").await;
     la.resign().await.expect("resign a");
     let lb = b.campaign(&name, b"b", once()).await.expect("campaign b");
     // Compact everything up to now: A's grant and resign are gone from etcd's history.
@@ -246,7 +259,7 @@ async fn an_observer_resumes_after_compaction_with_missed() {
 /// only what must hold: terms increase and the observer sees every leader in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn handover_and_observer_latency() {
-    let h = EtcdSlotHarness::from_env();
+    let h = EtcdSlotHarness::from_env("LOCKKIT_ETCD_URL");
     let (a, b, watcher) = (h.client().await, h.client().await, h.client().await);
     let name = unique("latency");
     let mut observer = watcher.observe(&name).await.expect("observe");
@@ -323,7 +336,7 @@ async fn handover_and_observer_latency() {
 /// only. While anyone waits the N stays in force (another N is `PermitsMismatch`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn permit_waiters_are_served_in_order() {
-    let h = EtcdSlotHarness::from_env();
+    let h = EtcdSlotHarness::from_env("LOCKKIT_ETCD_URL");
     let (a, other) = (h.client().await, h.client().await);
     let name = unique("permit-fifo");
     let once = AcquireOptions::new()
@@ -408,7 +421,7 @@ async fn permit_waiters_are_served_in_order() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_semaphore_watch_sees_every_permit() {
     use lockkit::backend::{SlotBackend, SlotKind, WatchEvent};
-    let h = EtcdSlotHarness::from_env();
+    let h = EtcdSlotHarness::from_env("LOCKKIT_ETCD_URL");
     let (a, watcher) = (h.client().await, h.client().await);
     let name = unique("sem-watch");
     let mut w = watcher
@@ -459,44 +472,14 @@ async fn a_reconnecting_observer_misses_nothing() {
         .next()
         .unwrap()
         .to_owned();
-    let armed = Arc::new(AtomicBool::new(false));
-    let spot = armed.clone();
-    let proxy = Proxy::start_with_spotter(endpoint.clone(), Framing::Chunks, move || {
-        let spot = spot.clone();
-        Box::new(move |dir, _| dir == Direction::ToClient && spot.load(Ordering::SeqCst))
-    })
-    .await;
-    let watcher = EtcdLock::connect(&url.replacen(&endpoint, &proxy.endpoint(), 1))
-        .await
-        .expect("connect via proxy");
-    let (a, b) = (
-        EtcdLock::connect(&url).await.expect("connect"),
-        EtcdLock::connect(&url).await.expect("connect"),
-    );
     let name = unique("reconnect");
-    let mut observer = watcher.observe(&name).await.expect("observe");
-    assert_eq!(observer.next().await.unwrap(), LeaderEvent::NoLeader);
-    let pending = tokio::spawn(async move {
-        let mut got = Vec::new();
-        loop {
-            let e = observer.next().await.expect("observer");
-            got.push(e.clone());
-            if matches!(e, LeaderEvent::Leader(ref l) if l.value == b"b") {
-                return got;
-            }
-        }
-    });
-    armed.store(true, Ordering::SeqCst);
-    proxy.cut_at_next_spotted(true);
-    let once = || {
-        AcquireOptions::new()
-            .ttl(Duration::from_secs(10))
-            .wait(Wait::No)
-    };
-    let la = a.campaign(&name, b"a", once()).await.expect("campaign a");
-    tokio::time::timeout(Duration::from_secs(10), proxy.wait_cuts(1))
-        .await
-        .expect("the observer's connection was not cut");
+    let CutObserver {
+        proxy,
+        a: _a,
+        b,
+        la,
+        pending,
+    } = observer_cut_at_a_grant(&url, &endpoint, &name, b"b").await;
     let term_a = la.term();
     la.resign().await.expect("resign a");
     let lb = b.campaign(&name, b"b", once()).await.expect("campaign b");

@@ -6,7 +6,13 @@ use lockkit::postgres::PgLock;
 use lockkit::{AcquireOptions, Election, LeaderEvent, LeaderInfo, Wait};
 
 use super::base_url;
+use super::slots::PgSlotHarness;
+use crate::common::slot_stress;
 use crate::common::{fresh_prefix, with_prefix};
+
+fn harness() -> PgSlotHarness {
+    PgSlotHarness::from_env("LOCKKIT_POSTGRES_URL")
+}
 
 /// An observer that is slow to call `next()` while a leader proclaims, resigns and the next
 /// candidate leads must report the proclaimed value or a `Missed`, never jump from the first
@@ -78,80 +84,22 @@ async fn a_slow_observer_never_skips_a_proclaim_without_missed() {
     );
 }
 
-/// Twelve clients contend for a semaphore of 3 permits with waits, cancels (dropped after
-/// 1–60 ms), try-onces and lapses (keepalive off, 2 s TTL): never more than 3 permits Held at
-/// once, never one slot twice, every fenced write accepted; afterwards nothing is left blocking
-/// and the idle semaphore takes another N.
+/// [`slot_stress::permits_hold_under_cancels_and_lapses`] on PostgreSQL.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn permits_hold_under_cancels_and_lapses() {
-    use crate::common::slot_stress::{nothing_left, permit_stress};
-    let url = with_prefix(&base_url(), &fresh_prefix());
-    let name = format!("stress-{:08x}", rand::random::<u32>());
-    let mut clients: Vec<std::sync::Arc<dyn lockkit::Semaphore>> = Vec::new();
-    for _ in 0..12 {
-        clients.push(std::sync::Arc::new(
-            PgLock::connect(&url).await.expect("connect"),
-        ));
-    }
-    let report = permit_stress(clients, &name, &[3], 12, Duration::from_secs(2)).await;
-    println!("postgres stress: {report:?}");
-    let fresh = PgLock::connect(&url).await.expect("connect");
-    let left = nothing_left(&fresh, &name, 3, Duration::from_secs(8)).await;
-    assert!(
-        report.violations.is_empty() && left.is_empty(),
-        "{report:?} {left:?}"
-    );
+    slot_stress::permits_hold_under_cancels_and_lapses(&harness(), "postgres").await;
 }
 
-/// Ten candidates campaign with waits, cancels, try-onces and lapses (keepalive off, 2 s TTL):
-/// never two leaders Held at once, every term's fenced write accepted, a lapsed leader's
-/// proclaim refused; afterwards a fresh candidate leads.
+/// [`slot_stress::one_leader_under_cancels_and_lapses`] on PostgreSQL.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_leader_under_cancels_and_lapses() {
-    use crate::common::slot_stress::election_stress;
-    let url = with_prefix(&base_url(), &fresh_prefix());
-    let name = format!("estress-{:08x}", rand::random::<u32>());
-    let mut clients: Vec<std::sync::Arc<dyn Election>> = Vec::new();
-    for _ in 0..10 {
-        clients.push(std::sync::Arc::new(
-            PgLock::connect(&url).await.expect("connect"),
-        ));
-    }
-    let report = election_stress(clients, &name, 10, Duration::from_secs(2)).await;
-    println!("postgres election stress: {report:?}");
-    let fresh = PgLock::connect(&url).await.expect("connect");
-    let l = fresh
-        .campaign(
-            &name,
-            b"last",
-            AcquireOptions::new().wait(Wait::Timeout(Duration::from_secs(8))),
-        )
-        .await;
-    assert!(report.violations.is_empty(), "{report:?}");
-    l.expect("a fresh candidate after the run")
-        .resign()
-        .await
-        .expect("resign");
+    slot_stress::one_leader_under_cancels_and_lapses(&harness(), "postgres").await;
 }
 
-/// Five clients contend with N = 2 or N = 3 at random (plus cancels and try-onces; no lapses, which would keep it busy):
-/// a permit is never granted while a permit of the other N is Held, never more than N at once;
-/// the losers get `PermitsMismatch`.
+/// [`slot_stress::permits_of_two_ns_never_mix`] on PostgreSQL.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn permits_of_two_ns_never_mix() {
-    use crate::common::slot_stress::permit_stress;
-    let url = with_prefix(&base_url(), &fresh_prefix());
-    let name = format!("mixed-{:08x}", rand::random::<u32>());
-    let mut clients: Vec<std::sync::Arc<dyn lockkit::Semaphore>> = Vec::new();
-    for _ in 0..5 {
-        clients.push(std::sync::Arc::new(
-            PgLock::connect(&url).await.expect("connect"),
-        ));
-    }
-    let report = permit_stress(clients, &name, &[2, 3], 30, Duration::from_secs(2)).await;
-    println!("postgres mixed-N stress: {report:?}");
-    assert!(report.violations.is_empty(), "{report:?}");
-    assert!(report.switches > 0, "N never changed: {report:?}");
+    slot_stress::permits_of_two_ns_never_mix(&harness(), "postgres").await;
 }
 
 /// A permit holder whose network is cut (proxy frozen) loses its slot to a waiter only after

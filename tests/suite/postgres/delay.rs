@@ -4,14 +4,13 @@
 
 use std::time::Duration;
 
-use lockkit::backend::LeaseBackendExt;
+use lockkit::postgres::PgLock;
 use lockkit::postgres::sqlx;
-use lockkit::postgres::{PgLease, PgLock};
 use lockkit::{AcquireOptions, Error, Lease, Lock, LockExt, Wait};
 use tokio::time::Instant;
 
-use super::base_url;
 use super::server::admin;
+use super::{base_url, pid_of};
 use crate::common::{fresh_prefix, with_prefix};
 
 const DELAY: Duration = Duration::from_millis(1500);
@@ -24,12 +23,7 @@ fn with_delay(wait: Wait) -> AcquireOptions {
 /// Kills the holder's session (`pg_terminate_backend` on an admin connection) and waits for
 /// the holder to hear of it. Returns when the kill was sent.
 async fn kill(lease: &Lease) -> Instant {
-    let pid = lease
-        .ops()
-        .as_any()
-        .downcast_ref::<PgLease>()
-        .expect("a PgLease")
-        .backend_pid();
+    let pid = pid_of(lease);
     let mut db = admin(&base_url()).await;
     let sent = Instant::now();
     let ok: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")

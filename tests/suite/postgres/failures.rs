@@ -2,21 +2,20 @@
 //! server crash and restart, and acquires cancelled (or timed out) at every moment.
 
 use lockkit::backend::LeaseBackendExt;
-use std::future::Future;
-use std::pin::Pin;
-use std::process::Stdio;
-use std::task::Poll;
 use std::time::Duration;
 
 use lockkit::postgres::sqlx::postgres::PgArguments;
 use lockkit::postgres::sqlx::{self, Arguments, Connection};
-use lockkit::postgres::{PgFence, PgLease, PgLock};
+use lockkit::postgres::{PgFence, PgLock};
 use lockkit::{AcquireOptions, Error, LeaseState, Lock, LockExt, Wait, drift_margin};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::time::Instant;
 
 use super::server::{PgServer, admin};
-use super::{base_url, scratch_table, wait_no_advisory_lock};
+use super::{
+    base_url, drop_waiters, pid_of, poll_paused, scratch_table, signal, spawn_test_child,
+    tagged_line, wait_no_advisory_lock,
+};
 use crate::common::proxy::Proxy;
 use crate::common::{fresh_prefix, with_prefix};
 
@@ -27,22 +26,6 @@ fn body_args(body: &str) -> PgArguments {
     args.add(body.to_owned()).expect("encode");
     args.add(1_i32).expect("encode");
     args
-}
-
-fn signal(pid: u32, sig: &str) {
-    let st = std::process::Command::new("kill")
-        .arg(format!("-{sig}"))
-        .arg(pid.to_string())
-        .status()
-        .expect("kill");
-    assert!(st.success(), "kill -{sig} {pid}");
-}
-
-/// Polls `f` exactly once.
-async fn poll_once<F: Future>(f: Pin<&mut F>) -> Poll<F::Output> {
-    let mut f = Some(f);
-    std::future::poll_fn(|cx| Poll::Ready(f.take().map(|f| f.poll(cx)).unwrap_or(Poll::Pending)))
-        .await
 }
 
 /// Not a test of its own: the holder process of `paused_holder_is_fenced_out`, which re-runs
@@ -113,39 +96,23 @@ async fn paused_holder_is_fenced_out() {
     let table = scratch_table(&base_url()).await;
     let name = "paused";
     let ttl = Duration::from_secs(2);
-    let mut child = tokio::process::Command::new(std::env::current_exe().expect("test binary"))
-        .args([
-            "postgres::failures::holder_child_process",
-            "--exact",
-            "--nocapture",
-            "--test-threads",
-            "1",
-        ])
-        .env("LOCKKIT_PG_HOLDER_URL", &url)
-        .env("LOCKKIT_PG_HOLDER_NAME", name)
-        .env("LOCKKIT_PG_HOLDER_TABLE", &table)
-        .env("LOCKKIT_PG_HOLDER_TTL_MS", ttl.as_millis().to_string())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("spawn holder");
+    let ttl_ms = ttl.as_millis().to_string();
+    let mut child = spawn_test_child(
+        "postgres::failures::holder_child_process",
+        &[
+            ("LOCKKIT_PG_HOLDER_URL", &url),
+            ("LOCKKIT_PG_HOLDER_NAME", name),
+            ("LOCKKIT_PG_HOLDER_TABLE", &table),
+            ("LOCKKIT_PG_HOLDER_TTL_MS", &ttl_ms),
+        ],
+        true,
+    );
     let pid = child.id().expect("pid");
     let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
     let mut stdin = child.stdin.take().expect("stdin");
     let mut next = async |what: &str| -> String {
-        loop {
-            let line = tokio::time::timeout(Duration::from_secs(20), lines.next_line())
-                .await
-                .unwrap_or_else(|_| panic!("holder did not report {what}"))
-                .expect("read")
-                .unwrap_or_else(|| panic!("holder exited before {what}"));
-            // libtest may print "test … ... " before the first line of output.
-            let tag = format!("HOLDER {what} ");
-            if let Some(i) = line.find(&tag) {
-                return line[i + tag.len()..].to_owned();
-            }
-        }
+        let tag = format!("HOLDER {what} ");
+        tagged_line(&mut lines, &tag, Duration::from_secs(20)).await
     };
     let old_token = next("TOKEN")
         .await
@@ -221,12 +188,7 @@ async fn killed_session_releases_and_tells_holder() {
     );
     let ttl = Duration::from_secs(9);
     let lease = a.try_acquire("killed", ttl).await.unwrap();
-    let pid = lease
-        .ops()
-        .as_any()
-        .downcast_ref::<PgLease>()
-        .expect("a PgLease")
-        .backend_pid();
+    let pid = pid_of(&lease);
     let mut db = admin(&base_url()).await;
     let killed = Instant::now();
     let ok: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
@@ -391,15 +353,7 @@ async fn cancelled_acquire_leaves_no_lock() {
                 .expect("warm-up release");
             // Boxed, so that dropping it really drops the acquire (and its connection).
             let mut fut = Box::pin(b.try_acquire("free", ttl));
-            let mut done = None;
-            for _ in 0..polls {
-                if let Poll::Ready(r) = poll_once(fut.as_mut()).await {
-                    done = Some(r);
-                    break;
-                }
-                std::thread::sleep(Duration::from_micros(us));
-            }
-            match done {
+            match poll_paused(fut.as_mut(), polls, us).await {
                 Some(Ok(lease)) => {
                     completed += 1;
                     lease.release().await.expect("release");
@@ -415,14 +369,7 @@ async fn cancelled_acquire_leaves_no_lock() {
     // Held lock: cancel waiters at several points of their wait.
     let key = a.key("held");
     let holder = a.try_acquire("held", ttl).await.unwrap();
-    for ms in [0u64, 1, 2, 5, 10, 20, 50, 100, 300] {
-        let r = tokio::time::timeout(
-            Duration::from_millis(ms),
-            b.acquire("held", AcquireOptions::new().ttl(ttl)),
-        )
-        .await;
-        assert!(r.is_err(), "an acquire of a held lock returned: {r:?}");
-    }
+    drop_waiters(&b, "held", ttl, &[0, 1, 2, 5, 10, 20, 50, 100, 300]).await;
     holder.release().await.unwrap();
     wait_no_advisory_lock(&base, key, Duration::from_secs(3)).await;
     let start = Instant::now();

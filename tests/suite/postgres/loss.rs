@@ -4,25 +4,14 @@
 
 use std::time::Duration;
 
-use lockkit::backend::LeaseBackendExt;
-
+use lockkit::postgres::PgLock;
 use lockkit::postgres::sqlx;
-use lockkit::postgres::{PgLease, PgLock};
 use lockkit::{AcquireOptions, Error, LeaseState, Lock, LockExt, LossReason, Wait};
 use tokio::time::Instant;
 
-use super::base_url;
 use super::server::{PgServer, admin};
+use super::{base_url, pid_of};
 use crate::common::{fresh_prefix, with_prefix};
-
-fn backend_pid(lease: &lockkit::Lease) -> i32 {
-    lease
-        .ops()
-        .as_any()
-        .downcast_ref::<PgLease>()
-        .expect("a PgLease")
-        .backend_pid()
-}
 
 /// Held without keepalive, so that no renewal can be the one that finds out.
 fn manual(ttl: Duration) -> AcquireOptions {
@@ -51,7 +40,7 @@ async fn terminated_backend_is_heard_at_once() {
         let lease = locks.acquire("terminated", manual(ttl)).await.unwrap();
         // A renewal first: the watch must survive statements on the connection.
         lease.renew().await.unwrap();
-        let pid = backend_pid(&lease);
+        let pid = pid_of(&lease);
         let lost = lease.lost();
         let sent = Instant::now();
         let ok: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
@@ -92,7 +81,7 @@ async fn only_the_killed_lease_is_lost() {
     let mut db = admin(&base_url()).await;
     let lost_b = b.lost();
     let _: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
-        .bind(backend_pid(&b))
+        .bind(pid_of(&b))
         .fetch_one(&mut db)
         .await
         .unwrap();

@@ -14,12 +14,19 @@ mod server;
 mod slots;
 mod slow_grants;
 
+use std::future::Future;
+use std::pin::Pin;
+use std::process::Stdio;
+use std::task::Poll;
 use std::time::Duration;
 
+use lockkit::backend::LeaseBackendExt;
 use lockkit::postgres::sqlx::postgres::PgArguments;
 use lockkit::postgres::sqlx::{self, Arguments, Connection};
 use lockkit::postgres::{PgFence, PgLock};
-use lockkit::{Error, FencingToken, LockExt};
+use lockkit::{AcquireOptions, Error, FencingToken, Lock, LockExt};
+use tokio::io::{BufReader, Lines};
+use tokio::process::{Child, ChildStdout};
 use tokio::time::Instant;
 
 use crate::common::{free_port, fresh_prefix, server_url, wait_until, with_prefix};
@@ -84,6 +91,94 @@ pub async fn wait_no_advisory_lock(url: &str, key: i64, limit: Duration) {
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// Polls `fut` up to `polls` times, each poll followed by a (blocking) pause of `us` µs during
+/// which the server may grant and answer: its output if it finished, else `None` (the caller
+/// then drops it, with the reply unread). tokio's timers tick in milliseconds, too coarse to land
+/// inside a ~0.2 ms grant, hence the polls by hand.
+pub async fn poll_paused<F: Future>(
+    mut fut: Pin<&mut F>,
+    polls: usize,
+    us: u64,
+) -> Option<F::Output> {
+    for _ in 0..polls {
+        let mut once = Some(fut.as_mut());
+        let polled = std::future::poll_fn(|cx| {
+            Poll::Ready(once.take().map(|f| f.poll(cx)).unwrap_or(Poll::Pending))
+        })
+        .await;
+        if let Poll::Ready(r) = polled {
+            return Some(r);
+        }
+        std::thread::sleep(Duration::from_micros(us));
+    }
+    None
+}
+
+/// Acquires of `name` by `locks` while another client holds it, each dropped after one of
+/// `after_ms` ms: none may return.
+pub async fn drop_waiters(locks: &PgLock, name: &str, ttl: Duration, after_ms: &[u64]) {
+    for &ms in after_ms {
+        let r = tokio::time::timeout(
+            Duration::from_millis(ms),
+            locks.acquire(name, AcquireOptions::new().ttl(ttl)),
+        )
+        .await;
+        assert!(r.is_err(), "an acquire of a held lock returned: {r:?}");
+    }
+}
+
+/// The server pid of the session that holds `lease` (a PostgreSQL lease's `backend_pid`).
+pub fn pid_of(lease: &lockkit::Lease) -> i32 {
+    lease
+        .ops()
+        .as_any()
+        .downcast_ref::<lockkit::postgres::PgLease>()
+        .expect("a PgLease")
+        .backend_pid()
+}
+
+/// This test binary re-run for its one test `test` (the body of a child process, which reads
+/// its orders from `envs`): stdout piped (stdin too when `stdin`, else null), killed on drop.
+pub fn spawn_test_child(test: &str, envs: &[(&str, &str)], stdin: bool) -> Child {
+    tokio::process::Command::new(std::env::current_exe().expect("test binary"))
+        .args([test, "--exact", "--nocapture", "--test-threads", "1"])
+        .envs(envs.iter().copied())
+        .stdin(if stdin { Stdio::piped() } else { Stdio::null() })
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn holder")
+}
+
+/// What follows `tag` in the child's next line that holds it (libtest may print "test … ... "
+/// before a child's first line), each line awaited for at most `limit`.
+pub async fn tagged_line(
+    lines: &mut Lines<BufReader<ChildStdout>>,
+    tag: &str,
+    limit: Duration,
+) -> String {
+    loop {
+        let line = tokio::time::timeout(limit, lines.next_line())
+            .await
+            .unwrap_or_else(|_| panic!("holder did not report {tag:?}"))
+            .expect("read")
+            .unwrap_or_else(|| panic!("holder exited before {tag:?}"));
+        if let Some(i) = line.find(tag) {
+            return line[i + tag.len()..].to_owned();
+        }
+    }
+}
+
+/// Sends `SIGsig` to process `pid` (`kill -sig pid`: a test process or a server backend).
+pub fn signal(pid: impl std::fmt::Display, sig: &str) {
+    let st = std::process::Command::new("kill")
+        .arg(format!("-{sig}"))
+        .arg(pid.to_string())
+        .status()
+        .expect("kill");
+    assert!(st.success(), "kill -{sig} {pid}");
 }
 
 /// A token of the lock these tests pretend guards the scratch table.

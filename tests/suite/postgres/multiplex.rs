@@ -4,34 +4,23 @@
 //! whose leases all lapse within their TTL.
 
 use std::collections::HashMap;
-use std::future::Future;
-use std::pin::Pin;
-use std::process::Stdio;
-use std::task::Poll;
 use std::time::Duration;
 
 use futures_util::future::join_all;
-use lockkit::backend::LeaseBackendExt;
 use lockkit::postgres::sqlx::{self, PgConnection};
-use lockkit::postgres::{PgLease, PgLock, SESSION_LEASES};
-use lockkit::{AcquireOptions, Error, Lease, LeaseState, Lock, LockExt};
+use lockkit::postgres::{PgLock, SESSION_LEASES};
+use lockkit::{Error, Lease, LeaseState, LockExt};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::time::Instant;
 
 use super::server::{PgServer, admin};
-use super::{advisory_locks, base_url, wait_no_advisory_lock};
+use super::{
+    advisory_locks, base_url, drop_waiters, pid_of, poll_paused, signal, spawn_test_child,
+    tagged_line, wait_no_advisory_lock,
+};
 use crate::common::{fresh_prefix, with_prefix};
 
 const SLACK: Duration = Duration::from_millis(100); // PgLock's Guarantees::expiry_slack
-
-fn pid_of(lease: &Lease) -> i32 {
-    lease
-        .ops()
-        .as_any()
-        .downcast_ref::<PgLease>()
-        .expect("a PgLease")
-        .backend_pid()
-}
 
 /// Acquires `names` try-once with `ttl`, `tasks` acquires at a time.
 async fn acquire_all(locks: &PgLock, names: &[String], ttl: Duration, tasks: usize) -> Vec<Lease> {
@@ -222,13 +211,6 @@ async fn a_terminated_session_loses_exactly_its_leases() {
     release_all(kept).await;
 }
 
-/// Polls `f` exactly once.
-async fn poll_once<F: Future>(f: Pin<&mut F>) -> Poll<F::Output> {
-    let mut f = Some(f);
-    std::future::poll_fn(|cx| Poll::Ready(f.take().map(|f| f.poll(cx)).unwrap_or(Poll::Pending)))
-        .await
-}
-
 /// A try-acquire dropped at any moment of its grant on a shared session (which another lease
 /// keeps open) leaves no lock behind, and neither does a dropped waiter; the other lease on
 /// the session is not disturbed.
@@ -247,15 +229,7 @@ async fn cancelled_grants_and_waiters_on_a_shared_session_leave_nothing() {
     for polls in 1..=3 {
         for us in [0u64, 20, 50, 100, 200, 500, 1000, 3000] {
             let mut fut = Box::pin(b.try_acquire("free", ttl));
-            let mut done = None;
-            for _ in 0..polls {
-                if let Poll::Ready(r) = poll_once(fut.as_mut()).await {
-                    done = Some(r);
-                    break;
-                }
-                std::thread::sleep(Duration::from_micros(us));
-            }
-            match done {
+            match poll_paused(fut.as_mut(), polls, us).await {
                 Some(Ok(lease)) => {
                     assert_eq!(pid_of(&lease), session);
                     lease.release().await.expect("release");
@@ -269,14 +243,7 @@ async fn cancelled_grants_and_waiters_on_a_shared_session_leave_nothing() {
     // Waiters for a lock held on a shared session, dropped at several points of their wait.
     let holder = a.try_acquire("held", ttl).await.unwrap();
     let held_key = a.key("held");
-    for ms in [0u64, 1, 5, 20, 100, 300] {
-        let r = tokio::time::timeout(
-            Duration::from_millis(ms),
-            b.acquire("held", AcquireOptions::new().ttl(ttl)),
-        )
-        .await;
-        assert!(r.is_err(), "an acquire of a held lock returned: {r:?}");
-    }
+    drop_waiters(&b, "held", ttl, &[0, 1, 5, 20, 100, 300]).await;
     holder.release().await.unwrap();
     wait_no_advisory_lock(&base, held_key, Duration::from_secs(3)).await;
     let next = b
@@ -329,43 +296,24 @@ async fn a_frozen_holder_process_frees_all_its_leases() {
     let url = with_prefix(&base_url(), &fresh_prefix());
     let n = 1500;
     let ttl = Duration::from_secs(2);
-    let mut child = tokio::process::Command::new(std::env::current_exe().expect("test binary"))
-        .args([
-            "postgres::multiplex::many_holder_child_process",
-            "--exact",
-            "--nocapture",
-            "--test-threads",
-            "1",
-        ])
-        .env("LOCKKIT_PG_MANY_URL", &url)
-        .env("LOCKKIT_PG_MANY_N", n.to_string())
-        .env("LOCKKIT_PG_MANY_TTL_MS", ttl.as_millis().to_string())
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("spawn holder");
+    let mut child = spawn_test_child(
+        "postgres::multiplex::many_holder_child_process",
+        &[
+            ("LOCKKIT_PG_MANY_URL", &url),
+            ("LOCKKIT_PG_MANY_N", &n.to_string()),
+            ("LOCKKIT_PG_MANY_TTL_MS", &ttl.as_millis().to_string()),
+        ],
+        false,
+    );
     let pid = child.id().expect("pid");
     let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
     let ready = format!("HOLDER READY {n} ");
-    let pids: Vec<i32> = loop {
-        let line = tokio::time::timeout(Duration::from_secs(60), lines.next_line())
-            .await
-            .expect("holder did not report READY")
-            .expect("read")
-            .expect("holder exited before READY");
-        if let Some(i) = line.find(&ready) {
-            break line[i + ready.len()..]
-                .split(',')
-                .map(|p| p.trim().parse().expect("pid"))
-                .collect();
-        }
-    };
-    let st = std::process::Command::new("kill")
-        .args(["-STOP", &pid.to_string()])
-        .status()
-        .expect("kill");
-    assert!(st.success());
+    let pids: Vec<i32> = tagged_line(&mut lines, &ready, Duration::from_secs(60))
+        .await
+        .split(',')
+        .map(|p| p.trim().parse().expect("pid"))
+        .collect();
+    signal(pid, "STOP");
     let stopped = Instant::now();
     // The server ends each frozen session one TTL after its last statement (there is no
     // signal to await in this process: ask the server).

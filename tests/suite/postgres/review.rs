@@ -6,23 +6,14 @@ use std::time::Duration;
 
 use lockkit::postgres::sqlx::postgres::PgArguments;
 use lockkit::postgres::sqlx::{self, Arguments};
-use lockkit::postgres::{PgFence, PgLease, PgLock, SESSION_CHECK};
+use lockkit::postgres::{PgFence, PgLock, SESSION_CHECK};
 use lockkit::{AcquireOptions, Error, FencingToken, Lock, LockExt, Wait};
 use tokio::time::Instant;
 
 use super::server::{PgServer, admin};
-use super::{base_url, port_of};
+use super::{base_url, pid_of, port_of, signal};
 use crate::common::proxy::Proxy;
 use crate::common::{fresh_prefix, with_prefix};
-
-fn pid_of(lease: &lockkit::Lease) -> i32 {
-    lease
-        .ops()
-        .as_any()
-        .downcast_ref::<PgLease>()
-        .expect("a PgLease")
-        .backend_pid()
-}
 
 /// The pid of a session waiting for advisory key `key` (polls pg_locks, which has no change
 /// signal, until one shows up).
@@ -47,15 +38,6 @@ async fn waiting_pid(url: &str, key: i64) -> i32 {
         assert!(Instant::now() < deadline, "no session waits for key {key}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-}
-
-fn kill(pid: i32, sig: &str) {
-    let st = std::process::Command::new("kill")
-        .arg(format!("-{sig}"))
-        .arg(pid.to_string())
-        .status()
-        .expect("kill");
-    assert!(st.success(), "kill -{sig} {pid}");
 }
 
 /// Finding 2: a waiting acquire holds no lock on the fence table while it waits, so DDL on the
@@ -312,9 +294,9 @@ async fn cancelled_renewal_does_not_extend_the_session() {
         .await
         .unwrap();
     let pid = pid_of(&lease);
-    kill(pid, "STOP");
+    signal(pid, "STOP");
     let renew = tokio::time::timeout(Duration::from_millis(300), lease.ops().renew(ttl)).await;
-    kill(pid, "CONT");
+    signal(pid, "CONT");
     assert!(
         renew.is_err(),
         "renewal answered by a stopped backend: {renew:?}"
@@ -517,14 +499,14 @@ async fn release_after_a_dropped_renewal_is_ok() {
         .await
         .unwrap();
     let pid = pid_of(&lease);
-    kill(pid, "STOP");
+    signal(pid, "STOP");
     tokio::select! {
         r = lease.ops().renew(ttl) => panic!("renewal answered by a stopped backend: {r:?}"),
         () = tokio::time::sleep(Duration::from_millis(200)) => {}
     }
     let t = Instant::now();
     let res = lease.release().await;
-    kill(pid, "CONT");
+    signal(pid, "CONT");
     assert!(res.is_ok(), "release after a dropped renewal: {res:?}");
     assert!(t.elapsed() < Duration::from_secs(1));
     let next = b

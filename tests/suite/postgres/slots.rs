@@ -1,58 +1,30 @@
 //! Elections and semaphores on PostgreSQL: the contract suite (`election_suite!`) against the
 //! shared server, and what only PostgreSQL can do to a holder (a terminated backend).
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use lockkit::backend::LeaseBackendExt;
-use lockkit::contract_election::SlotHarness;
-use lockkit::postgres::{PgLease, PgLock};
+use lockkit::postgres::PgLock;
 use lockkit::{
     AcquireOptions, Election, LeaderEvent, LeaderInfo, LeaseState, Semaphore, Wait, async_trait,
 };
 
-use super::base_url;
 use super::server::admin;
-use crate::common::{fresh_prefix, with_prefix};
+use super::{base_url, pid_of};
+use crate::common::{ConnectUrl, SlotClients};
 
-/// Hands out a new `PgLock` (its own connections) per client, all under one fresh prefix.
-pub struct PgSlotHarness {
-    url: String,
-}
-
-impl PgSlotHarness {
-    pub fn from_env() -> Self {
-        Self {
-            url: with_prefix(&base_url(), &fresh_prefix()),
-        }
-    }
-
-    async fn client(&self) -> PgLock {
-        PgLock::connect(&self.url)
-            .await
-            .unwrap_or_else(|e| panic!("connect {}: {e:#?}", self.url))
-    }
-}
+/// The slot harness: a new `PgLock` (its own connections) per client, all under one fresh
+/// prefix.
+pub type PgSlotHarness = SlotClients<PgLock>;
 
 #[async_trait]
-impl SlotHarness for PgSlotHarness {
-    async fn election(&self) -> Arc<dyn Election> {
-        Arc::new(self.client().await)
-    }
-    async fn semaphore(&self) -> Arc<dyn Semaphore> {
-        Arc::new(self.client().await)
-    }
-    // 2 s, as the lock suite: CI has 2 cores and runs tests in parallel.
-    fn short_ttl(&self) -> Duration {
-        Duration::from_secs(2)
-    }
-    fn tolerance(&self) -> Duration {
-        Duration::from_secs(2)
+impl ConnectUrl for PgLock {
+    async fn connect_url(url: &str) -> lockkit::Result<Self> {
+        PgLock::connect(url).await
     }
 }
 
 mod contract {
-    lockkit::election_suite!(super::PgSlotHarness::from_env());
+    lockkit::election_suite!(super::PgSlotHarness::from_env("LOCKKIT_POSTGRES_URL"));
 }
 
 /// A permit holder whose backend an administrator terminates loses its permit: the server
@@ -61,7 +33,7 @@ mod contract {
 /// of the same slot, and the old holder's loss signal fires.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_terminated_permit_holder_is_reclaimed_by_a_waiter() {
-    let h = PgSlotHarness::from_env();
+    let h = PgSlotHarness::from_env("LOCKKIT_POSTGRES_URL");
     let (a, b) = (h.client().await, h.client().await);
     let name = format!("terminated-{:08x}", rand::random::<u32>());
     // A long TTL: only the termination can free the permit within the test.
@@ -70,13 +42,7 @@ async fn a_terminated_permit_holder_is_reclaimed_by_a_waiter() {
         .acquire_permit(&name, 1, AcquireOptions::new().ttl(ttl).wait(Wait::No))
         .await
         .expect("permit");
-    let pid = held
-        .lease()
-        .ops()
-        .as_any()
-        .downcast_ref::<PgLease>()
-        .expect("a PostgreSQL lease")
-        .backend_pid();
+    let pid = pid_of(held.lease());
     let waiter = tokio::spawn(async move {
         b.acquire_permit(
             &name,
@@ -119,7 +85,7 @@ async fn a_terminated_permit_holder_is_reclaimed_by_a_waiter() {
 /// leader.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_observer_sees_a_terminated_leader_go() {
-    let h = PgSlotHarness::from_env();
+    let h = PgSlotHarness::from_env("LOCKKIT_POSTGRES_URL");
     let (a, b, watcher) = (h.client().await, h.client().await, h.client().await);
     let name = format!("terminated-leader-{:08x}", rand::random::<u32>());
     let ttl = Duration::from_secs(60);
@@ -132,13 +98,7 @@ async fn an_observer_sees_a_terminated_leader_go() {
         observer.next().await.expect("first event"),
         LeaderEvent::Leader(LeaderInfo::new(leader.term(), b"a".to_vec()))
     );
-    let pid = leader
-        .lease()
-        .ops()
-        .as_any()
-        .downcast_ref::<PgLease>()
-        .expect("a PostgreSQL lease")
-        .backend_pid();
+    let pid = pid_of(leader.lease());
     let mut db = admin(&base_url()).await;
     let ok: bool = lockkit::postgres::sqlx::query_scalar("SELECT pg_terminate_backend($1)")
         .bind(pid)

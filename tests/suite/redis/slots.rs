@@ -3,11 +3,9 @@
 //! many permits, and the cost of a hand-over (private servers, where the command counters are
 //! ours alone).
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use lockkit::backend::SlotKind;
-use lockkit::contract_election::SlotHarness;
 use lockkit::redis::redis;
 use lockkit::redis::{LOSS_NOTICE, MAX_WAIT_POLL, RedisLock};
 use lockkit::{
@@ -16,46 +14,21 @@ use lockkit::{
 use tokio::time::Instant;
 
 use super::PrivateRedis;
-use crate::common::{fresh_prefix, server_url, with_prefix};
+use crate::common::{ConnectUrl, SlotClients, fresh_prefix, with_prefix};
 
-/// Hands out a new `RedisLock` (its own connections) per client, all under one fresh prefix.
-pub struct RedisSlotHarness {
-    url: String,
-}
-
-impl RedisSlotHarness {
-    pub fn from_env() -> Self {
-        Self {
-            url: with_prefix(&server_url("LOCKKIT_REDIS_URL"), &fresh_prefix()),
-        }
-    }
-
-    async fn client(&self) -> RedisLock {
-        RedisLock::connect(&self.url)
-            .await
-            .unwrap_or_else(|e| panic!("connect {}: {e:#?}", self.url))
-    }
-}
+/// The slot harness: a new `RedisLock` (its own connections) per client, all under one fresh
+/// prefix.
+pub type RedisSlotHarness = SlotClients<RedisLock>;
 
 #[async_trait]
-impl SlotHarness for RedisSlotHarness {
-    async fn election(&self) -> Arc<dyn Election> {
-        Arc::new(self.client().await)
-    }
-    async fn semaphore(&self) -> Arc<dyn Semaphore> {
-        Arc::new(self.client().await)
-    }
-    // 2 s, as the lock suite: CI has 2 cores and runs tests in parallel.
-    fn short_ttl(&self) -> Duration {
-        Duration::from_secs(2)
-    }
-    fn tolerance(&self) -> Duration {
-        Duration::from_secs(2)
+impl ConnectUrl for RedisLock {
+    async fn connect_url(url: &str) -> lockkit::Result<Self> {
+        RedisLock::connect(url).await
     }
 }
 
 mod contract {
-    lockkit::election_suite!(super::RedisSlotHarness::from_env());
+    lockkit::election_suite!(super::RedisSlotHarness::from_env("LOCKKIT_REDIS_URL"));
 }
 
 /// A client of `server` under `prefix`.

@@ -2,12 +2,10 @@
 //! shared server, and what only ZooKeeper does to a holder or an observer (a session expired
 //! behind a frozen connection, a session closed by someone else).
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use lockkit::LockExt;
 use lockkit::backend::LeaseBackendExt;
-use lockkit::contract_election::SlotHarness;
 use lockkit::zk::ZkLock;
 use lockkit::zk::zookeeper_client as zk;
 use lockkit::{
@@ -16,7 +14,7 @@ use lockkit::{
 use tokio::time::Instant;
 
 use crate::common::proxy::Proxy;
-use crate::common::{fresh_prefix, server_url, with_prefix};
+use crate::common::{ConnectUrl, SlotClients, server_url};
 
 /// Session timeout of the holders whose session is made to expire: 2 s (the shared server
 /// accepts 1 s–60 s).
@@ -35,55 +33,28 @@ fn unique(name: &str) -> String {
     format!("{name}-{:08x}", rand::random::<u32>())
 }
 
-/// Hands out a new `ZkLock` (its own sessions) per client, all under one fresh prefix.
-pub struct ZkSlotHarness {
-    prefix: String,
-}
-
-impl ZkSlotHarness {
-    pub fn from_env() -> Self {
-        Self {
-            prefix: fresh_prefix(),
-        }
-    }
-
-    async fn client(&self) -> ZkLock {
-        let url = with_prefix(&server_url("LOCKKIT_ZK_URL"), &self.prefix);
-        ZkLock::connect(&url)
-            .await
-            .unwrap_or_else(|e| panic!("connect {url}: {e:#?}"))
-    }
-
-    /// A client whose every connection goes through `proxy`.
-    async fn through(&self, proxy: &Proxy) -> ZkLock {
-        ZkLock::connect(&format!(
-            "zk://127.0.0.1:{}?prefix={}",
-            proxy.port, self.prefix
-        ))
-        .await
-        .expect("connect through the proxy")
-    }
-}
+/// The slot harness: a new `ZkLock` (its own sessions) per client, all under one fresh prefix.
+pub type ZkSlotHarness = SlotClients<ZkLock>;
 
 #[async_trait]
-impl SlotHarness for ZkSlotHarness {
-    async fn election(&self) -> Arc<dyn Election> {
-        Arc::new(self.client().await)
+impl ConnectUrl for ZkLock {
+    async fn connect_url(url: &str) -> lockkit::Result<Self> {
+        ZkLock::connect(url).await
     }
-    async fn semaphore(&self) -> Arc<dyn Semaphore> {
-        Arc::new(self.client().await)
-    }
-    // The shared server's minSessionTimeout is 1 s; 2 s leaves room for tick rounding.
-    fn short_ttl(&self) -> Duration {
-        TTL
-    }
-    fn tolerance(&self) -> Duration {
-        TOLERANCE
-    }
+}
+
+/// A client of `h`'s prefix whose every connection goes through `proxy`.
+async fn through(h: &ZkSlotHarness, proxy: &Proxy) -> ZkLock {
+    ZkLock::connect(&format!(
+        "zk://127.0.0.1:{}?prefix={}",
+        proxy.port, h.prefix
+    ))
+    .await
+    .expect("connect through the proxy")
 }
 
 mod contract {
-    lockkit::election_suite!(super::ZkSlotHarness::from_env());
+    lockkit::election_suite!(super::ZkSlotHarness::from_env("LOCKKIT_ZK_URL"));
 }
 
 fn waiting(ttl: Duration, timeout: Duration) -> AcquireOptions {
@@ -103,9 +74,13 @@ async fn next_event(observer: &mut lockkit::Observer, what: &str) -> LeaderEvent
 /// proclaim fails.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_leader_whose_session_expires_loses_and_the_next_leads() {
-    let h = ZkSlotHarness::from_env();
+    let h = ZkSlotHarness::from_env("LOCKKIT_ZK_URL");
     let proxy = Proxy::start(upstream()).await;
-    let (a, b, watcher) = (h.through(&proxy).await, h.client().await, h.client().await);
+    let (a, b, watcher) = (
+        through(&h, &proxy).await,
+        h.client().await,
+        h.client().await,
+    );
     let name = unique("expired-leader");
     let mut la = a
         .campaign(&name, b"a", AcquireOptions::new().ttl(TTL).wait(Wait::No))
@@ -171,9 +146,9 @@ async fn a_leader_whose_session_expires_loses_and_the_next_leads() {
 /// watching the semaphore's slots, takes the freed slot with a higher token of that slot.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_expired_permit_is_taken_by_the_waiter() {
-    let h = ZkSlotHarness::from_env();
+    let h = ZkSlotHarness::from_env("LOCKKIT_ZK_URL");
     let proxy = Proxy::start(upstream()).await;
-    let (a, b) = (h.through(&proxy).await, h.client().await);
+    let (a, b) = (through(&h, &proxy).await, h.client().await);
     let name = unique("expired-permit");
     let pa = a
         .acquire_permit(&name, 1, AcquireOptions::new().ttl(TTL).wait(Wait::No))
@@ -208,7 +183,7 @@ async fn an_expired_permit_is_taken_by_the_waiter() {
 /// stands with the old N: the next acquire sets its own N.
 #[tokio::test]
 async fn an_idle_semaphore_node_takes_a_new_n() {
-    let h = ZkSlotHarness::from_env();
+    let h = ZkSlotHarness::from_env("LOCKKIT_ZK_URL");
     let s = h.client().await;
     let name = unique("idle-n");
     let once = AcquireOptions::new()
@@ -239,9 +214,9 @@ async fn an_idle_semaphore_node_takes_a_new_n() {
 /// a new session and sees the leader that came meanwhile.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_observer_whose_session_is_lost_gets_missed() {
-    let h = ZkSlotHarness::from_env();
+    let h = ZkSlotHarness::from_env("LOCKKIT_ZK_URL");
     let proxy = Proxy::start(upstream()).await;
-    let (a, watcher) = (h.client().await, h.through(&proxy).await);
+    let (a, watcher) = (h.client().await, through(&h, &proxy).await);
     let name = unique("observer-session");
     let mut observer = watcher.observe(&name).await.expect("observe");
     assert_eq!(
@@ -301,7 +276,7 @@ async fn an_observer_whose_session_is_lost_gets_missed() {
 /// `Missed` before the second (the data version moved by two).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn proclaims_the_observer_cannot_see_are_missed() {
-    let h = ZkSlotHarness::from_env();
+    let h = ZkSlotHarness::from_env("LOCKKIT_ZK_URL");
     let (a, watcher) = (h.client().await, h.client().await);
     let name = unique("proclaims");
     let mut la = a
@@ -331,7 +306,7 @@ async fn proclaims_the_observer_cannot_see_are_missed() {
 /// event latencies over 20 hand-overs, and checks each hand-over's terms.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn resign_hand_over_latency() {
-    let h = ZkSlotHarness::from_env();
+    let h = ZkSlotHarness::from_env("LOCKKIT_ZK_URL");
     let (a, b, watcher) = (h.client().await, h.client().await, h.client().await);
     let name = unique("latency");
     let opts = || waiting(Duration::from_secs(10), Duration::from_secs(10));

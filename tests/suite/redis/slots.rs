@@ -25,8 +25,13 @@ pub struct RedisSlotHarness {
 
 impl RedisSlotHarness {
     pub fn from_env() -> Self {
+        Self::from_var("LOCKKIT_REDIS_URL")
+    }
+
+    /// The server (or the sentinels) of the URL in environment variable `var`.
+    pub fn from_var(var: &str) -> Self {
         Self {
-            url: with_prefix(&server_url("LOCKKIT_REDIS_URL"), &fresh_prefix()),
+            url: with_prefix(&server_url(var), &fresh_prefix()),
         }
     }
 

@@ -204,12 +204,14 @@
 //!
 //! ## Replication-confirmed grants
 //! `min_replicas=N&replica_timeout=100ms` (or [`RedisConfig::min_replicas`], on `redis://`
-//! and `redis+sentinel://`): every grant is followed by `WAIT N timeout`
+//! and `redis+sentinel://`): every grant (of a lock, a leadership or a permit) is followed by
+//! `WAIT N timeout`
 //! (<https://redis.io/docs/latest/commands/wait/>) on a connection of its own; with fewer than
 //! `N` acknowledgements the grant is given back (the next waiter gets it) and the attempt fails
 //! with [`Error::Unavailable`](lockkit_core::Error::Unavailable) whose source is a
 //! [`NotReplicated`] (retried while the acquire may wait; a deadline that cuts a retry ends in
-//! [`Error::Timeout`](lockkit_core::Error::Timeout)). What it narrows: a failover to a replica
+//! [`Error::Timeout`](lockkit_core::Error::Timeout)). Election observers may see such a grant
+//! (it is published when made) followed by its release. What it narrows: a failover to a replica
 //! that acknowledged the grant keeps it (the lease proves itself on the new master), so the
 //! window in which a failover can grant a held lock twice shrinks to the grants that Sentinel
 //! loses anyway: a promotion of a replica that did not acknowledge (with `N` smaller than the

@@ -176,7 +176,9 @@
 //! [`DEFAULT_SENTINEL_PORT`]), the service is the master name they monitor
 //! (<https://redis.io/docs/latest/operate/oss_and_stack/management/sentinel/>). The user info
 //! logs in to the **master**; the sentinels get the parameters `sentinel_username` and
-//! `sentinel_password`. TLS is not supported in this mode yet.
+//! `sentinel_password`. TLS is not supported in this mode yet: a `rediss+sentinel://`
+//! URL, or TLS settings on a [`RedisConfig::sentinel`] config, fail with
+//! [`Error::NotSupported`](lockkit_core::Error::NotSupported).
 //! - **Discovery**: at connect, the sentinels are asked in turn (`SENTINEL MASTERS`) and the
 //!   master they name must answer `ROLE` as a master (the redis crate's
 //!   [`redis::sentinel`]), within the connect timeout. It is asked again when a command fails

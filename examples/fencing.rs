@@ -13,8 +13,9 @@
 //! of another lock writes: its token belongs to that lock, and the resource rejects it too.
 //!
 //! On a network backend A's stall is simulated by freezing all of A's traffic in a local TCP
-//! relay (the server sees a holder that went silent, keepalive included). On `memory://` A just
-//! stops renewing.
+//! relay (the server sees a holder that went silent, keepalive included). On `memory://` and
+//! `redis+sentinel://` (the sentinels name the master's own address, which a relay in front of
+//! them cannot stand in for) A just stops renewing.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -75,6 +76,7 @@ async fn main() {
 async fn run(args: Args) -> Result<(), Error> {
     let t = Arc::new(Timeline(Instant::now()));
     let memory = args.backend.starts_with("memory://");
+    let sentinel = args.backend.starts_with("redis+sentinel://");
     let name = format!("{}-{:06x}", args.name, rand::random::<u32>() & 0xff_ffff);
 
     // A reaches the server through a relay we can freeze; B connects directly.
@@ -82,6 +84,12 @@ async fn run(args: Args) -> Result<(), Error> {
     let (a, b, freeze): Clients = if memory {
         let shared = lockkit::connect(&args.backend).await?;
         (shared.clone(), shared, None)
+    } else if sentinel {
+        (
+            lockkit::connect(&args.backend).await?,
+            lockkit::connect(&args.backend).await?,
+            None,
+        )
     } else {
         let (url_a, freeze) = relay(&args.backend).await?;
         (
@@ -111,7 +119,7 @@ async fn run(args: Args) -> Result<(), Error> {
             &name,
             AcquireOptions::new()
                 .ttl(ttl)
-                .keepalive(!memory)
+                .keepalive(freeze.is_some())
                 .wait(Wait::No),
         )
         .await?;

@@ -233,7 +233,8 @@ impl Connected {
                 memory_url(url)?;
                 Ok(Self::Memory(MemoryLock::new()))
             }
-            "redis" | "rediss" | "redis+sentinel" => {
+            // rediss+sentinel: lockkit-redis's typed NotSupported (no TLS in Sentinel mode yet).
+            "redis" | "rediss" | "redis+sentinel" | "rediss+sentinel" => {
                 #[cfg(feature = "redis")]
                 return Ok(Self::Redis(lockkit_redis::RedisLock::connect(url).await?));
                 #[cfg(not(feature = "redis"))]
@@ -363,6 +364,16 @@ mod tests {
         let huge = format!("{}://x", "s".repeat(40_000));
         let e = connect(&huge).await.err().unwrap();
         assert!(e.to_string().len() < 200);
+    }
+
+    /// TLS to Redis Sentinel is a typed `NotSupported`, not an unknown scheme.
+    #[cfg(feature = "redis")]
+    #[tokio::test]
+    async fn tls_sentinel_urls_are_not_supported() {
+        match connect("rediss+sentinel://127.0.0.1:1/svc").await {
+            Err(Error::NotSupported { backend, .. }) => assert_eq!(backend, "redis"),
+            other => panic!("{other:?}"),
+        }
     }
 
     /// The README's election and semaphore code is the marked code of examples/election.rs

@@ -211,7 +211,8 @@ impl RedisConfig {
     /// [`RedisMode::Sentinel`]. The master's credentials and database are set with
     /// [`username`](Self::username), [`password`](Self::password) and [`db`](Self::db), the
     /// sentinels' with [`sentinel_username`](Self::sentinel_username) and
-    /// [`sentinel_password`](Self::sentinel_password). TLS is not supported in this mode.
+    /// [`sentinel_password`](Self::sentinel_password). TLS is not supported in this mode:
+    /// connecting with TLS settings fails with [`Error::NotSupported`].
     ///
     /// ```
     /// use lockkit_redis::{RedisConfig, RedisMode};
@@ -338,8 +339,15 @@ impl RedisConfig {
     /// or repeated query parameter, a bad `prefix` (see [`prefix`](Self::prefix)) or timeout,
     /// TLS parameters on a `redis://` URL, `tls_server_name` (the redis crate verifies against
     /// the host), or `rediss` when the crate was built without its `tls` feature. The URL is
-    /// never echoed in the error (it may carry a password).
+    /// never echoed in the error (it may carry a password). [`Error::NotSupported`] for
+    /// `rediss+sentinel://` (TLS in Sentinel mode is not supported yet).
     pub fn from_url(url: &str) -> Result<Self> {
+        if url
+            .get(..SENTINEL_TLS_SCHEME.len())
+            .is_some_and(|s| s.eq_ignore_ascii_case(SENTINEL_TLS_SCHEME))
+        {
+            return Err(sentinel_tls());
+        }
         let mut u = BackendUrl::parse(url, &["redis", "rediss", "redis+sentinel"])?;
         let sentinel = u.scheme() == "redis+sentinel";
         let tls = u.scheme() == "rediss";
@@ -718,9 +726,7 @@ impl RedisConfig {
                 ));
             }
             if self.is_tls() || self.tls_root_cert.is_some() || self.tls.is_set() {
-                return Err(Error::config(
-                    "TLS is not supported in Sentinel mode by the redis backend yet",
-                ));
+                return Err(sentinel_tls());
             }
         }
         if self.min_replicas > MAX_MIN_REPLICAS {
@@ -778,6 +784,22 @@ pub fn validate_prefix(prefix: &str) -> Result<()> {
         ));
     }
     lockkit_core::backend::validate_prefix(prefix)
+}
+
+/// The scheme a TLS Sentinel URL would have.
+const SENTINEL_TLS_SCHEME: &str = "rediss+sentinel://";
+
+/// TLS in Sentinel mode (a `rediss+sentinel://` URL, or TLS settings on a
+/// [`RedisConfig::sentinel`] config) is not supported yet: the redis crate's [`Sentinel`] takes
+/// custom CA and client certificates only through its `SentinelClientBuilder`, which hides the
+/// sentinels' connections that the `+switch-master` subscription needs.
+///
+/// [`Sentinel`]: redis::sentinel::Sentinel
+fn sentinel_tls() -> Error {
+    Error::NotSupported {
+        operation: "TLS in Sentinel mode (rediss+sentinel://)",
+        backend: crate::error::BACKEND,
+    }
 }
 
 #[cfg(test)]
@@ -925,7 +947,6 @@ mod tests {
             "redis+sentinel://s1/svc?min_replicas=1&replica_timeout=2s",
             "redis+sentinel://s1/svc?sentinel_pasword=x",
             "redis://:hunter2@h?sentinel_password=hunter2",
-            "rediss+sentinel://s1/svc",
         ] {
             match RedisConfig::from_url(bad) {
                 Err(Error::InvalidConfig { reason, .. }) => {
@@ -936,6 +957,34 @@ mod tests {
         }
         let by_hand = RedisConfig::sentinel(Vec::<(String, u16)>::new(), "svc");
         assert!(by_hand.validate().is_err());
+    }
+
+    /// TLS in Sentinel mode is a typed `NotSupported`, by URL or by hand, and shows no secret.
+    #[test]
+    fn tls_in_sentinel_mode_is_not_supported() {
+        let by_hand = RedisConfig::sentinel([("s1", 26379)], "svc");
+        for r in [
+            RedisConfig::from_url("rediss+sentinel://:hunter2@s1,s2/svc?sentinel_password=hunter2"),
+            RedisConfig::from_url("REDISS+SENTINEL://s1/svc"),
+            by_hand
+                .clone()
+                .tls(true)
+                .validate()
+                .map(|()| by_hand.clone()),
+            by_hand
+                .clone()
+                .tls_root_cert_pem("pem")
+                .validate()
+                .map(|()| by_hand.clone()),
+        ] {
+            match r {
+                Err(e @ Error::NotSupported { operation, .. }) => {
+                    assert!(operation.contains("Sentinel"), "{operation}");
+                    assert!(!format!("{e} {e:?}").contains("hunter2"));
+                }
+                other => panic!("{other:?}"),
+            }
+        }
     }
 
     #[cfg(feature = "serde")]

@@ -176,7 +176,9 @@
 //! [`DEFAULT_SENTINEL_PORT`]), the service is the master name they monitor
 //! (<https://redis.io/docs/latest/operate/oss_and_stack/management/sentinel/>). The user info
 //! logs in to the **master**; the sentinels get the parameters `sentinel_username` and
-//! `sentinel_password`. TLS is not supported in this mode yet.
+//! `sentinel_password`. TLS is not supported in this mode yet: a `rediss+sentinel://`
+//! URL, or TLS settings on a [`RedisConfig::sentinel`] config, fail with
+//! [`Error::NotSupported`](lockkit_core::Error::NotSupported).
 //! - **Discovery**: at connect, the sentinels are asked in turn (`SENTINEL MASTERS`) and the
 //!   master they name must answer `ROLE` as a master (the redis crate's
 //!   [`redis::sentinel`]), within the connect timeout. It is asked again when a command fails
@@ -204,12 +206,14 @@
 //!
 //! ## Replication-confirmed grants
 //! `min_replicas=N&replica_timeout=100ms` (or [`RedisConfig::min_replicas`], on `redis://`
-//! and `redis+sentinel://`): every grant is followed by `WAIT N timeout`
+//! and `redis+sentinel://`): every grant (of a lock, a leadership or a permit) is followed by
+//! `WAIT N timeout`
 //! (<https://redis.io/docs/latest/commands/wait/>) on a connection of its own; with fewer than
 //! `N` acknowledgements the grant is given back (the next waiter gets it) and the attempt fails
 //! with [`Error::Unavailable`](lockkit_core::Error::Unavailable) whose source is a
 //! [`NotReplicated`] (retried while the acquire may wait; a deadline that cuts a retry ends in
-//! [`Error::Timeout`](lockkit_core::Error::Timeout)). What it narrows: a failover to a replica
+//! [`Error::Timeout`](lockkit_core::Error::Timeout)). Election observers may see such a grant
+//! (it is published when made) followed by its release. What it narrows: a failover to a replica
 //! that acknowledged the grant keeps it (the lease proves itself on the new master), so the
 //! window in which a failover can grant a held lock twice shrinks to the grants that Sentinel
 //! loses anyway: a promotion of a replica that did not acknowledge (with `N` smaller than the

@@ -531,7 +531,7 @@ impl RedisLock {
     ///
     /// # Errors
     /// As `replicas::confirm`: the caller gives the grant back.
-    async fn confirm(
+    pub(crate) async fn confirm(
         &self,
         keys: &Keys,
         owner: &str,

@@ -1,7 +1,7 @@
 //! Replication-confirmed grants ([`RedisConfig::min_replicas`](crate::RedisConfig::min_replicas)):
 //! a grant is handed out only once `n` replicas acknowledged it.
 //!
-//! After the acquire script granted the lock (or a release handed it over), the grant's key is
+//! After the acquire script granted the lock or a slot (or a release handed it over), the grant's key is
 //! renewed with the compare-and-`PEXPIRE` script and then `WAIT n timeout` is sent
 //! (<https://redis.io/docs/latest/commands/wait/>), both on a connection of their own: `WAIT`
 //! blocks the connection it is sent on until the replicas acknowledged every write that

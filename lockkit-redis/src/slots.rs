@@ -479,6 +479,16 @@ impl RedisLock {
                     call.retire(&me);
                     return Err(bad_reply("slot acquire"));
                 };
+                let confirmed = self.confirm(&keys.lock_keys(slot), &me, ttl, None).await;
+                if let Err(e) = confirmed {
+                    // Not replicated: give the slot back (the next waiter gets it).
+                    if call.cancel_once(&me).await.is_ok() {
+                        call.forget(&me);
+                    } else {
+                        call.retire(&me);
+                    }
+                    return Err(e);
+                }
                 let tracker = TrackerHandle::new(sent, ttl);
                 if tracker.state() == LeaseState::Lost {
                     // Too late to be of use: give it back (in the background if this fails).

@@ -13,8 +13,12 @@ use std::process::Command;
 use std::time::Duration;
 
 use futures_util::StreamExt;
+use lockkit::backend::SlotKind;
 use lockkit::redis::{NotReplicated, RedisLock, redis};
-use lockkit::{AcquireOptions, Error, LeaseState, Lock, LockExt, LossReason, MemoryFence, Wait};
+use lockkit::{
+    AcquireOptions, Election, Error, LeaseState, Lock, LockExt, LossReason, MemoryFence, Semaphore,
+    Wait,
+};
 use tokio::time::Instant;
 
 use crate::common::proxy::Proxy;
@@ -23,6 +27,12 @@ use crate::common::{ServerProcess, free_port, fresh_prefix, wait_until, with_pre
 mod contract {
     use crate::common::UrlHarness;
     lockkit::contract_suite!(UrlHarness::from_env("LOCKKIT_REDIS_SENTINEL_URL"));
+}
+
+/// Elections and semaphores through the sentinels.
+mod election_contract {
+    use super::super::slots::RedisSlotHarness;
+    lockkit::election_suite!(RedisSlotHarness::from_env("LOCKKIT_REDIS_SENTINEL_URL"));
 }
 
 /// A private Sentinel topology for service `lockkit`.
@@ -465,4 +475,136 @@ async fn replication_confirmed_grants_refuse_what_no_replica_acknowledged() {
     let b = plain.acquire("job", opts()).await.unwrap();
     assert!(b.token() > first_token);
     b.release().await.unwrap();
+}
+
+/// Replication-confirmed grants hold for leaderships and permits as for locks: with
+/// replication blocked, a campaign and a permit acquire fail with `NotReplicated` and the
+/// primary keeps nothing of them (no slot key, no holder record, nobody queued); a waiting
+/// campaign is refused on every retry and leaves nothing behind either. Before the block both
+/// are granted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replication_confirmed_slot_grants_refuse_what_no_replica_acknowledged() {
+    let topo = Topology::start().await;
+    let prefix = fresh_prefix();
+    let locks = RedisLock::connect(&topo.url(&prefix, "min_replicas=1&replica_timeout=100ms"))
+        .await
+        .unwrap();
+    let lead = locks.campaign("lead", b"a", opts()).await.unwrap();
+    let term = lead.term();
+    lead.resign().await.unwrap();
+    let permit = locks.acquire_permit("pool", 2, opts()).await.unwrap();
+    permit.release().await.unwrap();
+    topo.replicated().await;
+    topo.block_replication();
+    let e = locks.campaign("lead", b"b", opts()).await.unwrap_err();
+    let n = not_replicated(&e).unwrap_or_else(|| panic!("campaign: not NotReplicated: {e:?}"));
+    assert_eq!((n.wanted, n.acknowledged), (1, 0));
+    let e = locks.acquire_permit("pool", 2, opts()).await.unwrap_err();
+    assert!(not_replicated(&e).is_some(), "permit: {e:?}");
+    let mut raw = topo.primary_conn().await;
+    let slot_keys = [
+        locks.slot_key(SlotKind::Election, "lead", 0),
+        locks.slot_key(SlotKind::Semaphore, "pool", 0),
+        locks.slot_key(SlotKind::Semaphore, "pool", 1),
+    ];
+    for key in &slot_keys {
+        assert!(
+            !super::exists(&mut raw, key).await,
+            "{key} left on the primary"
+        );
+    }
+    for (hash, queue) in [("elect/lead", "elect/lead"), ("sem/pool", "sem/pool")] {
+        let (records, queued): (Vec<String>, i64) = redis::pipe()
+            .cmd("HKEYS")
+            .arg(format!("{prefix}:slots:{hash}"))
+            .cmd("ZCARD")
+            .arg(format!("{prefix}:queue:{queue}"))
+            .query_async(&mut raw)
+            .await
+            .expect("HKEYS, ZCARD");
+        assert_eq!((records, queued), (vec!["n".to_owned()], 0), "{hash}");
+    }
+    assert_eq!(locks.leader("lead").await.unwrap(), None);
+    let holders = locks.permit_holders("pool").await.unwrap();
+    assert!(
+        holders.as_ref().is_none_or(|h| h.holders.is_empty()),
+        "{holders:?}"
+    );
+    // Waiting: refused on every retry (the last refusal, or the Timeout when the deadline cuts
+    // a retry short: its grant is then given back in the background).
+    let waited = locks
+        .campaign(
+            "lead",
+            b"c",
+            opts().wait(Wait::Timeout(Duration::from_millis(600))),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        not_replicated(&waited).is_some() || matches!(waited, Error::Timeout { .. }),
+        "{waited:?}"
+    );
+    super::await_exists(&mut raw, &slot_keys[0], false, Duration::from_secs(5)).await;
+    // Without the option the same primary grants at once, above the earlier term.
+    let plain = RedisLock::connect(&topo.url(&prefix, "")).await.unwrap();
+    let lead = plain.campaign("lead", b"d", opts()).await.unwrap();
+    assert!(lead.term() > term);
+    lead.resign().await.unwrap();
+}
+
+/// A failover while two leaderships are held: the one whose grant reached the replica proves
+/// itself on the new master (stays Held, renewed there, still the leader others read), the one
+/// granted with replication blocked becomes Lost (NotHeldOnServer); the next terms of both
+/// elections are larger.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failover_keeps_a_leadership_the_new_master_holds_and_loses_the_others() {
+    let mut topo = Topology::start().await;
+    let prefix = fresh_prefix();
+    let locks = RedisLock::connect(&topo.url(&prefix, "")).await.unwrap();
+    let kept = locks.campaign("kept", b"k", opts()).await.unwrap();
+    topo.replicated().await;
+    topo.block_replication();
+    let lost = locks.campaign("lost", b"l", opts()).await.unwrap();
+    let killed = topo.fail_over().await;
+    tokio::time::timeout(Duration::from_secs(10), lost.lease().lost())
+        .await
+        .expect("the unreplicated leadership was not lost within 10 s of the kill");
+    let lost_after = killed.elapsed();
+    assert_eq!(
+        lost.lease().loss_reason(),
+        Some(LossReason::NotHeldOnServer)
+    );
+    until(
+        "the kept leadership proved",
+        Duration::from_secs(10),
+        || kept.lease().valid_until() > killed + kept.lease().ttl(),
+    )
+    .await;
+    eprintln!(
+        "sentinel: unreplicated leadership Lost {lost_after:?}, replicated one proved {:?} \
+         after the kill",
+        killed.elapsed()
+    );
+    assert_eq!(kept.lease().state(), LeaseState::Held);
+    kept.lease()
+        .check()
+        .await
+        .expect("the new master holds the leader key");
+    let other = RedisLock::connect(&topo.url(&prefix, "")).await.unwrap();
+    assert_eq!(locks.master_addr(), topo.replica_addr());
+    let seen = other.leader("kept").await.unwrap().expect("a leader");
+    assert_eq!(seen.term, kept.term());
+    let next = other.campaign("lost", b"n", opts()).await.unwrap();
+    assert!(
+        next.term() > lost.term(),
+        "the promoted replica's term {:?} is not above the lost one {:?}",
+        next.term(),
+        lost.term()
+    );
+    let kept_term = kept.term();
+    kept.resign().await.expect("resign on the new master");
+    let after = other.campaign("kept", b"a", opts()).await.unwrap();
+    assert!(after.term() > kept_term);
+    after.resign().await.unwrap();
+    next.resign().await.unwrap();
 }

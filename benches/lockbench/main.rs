@@ -310,7 +310,8 @@ fn main() {
         if want("redis") {
             let uncontended = redis::run(iters).await;
             if scenarios {
-                let mut md = redis::scenarios(&uncontended, plots).await;
+                let (mut md, lock) = redis::scenarios(&uncontended, plots).await;
+                refs.insert("redis", lock);
                 if cfg.procs > 0 {
                     let spec = redis::spec(&prefix).await;
                     let res = scenario::run(&spec, &cfg, &prefix).await;

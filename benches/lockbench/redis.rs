@@ -264,6 +264,26 @@ struct ContentionResult {
     windows: HashMap<Variant, Vec<Window>>,
 }
 
+/// lockkit's median hand-off at 1 and 4 waiters and its median grants/s with 16 clients on one
+/// lock (empty critical section).
+fn lock_ref(cont: &[ContentionResult], hand: &[(usize, Vec<HandoffRun>)]) -> crate::slots::LockRef {
+    let handoff = hand
+        .iter()
+        .filter(|(n, _)| *n == 1 || *n == 4)
+        .map(|(n, runs)| {
+            let mut all: Vec<Duration> = runs.iter().flat_map(|(l, _)| l.iter().copied()).collect();
+            all.sort();
+            (*n, all[all.len() / 2])
+        })
+        .collect();
+    let grants16 = cont
+        .iter()
+        .find(|c| c.clients == 16 && c.cs.is_zero())
+        .and_then(|c| c.windows.get(&Variant::Lockkit))
+        .map(|w| median(&mut w.iter().map(|w| w.grants_per_s).collect::<Vec<_>>()));
+    crate::slots::LockRef { handoff, grants16 }
+}
+
 async fn contention(base: &str, admin: &mut ConnectionManager) -> Vec<ContentionResult> {
     let rounds: usize = env_or("LOCKBENCH_ROUNDS", 5);
     let length = Duration::from_millis(env_or("LOCKBENCH_WINDOW_MS", 600));
@@ -500,7 +520,11 @@ pub async fn run(iters: usize) -> Vec<Row> {
 }
 
 /// The issue-#11 scenarios: the report's Redis section; the plots go into `plots`.
-pub async fn scenarios(uncontended: &[Row], plots: Option<&std::path::Path>) -> String {
+/// The Redis scenarios' Markdown, and what lockkit's lock measured for the slot ratios.
+pub async fn scenarios(
+    uncontended: &[Row],
+    plots: Option<&std::path::Path>,
+) -> (String, crate::slots::LockRef) {
     let base = url("LOCKKIT_REDIS_URL");
     let client = redis::Client::open(base.as_str()).expect("redis client");
     let mut admin = ConnectionManager::new(client)
@@ -533,8 +557,9 @@ pub async fn scenarios(uncontended: &[Row], plots: Option<&std::path::Path>) -> 
         manies.push(m);
     }
     let md = report(uncontended, &cont, &hand, &manies, started.elapsed());
+    let lock_ref = lock_ref(&cont, &hand);
     let Some(dir) = plots else {
-        return md;
+        return (md, lock_ref);
     };
     crate::plot::lines(
         &dir.join("redis-contention.svg"),
@@ -582,7 +607,7 @@ pub async fn scenarios(uncontended: &[Row], plots: Option<&std::path::Path>) -> 
             ),
         ],
     );
-    md
+    (md, lock_ref)
 }
 
 fn contention_series(cont: &[ContentionResult]) -> Vec<(String, Vec<(f64, f64)>)> {

@@ -38,7 +38,8 @@ async fn election(url: &str, storage: &MemoryFence<&str>) -> lockkit::Result<()>
     let term = leader.term();
     leader.resign().await?; // the next candidate in line leads
 
-    // Every change, in order: no leader, the term and its values, no leader again.
+    // Every change, in order: no leader, the term and its values, no leader again
+    // (ZooKeeper's observer may report a quick term as missed instead).
     let mut led = false;
     while !(led && observer.last() == Some(&LeaderEvent::NoLeader)) {
         match observer.next().await? {

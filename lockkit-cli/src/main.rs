@@ -64,6 +64,15 @@ macro_rules! stderr_line {
     }};
 }
 
+/// `println!` that ignores write errors: a reader that left (`lockkit guarantees | head`) must
+/// not turn exit status 0 into a panic (101).
+macro_rules! stdout_line {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($arg)*);
+    }};
+}
+
 mod child;
 
 use std::net::SocketAddr;
@@ -653,18 +662,18 @@ fn print_guarantees(g: &lockkit::Guarantees, slots: Option<&SlotGuarantees>, jso
                 "notes": s.notes,
             })),
         });
-        println!("{v}");
+        stdout_line!("{v}");
         return;
     }
     let yes = |b: bool| if b { "yes" } else { "no" };
-    println!("backend                 {}", g.backend);
-    println!("kind                    {kind} lock");
-    println!("tokens survive restart  {}", yes(g.tokens_survive_restart));
-    println!("safe across failover    {}", yes(g.safe_across_failover));
-    println!("FIFO waiters            {}", yes(g.fifo_waiters));
-    println!("manual renewal          {}", yes(g.manual_renewal));
-    println!("expiry slack            {}", human(g.expiry_slack));
-    println!("lock-delay              {}", yes(g.lock_delay));
+    stdout_line!("backend                 {}", g.backend);
+    stdout_line!("kind                    {kind} lock");
+    stdout_line!("tokens survive restart  {}", yes(g.tokens_survive_restart));
+    stdout_line!("safe across failover    {}", yes(g.safe_across_failover));
+    stdout_line!("FIFO waiters            {}", yes(g.fifo_waiters));
+    stdout_line!("manual renewal          {}", yes(g.manual_renewal));
+    stdout_line!("expiry slack            {}", human(g.expiry_slack));
+    stdout_line!("lock-delay              {}", yes(g.lock_delay));
     let notice = g.loss_notice.map_or("at the next renewal".to_owned(), |d| {
         if d.is_zero() {
             "at once".to_owned()
@@ -672,25 +681,25 @@ fn print_guarantees(g: &lockkit::Guarantees, slots: Option<&SlotGuarantees>, jso
             format!("within {}", human(d))
         }
     });
-    println!("loss notice             {notice}");
-    println!("notes                   {}", g.notes);
+    stdout_line!("loss notice             {notice}");
+    stdout_line!("notes                   {}", g.notes);
     let Some(s) = slots else {
-        println!("elections, semaphores   not supported by this backend yet");
+        stdout_line!("elections, semaphores   not supported by this backend yet");
         return;
     };
-    println!(
+    stdout_line!(
         "elections, semaphores   yes (up to {} permits)",
         s.max_permits
     );
-    println!("  FIFO candidates       {}", yes(s.lock.fifo_waiters));
-    println!("  lock-delay            {}", yes(s.lock.lock_delay));
+    stdout_line!("  FIFO candidates       {}", yes(s.lock.fifo_waiters));
+    stdout_line!("  lock-delay            {}", yes(s.lock.lock_delay));
     let observers = match (s.observe, s.every_change_observed) {
         (false, _) => "not supported",
         (true, true) => "see every change (missed only when far behind)",
         (true, false) => "may miss changes (each such place is marked missed)",
     };
-    println!("  observers             {observers}");
-    println!("  notes                 {}", s.notes);
+    stdout_line!("  observers             {observers}");
+    stdout_line!("  notes                 {}", s.notes);
 }
 
 /// SIGTERM, SIGINT and SIGHUP, caught from the start so that none ends `lockkit` before it has

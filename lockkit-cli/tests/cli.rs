@@ -1073,6 +1073,33 @@ fn closed_stderr_keeps_the_exit_status() {
     assert_eq!(st.code(), Some(127));
 }
 
+/// With its stdout closed before it prints (`lockkit guarantees | head -c 0`), `guarantees` still
+/// exits 0, not a panic's 101.
+#[test]
+fn closed_stdout_keeps_the_exit_status() {
+    let url = server("LOCKKIT_ETCD_URL");
+    for json in [false, true] {
+        let mut args = vec!["guarantees"];
+        if json {
+            args.push("--json");
+        }
+        args.push(&url);
+        let mut a = lockkit()
+            .args(&args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn lockkit");
+        drop(a.stdout.take());
+        let st = wait_exit(&mut a, Duration::from_secs(15), "lockkit to exit");
+        let mut err = String::new();
+        std::io::Read::read_to_string(&mut a.stderr.take().unwrap(), &mut err).unwrap();
+        assert_eq!(st.code(), Some(0), "json {json}: {err}");
+        assert!(!err.contains("panicked"), "json {json}: {err}");
+    }
+}
+
 /// The state letter of process `pid` (`R`, `S`, `T`, …), `None` once it is gone.
 fn proc_state(pid: i32) -> Option<char> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;

@@ -13,9 +13,9 @@
 //! of another lock writes: its token belongs to that lock, and the resource rejects it too.
 //!
 //! On a network backend A's stall is simulated by freezing all of A's traffic in a local TCP
-//! relay (the server sees a holder that went silent, keepalive included). On `memory://` and
+//! relay (the server sees a holder that went silent, keepalive included). On `memory://`,
 //! `redis+sentinel://` (the sentinels name the master's own address, which a relay in front of
-//! them cannot stand in for) A just stops renewing.
+//! them cannot stand in for) and URLs with several hosts A just stops renewing.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -76,27 +76,25 @@ async fn main() {
 async fn run(args: Args) -> Result<(), Error> {
     let t = Arc::new(Timeline(Instant::now()));
     let memory = args.backend.starts_with("memory://");
-    let sentinel = args.backend.starts_with("redis+sentinel://");
+    // A relay stands in for one server. The sentinels name the master's own address, and a URL
+    // with several hosts names several servers: there A just stops renewing.
+    let authority = args.backend.split_once("://").map_or("", |(_, rest)| {
+        rest.split(['/', '?']).next().unwrap_or_default()
+    });
+    let unrelayed = args.backend.starts_with("redis+sentinel://") || authority.contains(',');
     let name = format!("{}-{:06x}", args.name, rand::random::<u32>() & 0xff_ffff);
 
-    // A reaches the server through a relay we can freeze; B connects directly.
+    // B connects directly (first: a bad URL gets the library's own error); A reaches the server
+    // through a relay we can freeze.
     type Clients = (Arc<dyn Lock>, Arc<dyn Lock>, Option<watch::Sender<bool>>);
+    let b = lockkit::connect(&args.backend).await?;
     let (a, b, freeze): Clients = if memory {
-        let shared = lockkit::connect(&args.backend).await?;
-        (shared.clone(), shared, None)
-    } else if sentinel {
-        (
-            lockkit::connect(&args.backend).await?,
-            lockkit::connect(&args.backend).await?,
-            None,
-        )
+        (b.clone(), b, None)
+    } else if unrelayed {
+        (lockkit::connect(&args.backend).await?, b, None)
     } else {
         let (url_a, freeze) = relay(&args.backend).await?;
-        (
-            lockkit::connect(&url_a).await?,
-            lockkit::connect(&args.backend).await?,
-            Some(freeze),
-        )
+        (lockkit::connect(&url_a).await?, b, Some(freeze))
     };
     let g = a.guarantees();
     let ttl = match args.ttl {

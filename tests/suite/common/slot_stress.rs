@@ -21,15 +21,15 @@ pub struct StressReport {
 }
 
 /// `clients` contend for `name` (N = `permits`) for `rounds` each: most acquires wait and hold
-/// briefly, some are dropped after a few ms, some try once, and some stop renewing (`ttl`,
-/// keepalive off) and are left to lapse. Every grant checks, under one mutex, that fewer than N
+/// briefly, some are dropped after a few ms, some try once, and some stop renewing (`lapse_ttl`;
+/// keepalive off; `None`: none) and are left to lapse. Every grant checks, under one mutex, that fewer than N
 /// other permits are `Held` and none of them on the same slot, and fences a write per slot.
 pub async fn permit_stress(
     clients: Vec<Arc<dyn Semaphore>>,
     name: &str,
     ns: &[u32],
     rounds: usize,
-    ttl: Duration,
+    lapse_ttl: Option<Duration>,
 ) -> StressReport {
     let ns = ns.to_vec();
     let live: Arc<Mutex<Vec<Arc<Permit>>>> = Arc::default();
@@ -54,7 +54,11 @@ pub async fn permit_stress(
                 }
                 // With two Ns, no lapses: a lapsed permit keeps the semaphore busy for its whole TTL
                 // and N would never change.
-                let action = rand::random::<u8>() % if ns.len() > 1 { 6 } else { 8 };
+                let action = match rand::random::<u8>() % if ns.len() > 1 { 6 } else { 8 } {
+                    6 if lapse_ttl.is_none() => 0,
+                    a => a,
+                };
+                let ttl = lapse_ttl.unwrap_or_default();
                 let mut opts = AcquireOptions::new()
                     .ttl(Duration::from_secs(10))
                     .wait(Wait::Timeout(Duration::from_secs(20)));
@@ -245,14 +249,14 @@ pub async fn nothing_left(
 }
 
 /// `clients` campaign for `name` for `rounds` each: most wait and lead briefly (one proclaim),
-/// some are dropped after a few ms, some try once, and some stop renewing (`ttl`, keepalive off)
-/// and lapse. Every new leader checks, under one mutex, that no other leadership is `Held`, and
+/// some are dropped after a few ms, some try once, and some stop renewing (`lapse_ttl`; keepalive off)
+/// and lapse (`None`: no lapses, for a backend without `keepalive(false)`). Every new leader checks, under one mutex, that no other leadership is `Held`, and
 /// fences a write with its term.
 pub async fn election_stress(
     clients: Vec<Arc<dyn lockkit::Election>>,
     name: &str,
     rounds: usize,
-    ttl: Duration,
+    lapse_ttl: Option<Duration>,
 ) -> StressReport {
     let live: Arc<Mutex<Vec<Arc<tokio::sync::Mutex<lockkit::Leadership>>>>> = Arc::default();
     let report: Arc<Mutex<StressReport>> = Arc::default();
@@ -263,7 +267,11 @@ pub async fn election_stress(
             (live.clone(), report.clone(), fence.clone(), name.to_owned());
         joins.push(tokio::spawn(async move {
             for _ in 0..rounds {
-                let action = rand::random::<u8>() % 8;
+                let action = match rand::random::<u8>() % 8 {
+                    6 if lapse_ttl.is_none() => 0,
+                    a => a,
+                };
+                let ttl = lapse_ttl.unwrap_or_default();
                 let mut opts = AcquireOptions::new()
                     .ttl(Duration::from_secs(10))
                     .wait(Wait::Timeout(Duration::from_secs(20)));

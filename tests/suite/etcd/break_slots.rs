@@ -21,7 +21,7 @@ async fn permits_hold_under_cancels_and_lapses() {
     for _ in 0..12 {
         clients.push(Arc::new(EtcdLock::connect(&url).await.expect("connect")));
     }
-    let report = permit_stress(clients, &name, &[3], 12, Duration::from_secs(2)).await;
+    let report = permit_stress(clients, &name, &[3], 12, Some(Duration::from_secs(2))).await;
     println!("etcd stress: {report:?}");
     let fresh = EtcdLock::connect(&url).await.expect("connect");
     let left = nothing_left(&fresh, &name, 3, Duration::from_secs(8)).await;
@@ -44,7 +44,7 @@ async fn one_leader_under_cancels_and_lapses() {
     for _ in 0..10 {
         clients.push(Arc::new(EtcdLock::connect(&url).await.expect("connect")));
     }
-    let report = election_stress(clients, &name, 10, Duration::from_secs(2)).await;
+    let report = election_stress(clients, &name, 10, Some(Duration::from_secs(2))).await;
     println!("etcd election stress: {report:?}");
     let fresh = EtcdLock::connect(&url).await.expect("connect");
     let l = fresh
@@ -72,7 +72,7 @@ async fn permits_of_two_ns_never_mix() {
     for _ in 0..5 {
         clients.push(Arc::new(EtcdLock::connect(&url).await.expect("connect")));
     }
-    let report = permit_stress(clients, &name, &[2, 3], 30, Duration::from_secs(2)).await;
+    let report = permit_stress(clients, &name, &[2, 3], 30, Some(Duration::from_secs(2))).await;
     println!("etcd mixed-N stress: {report:?}");
     assert!(report.violations.is_empty(), "{report:?}");
     assert!(report.switches > 0, "N never changed: {report:?}");

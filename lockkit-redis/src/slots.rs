@@ -141,7 +141,11 @@ end
 ///
 /// - Tombstone: `{2, 0, ''}`, nothing touched.
 /// - Another N in force (`n` differs while a slot of the stored N is held or a live waiter
-///   other than us queues): `{3, N in force, ''}`, nothing changed. Otherwise `n` becomes N.
+///   other than us queues): `{3, N in force, ''}`, nothing changed. No `n` on a semaphore
+///   used before (slot 0's fence counter exists: its hash was deleted or evicted) while any
+///   slot `0..MAX_PERMITS` is held or a live waiter other than us queues: `{3, 0, ''}` (the N
+///   in force is unknown; the semaphore takes a new N once idle; the scan costs ~1 ms of
+///   server time). Otherwise `n` becomes N.
 /// - A slot holding our ID (a release handed it to us): its TTL is set anew from now, we leave
 ///   the queue, `{1, slot, token}`. If it has no record of ours (it was handed on by the lock's
 ///   own release script, for a lease given back as lapsed) the record is written and the grant
@@ -170,6 +174,13 @@ if stored ~= n then
         redis.call('ZREM', KEYS[2], h)
         redis.call('HDEL', KEYS[1], 'w' .. h)
       end
+    end
+  elseif ARGV[5] ~= '1' and redis.call('EXISTS', fk(0)) == 1 then
+    for k = 0, {max} - 1 do
+      if redis.call('EXISTS', lk(k)) == 1 then return {{3, 0, ''}} end
+    end
+    for _, h in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
+      if h ~= me and redis.call('EXISTS', ARGV[3] .. h) == 1 then return {{3, 0, ''}} end
     end
   end
   redis.call('HSET', KEYS[1], 'n', ARGV[6])
@@ -226,7 +237,8 @@ for _, h in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
   redis.call('HDEL', KEYS[1], 'w' .. h)
 end
 return {{0, pttl, first}}
-"
+",
+        max = lockkit_core::MAX_PERMITS
     ))
 });
 

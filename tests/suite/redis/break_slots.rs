@@ -459,3 +459,51 @@ async fn n_at_the_bounds() {
         p.release().await.expect("release");
     }
 }
+
+/// Terms jump (every grant floors the counter at `TIME` in µs), yet an observer that keeps up
+/// reports five leaders, each resigning before the next one campaigns, without a `Missed`: a
+/// grant's message names the token it follows (`PREV`), so a jump is not a gap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jumping_terms_are_not_missed_by_an_observer_that_keeps_up() {
+    use lockkit::{LeaderEvent, LeaderInfo};
+    let url = with_prefix(&server_url("LOCKKIT_REDIS_URL"), &fresh_prefix());
+    let (a, w) = (
+        RedisLock::connect(&url).await.expect("connect"),
+        RedisLock::connect(&url).await.expect("connect"),
+    );
+    let once = AcquireOptions::new()
+        .ttl(Duration::from_secs(10))
+        .wait(Wait::No);
+    let mut obs = w.observe("jumps").await.expect("observe");
+    assert_eq!(obs.next().await.expect("first"), LeaderEvent::NoLeader);
+    let mut last = None;
+    for i in 0..5u8 {
+        let l = a
+            .campaign("jumps", &[i], once.clone())
+            .await
+            .expect("campaign");
+        if let Some(t) = &last {
+            assert!(
+                l.term().get() > t + 1,
+                "terms did not jump: {t} then {:?}",
+                l.term()
+            );
+        }
+        last = Some(l.term().get());
+        let e = tokio::time::timeout(Duration::from_secs(10), obs.next())
+            .await
+            .expect("no event")
+            .expect("observer");
+        assert_eq!(
+            e,
+            LeaderEvent::Leader(LeaderInfo::new(l.term(), vec![i])),
+            "leader {i}"
+        );
+        l.resign().await.expect("resign");
+        let e = tokio::time::timeout(Duration::from_secs(10), obs.next())
+            .await
+            .expect("no event")
+            .expect("observer");
+        assert_eq!(e, LeaderEvent::NoLeader, "after leader {i}");
+    }
+}

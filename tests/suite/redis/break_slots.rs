@@ -507,3 +507,87 @@ async fn jumping_terms_are_not_missed_by_an_observer_that_keeps_up() {
         assert_eq!(e, LeaderEvent::NoLeader, "after leader {i}");
     }
 }
+
+/// Every normal connection cut (`CLIENT KILL TYPE normal`, then `TYPE pubsub`) while a leader
+/// leads, a candidate waits and an observer watches: the leader stays Held (its client
+/// reconnects and renews), the candidate is not elected meanwhile, the resign still hands over
+/// to it with a higher term, and the observer (which says `Missed` after resubscribing) never
+/// reports a term going back and reaches the new leader.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cut_connections_keep_one_leader() {
+    use lockkit::{LeaderEvent, LeaderInfo};
+    let server = PrivateRedis::start(None).await;
+    let url = with_prefix(&server.url(), &fresh_prefix());
+    let (a, b, w) = (
+        RedisLock::connect(&url).await.expect("connect"),
+        RedisLock::connect(&url).await.expect("connect"),
+        RedisLock::connect(&url).await.expect("connect"),
+    );
+    let ttl = Duration::from_secs(3);
+    let la = a
+        .campaign("cut", b"a", AcquireOptions::new().ttl(ttl).wait(Wait::No))
+        .await
+        .expect("campaign a");
+    let mut obs = w.observe("cut").await.expect("observe");
+    assert_eq!(
+        obs.next().await.expect("first"),
+        LeaderEvent::Leader(LeaderInfo::new(la.term(), b"a".to_vec()))
+    );
+    let bb = b.clone();
+    let waiter = tokio::spawn(async move {
+        bb.campaign(
+            "cut",
+            b"b",
+            AcquireOptions::new()
+                .ttl(ttl)
+                .wait(Wait::Timeout(Duration::from_secs(30))),
+        )
+        .await
+    });
+    let mut admin = server.raw().await;
+    await_queued(&mut admin, &format!("{}:queue:elect/cut", a.prefix()), 1).await;
+    for kind in ["normal", "pubsub"] {
+        let killed: i64 = redis::cmd("CLIENT")
+            .arg("KILL")
+            .arg("TYPE")
+            .arg(kind)
+            .arg("SKIPME")
+            .arg("yes")
+            .query_async(&mut admin)
+            .await
+            .expect("CLIENT KILL");
+        assert!(killed >= 1, "no {kind} connection to kill");
+    }
+    // Through two renewal ticks (TTL/3 each) after the cut: still the one leader.
+    tokio::time::sleep(ttl).await;
+    assert_eq!(
+        la.state(),
+        LeaseState::Held,
+        "the leader lost to a cut connection"
+    );
+    assert!(
+        !waiter.is_finished(),
+        "a second leader while the first is Held"
+    );
+    let t1 = la.term();
+    la.resign().await.expect("resign");
+    let lb = waiter.await.expect("task").expect("campaign b");
+    assert!(lb.term() > t1);
+    let mut seen = Vec::new();
+    let mut last = t1.clone();
+    loop {
+        let e = tokio::time::timeout(Duration::from_secs(10), obs.next())
+            .await
+            .unwrap_or_else(|_| panic!("the observer never reported b: {seen:?}"))
+            .expect("observer");
+        seen.push(e.clone());
+        if let LeaderEvent::Leader(l) = &e {
+            assert!(l.term >= last, "term went back: {seen:?}");
+            last = l.term.clone();
+            if l.term == lb.term() {
+                break;
+            }
+        }
+    }
+    lb.resign().await.expect("resign b");
+}

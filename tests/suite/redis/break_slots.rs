@@ -591,3 +591,71 @@ async fn cut_connections_keep_one_leader() {
     }
     lb.resign().await.expect("resign b");
 }
+
+/// Ten waiting permit acquires dropped (their futures aborted) while the one permit is held
+/// leave nothing on the server: the queue empties and no waiter's stored value (`w{ID}`) or
+/// waiter key stays; the holder's release then finds no one to hand to.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_permit_waiters_leave_nothing_on_the_server() {
+    let url = with_prefix(&server_url("LOCKKIT_REDIS_URL"), &fresh_prefix());
+    let a = RedisLock::connect(&url).await.expect("connect");
+    let name = "dropped";
+    let held = a
+        .acquire_permit(
+            name,
+            1,
+            AcquireOptions::new()
+                .ttl(Duration::from_secs(10))
+                .wait(Wait::No),
+        )
+        .await
+        .expect("permit");
+    let mut waiters = Vec::new();
+    for _ in 0..10 {
+        let c = RedisLock::connect(&url).await.expect("connect");
+        waiters.push(tokio::spawn(async move {
+            c.acquire_permit(
+                name,
+                1,
+                AcquireOptions::new()
+                    .ttl(Duration::from_secs(10))
+                    .wait(Wait::Timeout(Duration::from_secs(60))),
+            )
+            .await
+        }));
+    }
+    let mut conn = super::raw(&server_url("LOCKKIT_REDIS_URL")).await;
+    let queue = format!("{}:queue:sem/{name}", a.prefix());
+    await_queued(&mut conn, &queue, 10).await;
+    for w in &waiters {
+        w.abort();
+    }
+    for w in waiters {
+        assert!(w.await.is_err_and(|e| e.is_cancelled()));
+    }
+    await_queued(&mut conn, &queue, 0).await;
+    let hash = format!("{}:slots:sem/{name}", a.prefix());
+    let start = tokio::time::Instant::now();
+    loop {
+        let fields: Vec<String> = redis::cmd("HKEYS")
+            .arg(&hash)
+            .query_async(&mut conn)
+            .await
+            .expect("HKEYS");
+        let waiters: Vec<String> = redis::cmd("KEYS")
+            .arg(format!("{}:waiter:*", a.prefix()))
+            .query_async(&mut conn)
+            .await
+            .expect("KEYS");
+        if !fields.iter().any(|f| f.starts_with('w')) && waiters.is_empty() {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "left on the server: fields {fields:?}, waiter keys {waiters:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    held.release().await.expect("release");
+    assert_eq!(a.permit_holders(name).await.expect("holders"), None);
+}

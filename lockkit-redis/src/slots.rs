@@ -5,7 +5,7 @@
 //! A slot is a lock key of a derived name, so the lock's machinery keeps it: the leadership of
 //! election `N` is the lock key `P:lock:elect/N`, permit `k` of semaphore `N` the lock key
 //! `P:lock:sem/N/k` (lock names cannot contain `/`: no collision). Their fence counters
-//! (`P:fence:…`, floored at the server's `TIME` when new) are the terms and permit tokens, the
+//! (`P:fence:…`, never left below the server's `TIME` in µs) are the terms and permit tokens, the
 //! connection's batched renewer renews them (one script per [`RENEW_BATCH`](crate::RENEW_BATCH)
 //! leases per tick, whatever they are), and the keyspace-notification watch hears of a deleted
 //! or evicted slot key as of a lock key. What slots add lives in this module's scripts:
@@ -16,7 +16,8 @@
 //! - one waiters' queue per name, `P:queue:K/N`, in the lock's format (waiter IDs by arrival,
 //!   each with its key `P:waiter:ID`), shared by a semaphore's N slots;
 //! - the channel `P:events:K/N`, on which every grant, hand-off, proclaim and release
-//!   `PUBLISH`es what changed with its token (`g SLOT TOKEN VERSION TTL_MS VALUE`,
+//!   `PUBLISH`es what changed with its token (`g SLOT TOKEN VERSION TTL_MS PREV VALUE`, `PREV`
+//!   the counter the grant bumped, `-` for a proclaim or a confirmation,
 //!   `r SLOT TOKEN`), in the script that makes the change.
 
 use std::collections::{BTreeMap, VecDeque};
@@ -64,9 +65,10 @@ const CATCH_UP: Duration = Duration::from_millis(250);
 /// `ARGV[3]` the waiter-key prefix, `ARGV[4]` the events channel, `ARGV[5]` `1` for an
 /// election, `ARGV[6]` N.
 ///
-/// `bump(f)` makes a token as the lock does (`INCR`, floored at `TIME` in µs when new).
+/// `bump(f)` makes a token as the lock does (`INCR`, never left below `TIME` in µs: a counter
+/// restored from an older snapshot or replica must not hand out a lost token again).
 /// `grant(k, id, ttl, value)` gives slot `k` to `id`, writes its record and publishes
-/// `g k TOKEN 0 TTL VALUE`. `serve(k, me)` hands slot `k` to the first live waiter (up to
+/// `g k TOKEN 0 TTL PREV VALUE` (`PREV` the counter before the bump, `-` if none). `serve(k, me)` hands slot `k` to the first live waiter (up to
 /// `me`, which is removed, as the lock's `serve`) and tells that waiter's client only
 /// (`"ID TOKEN"` on its channel). `free(k)` ends slot `k`'s holding: the slot goes to the
 /// next live waiter, or is deleted with its record and `r k TOKEN` is published.
@@ -82,18 +84,20 @@ end
 local function str(t) return string.format('%d', t) end
 local function bump(f)
   local t = redis.call('INCR', f)
-  if t == 1 then
-    local now = redis.call('TIME')
-    t = tonumber(now[1]) * 1000000 + tonumber(now[2])
+  local now = redis.call('TIME')
+  local floor = tonumber(now[1]) * 1000000 + tonumber(now[2])
+  if t < floor then
+    t = floor
     redis.call('SET', f, str(t))
   end
   return t
 end
 local function grant(k, id, ttl, value)
+  local p = redis.call('GET', fk(k)) or '-'
   local t = str(bump(fk(k)))
   redis.call('SET', lk(k), id, 'PX', ttl)
   redis.call('HSET', KEYS[1], 's' .. k, id .. ' ' .. t .. ' 0 ' .. value)
-  redis.pcall('PUBLISH', ARGV[4], 'g ' .. k .. ' ' .. t .. ' 0 ' .. ttl .. ' ' .. value)
+  redis.pcall('PUBLISH', ARGV[4], 'g ' .. k .. ' ' .. t .. ' 0 ' .. ttl .. ' ' .. p .. ' ' .. value)
   return t
 end
 local function serve(k, me)
@@ -141,7 +145,11 @@ end
 ///
 /// - Tombstone: `{2, 0, ''}`, nothing touched.
 /// - Another N in force (`n` differs while a slot of the stored N is held or a live waiter
-///   other than us queues): `{3, N in force, ''}`, nothing changed. Otherwise `n` becomes N.
+///   other than us queues): `{3, N in force, ''}`, nothing changed. No `n` on a semaphore
+///   used before (slot 0's fence counter exists: its hash was deleted or evicted) while any
+///   slot `0..MAX_PERMITS` is held or a live waiter other than us queues: `{3, 0, ''}` (the N
+///   in force is unknown; the semaphore takes a new N once idle; the scan costs ~1 ms of
+///   server time). Otherwise `n` becomes N.
 /// - A slot holding our ID (a release handed it to us): its TTL is set anew from now, we leave
 ///   the queue, `{1, slot, token}`. If it has no record of ours (it was handed on by the lock's
 ///   own release script, for a lease given back as lapsed) the record is written and the grant
@@ -171,6 +179,13 @@ if stored ~= n then
         redis.call('HDEL', KEYS[1], 'w' .. h)
       end
     end
+  elseif ARGV[5] ~= '1' and redis.call('EXISTS', fk(0)) == 1 then
+    for k = 0, {max} - 1 do
+      if redis.call('EXISTS', lk(k)) == 1 then return {{3, 0, ''}} end
+    end
+    for _, h in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
+      if h ~= me and redis.call('EXISTS', ARGV[3] .. h) == 1 then return {{3, 0, ''}} end
+    end
   end
   redis.call('HSET', KEYS[1], 'n', ARGV[6])
 end
@@ -187,7 +202,7 @@ for k = 0, n - 1 do
     local rec = redis.call('HGET', KEYS[1], 's' .. k)
     if not rec or string.sub(rec, 1, #me + 1) ~= me .. ' ' then
       redis.call('HSET', KEYS[1], 's' .. k, me .. ' ' .. t .. ' 0 ' .. ARGV[11])
-      redis.pcall('PUBLISH', ARGV[4], 'g ' .. k .. ' ' .. t .. ' 0 ' .. ARGV[8] .. ' ' .. ARGV[11])
+      redis.pcall('PUBLISH', ARGV[4], 'g ' .. k .. ' ' .. t .. ' 0 ' .. ARGV[8] .. ' - ' .. ARGV[11])
     end
     redis.call('ZREM', KEYS[2], me)
     redis.call('DEL', ARGV[3] .. me)
@@ -226,7 +241,8 @@ for _, h in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
   redis.call('HDEL', KEYS[1], 'w' .. h)
 end
 return {{0, pttl, first}}
-"
+",
+        max = lockkit_core::MAX_PERMITS
     ))
 });
 
@@ -267,7 +283,7 @@ return 0
 });
 
 /// Proclaim: replaces the value of slot `ARGV[8]` if its lock key holds `ARGV[7]`, bumps the
-/// record's version and publishes `g SLOT TOKEN VERSION PTTL VALUE`. `ARGV[9]` the value.
+/// record's version and publishes `g SLOT TOKEN VERSION PTTL - VALUE`. `ARGV[9]` the value.
 /// Returns 1, or 0 (nothing changed) if the slot is not ours.
 static PROCLAIM: LazyLock<Script> = LazyLock::new(|| {
     Script::new(&format!(
@@ -286,7 +302,7 @@ if not t then t, ver = redis.call('GET', fk(k)) or '0', 0 end
 ver = str(ver + 1)
 redis.call('HSET', KEYS[1], 's' .. k, me .. ' ' .. t .. ' ' .. ver .. ' ' .. ARGV[9])
 redis.pcall('PUBLISH', ARGV[4], 'g ' .. k .. ' ' .. t .. ' ' .. ver .. ' ' ..
-  str(redis.call('PTTL', lk(k))) .. ' ' .. ARGV[9])
+  str(redis.call('PTTL', lk(k))) .. ' - ' .. ARGV[9])
 return 1
 "
     ))
@@ -1118,9 +1134,9 @@ impl SlotBackend for RedisLock {
     /// the slots (the first event). Each `g`/`r` message newer (by token, then value version)
     /// than what the watch knows is one event; reads just after a holder's expected expiry and
     /// at least every [`MAX_OBSERVE_POLL`] find what no message tells (an expiry, an admin's
-    /// `DEL`). [`WatchEvent::Missed`] comes after every reconnect, for a message whose token
-    /// or version is more than one past the last one known, and when a read finds changes
-    /// that no message delivered within 250 ms.
+    /// `DEL`). [`WatchEvent::Missed`] comes after every reconnect, for a grant whose previous
+    /// token is not the last one known or a version more than one past the last one known,
+    /// and when a read finds changes that no message delivered within 250 ms.
     ///
     /// # Errors
     /// [`Error::InvalidName`]; transport errors of the first connect, subscribe or read.
@@ -1180,9 +1196,9 @@ struct Held {
 /// name's events channel, applying each `g`/`r` message that is newer (by token, then value
 /// version) than what it knows; reads of the slots at (re)subscribe, just after the holders'
 /// expected expiry and at least every [`MAX_OBSERVE_POLL`] find what no message tells (an
-/// expiry, an admin's `DEL`). `Missed` after every resubscribe, for a message whose token or
-/// version is more than one past the last known, and for a read that finds changes no message
-/// delivered within [`CATCH_UP`].
+/// expiry, an admin's `DEL`). `Missed` after every resubscribe, for a grant whose previous
+/// token (`PREV`) is not the last known one or a version more than one past the last known,
+/// and for a read that finds changes no message delivered within [`CATCH_UP`].
 struct RedisSlotWatch {
     lock: RedisLock,
     keys: SlotKeys,
@@ -1295,7 +1311,7 @@ impl RedisSlotWatch {
 
     /// Applies one events-channel message.
     fn on_message(&mut self, payload: &[u8]) {
-        let mut parts = payload.splitn(6, |b| *b == b' ');
+        let mut parts = payload.splitn(7, |b| *b == b' ');
         let kind = parts.next();
         let (Some(slot), Some(token)) = (
             parts
@@ -1311,11 +1327,12 @@ impl RedisSlotWatch {
         let mut missed = false;
         let changed = match kind {
             Some(b"g") => {
-                let (Some(version), Some(ttl)) = (
+                let (Some(version), Some(ttl), Some(prev)) = (
                     parts.next().and_then(parse_u64),
                     parts
                         .next()
                         .and_then(|p| std::str::from_utf8(p).ok()?.parse::<i64>().ok()),
+                    parts.next().map(parse_u64),
                 ) else {
                     return;
                 };
@@ -1337,7 +1354,9 @@ impl RedisSlotWatch {
                     }
                     _ if view.fence.is_some_and(|f| token <= f) => false,
                     _ => {
-                        missed = version > 0 || view.fence.is_some_and(|f| token > f + 1);
+                        // Tokens jump (the `TIME` floor): a grant is the next one after the
+                        // last known token if it says that token was the counter it bumped.
+                        missed = version > 0 || view.fence.is_some_and(|f| prev != Some(f));
                         view.fence = Some(token);
                         view.holder = Some(Held {
                             token,

@@ -25,15 +25,15 @@ pub struct StressReport {
 }
 
 /// `clients` contend for `name` (N = `permits`) for `rounds` each: most acquires wait and hold
-/// briefly, some are dropped after a few ms, some try once, and some stop renewing (`ttl`,
-/// keepalive off) and are left to lapse. Every grant checks, under one mutex, that fewer than N
+/// briefly, some are dropped after a few ms, some try once, and some stop renewing (`lapse_ttl`;
+/// keepalive off; `None`: none) and are left to lapse. Every grant checks, under one mutex, that fewer than N
 /// other permits are `Held` and none of them on the same slot, and fences a write per slot.
 pub async fn permit_stress(
     clients: Vec<Arc<dyn Semaphore>>,
     name: &str,
     ns: &[u32],
     rounds: usize,
-    ttl: Duration,
+    lapse_ttl: Option<Duration>,
 ) -> StressReport {
     let ns = ns.to_vec();
     let live: Arc<Mutex<Vec<Arc<Permit>>>> = Arc::default();
@@ -58,8 +58,11 @@ pub async fn permit_stress(
                 }
                 // With two Ns, no lapses: a lapsed permit keeps the semaphore busy for its whole TTL
                 // and N would never change.
-                let action = rand::random::<u8>() % if ns.len() > 1 { 6 } else { 8 };
-                let opts = round_options(action, ttl);
+                let action = match rand::random::<u8>() % if ns.len() > 1 { 6 } else { 8 } {
+                    6 if lapse_ttl.is_none() => 0,
+                    a => a,
+                };
+                let opts = round_options(action, lapse_ttl.unwrap_or_default());
                 let acquire = client.acquire_permit(&name, permits, opts);
                 let Some(res) = cut_short(action, acquire, &report).await else {
                     continue;
@@ -285,14 +288,14 @@ pub async fn nothing_left(
 }
 
 /// `clients` campaign for `name` for `rounds` each: most wait and lead briefly (one proclaim),
-/// some are dropped after a few ms, some try once, and some stop renewing (`ttl`, keepalive off)
-/// and lapse. Every new leader checks, under one mutex, that no other leadership is `Held`, and
+/// some are dropped after a few ms, some try once, and some stop renewing (`lapse_ttl`; keepalive off)
+/// and lapse (`None`: no lapses, for a backend without `keepalive(false)`). Every new leader checks, under one mutex, that no other leadership is `Held`, and
 /// fences a write with its term.
 pub async fn election_stress(
     clients: Vec<Arc<dyn lockkit::Election>>,
     name: &str,
     rounds: usize,
-    ttl: Duration,
+    lapse_ttl: Option<Duration>,
 ) -> StressReport {
     let live: Arc<Mutex<Vec<Arc<tokio::sync::Mutex<lockkit::Leadership>>>>> = Arc::default();
     let report: Arc<Mutex<StressReport>> = Arc::default();
@@ -303,8 +306,11 @@ pub async fn election_stress(
             (live.clone(), report.clone(), fence.clone(), name.to_owned());
         joins.push(tokio::spawn(async move {
             for _ in 0..rounds {
-                let action = rand::random::<u8>() % 8;
-                let opts = round_options(action, ttl);
+                let action = match rand::random::<u8>() % 8 {
+                    6 if lapse_ttl.is_none() => 0,
+                    a => a,
+                };
+                let opts = round_options(action, lapse_ttl.unwrap_or_default());
                 let acquire = client.campaign(&name, b"v", opts);
                 let Some(res) = cut_short(action, acquire, &report).await else {
                     continue;
@@ -388,7 +394,7 @@ pub async fn permits_hold_under_cancels_and_lapses(h: &dyn SlotHarness, backend:
     for _ in 0..12 {
         clients.push(h.semaphore().await);
     }
-    let report = permit_stress(clients, &name, &[3], 12, Duration::from_secs(2)).await;
+    let report = permit_stress(clients, &name, &[3], 12, Some(Duration::from_secs(2))).await;
     println!("{backend} stress: {report:?}");
     let fresh = h.semaphore().await;
     let left = nothing_left(&*fresh, &name, 3, Duration::from_secs(8)).await;
@@ -407,7 +413,7 @@ pub async fn one_leader_under_cancels_and_lapses(h: &dyn SlotHarness, backend: &
     for _ in 0..10 {
         clients.push(h.election().await);
     }
-    let report = election_stress(clients, &name, 10, Duration::from_secs(2)).await;
+    let report = election_stress(clients, &name, 10, Some(Duration::from_secs(2))).await;
     println!("{backend} election stress: {report:?}");
     let fresh = h.election().await;
     let l = fresh
@@ -433,7 +439,7 @@ pub async fn permits_of_two_ns_never_mix(h: &dyn SlotHarness, backend: &str) {
     for _ in 0..5 {
         clients.push(h.semaphore().await);
     }
-    let report = permit_stress(clients, &name, &[2, 3], 30, Duration::from_secs(2)).await;
+    let report = permit_stress(clients, &name, &[2, 3], 30, Some(Duration::from_secs(2))).await;
     println!("{backend} mixed-N stress: {report:?}");
     assert!(report.violations.is_empty(), "{report:?}");
     assert!(report.switches > 0, "N never changed: {report:?}");

@@ -341,7 +341,7 @@ async fn an_observer_that_lost_its_connection_says_missed() {
     let term_a = la.term();
     la.resign().await.expect("resign");
     let lb = b.campaign(&name, b"b", once).await.expect("campaign");
-    assert_eq!(lb.term().get(), term_a.get() + 1, "one change only");
+    assert!(lb.term() > term_a);
     let mut seen = Vec::new();
     loop {
         let e = tokio::time::timeout(Duration::from_secs(10), observer.next())

@@ -38,6 +38,7 @@ async fn min_ttl_is_the_servers_min_session_timeout() {
     lease.release().await.expect("release");
 }
 
+mod break_slots;
 mod ensemble;
 mod failures;
 mod fence;

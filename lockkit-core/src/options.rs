@@ -50,7 +50,10 @@ pub struct RetryPolicy {
     pub min_delay: Duration,
     /// Largest delay. Default 2 s.
     pub max_delay: Duration,
-    /// Attempts after the first one. Default 5.
+    /// Attempts after the first one, for a try-once or timed acquire. Default 5. A
+    /// [`Wait::Forever`] acquire is not bounded by it: it retries transient failures until the
+    /// server answers (or the future is dropped); set [`retry`](AcquireOptions#structfield.retry) to `None` to not
+    /// retry at all.
     pub max_retries: usize,
 }
 

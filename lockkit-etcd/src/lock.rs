@@ -576,7 +576,12 @@ impl EtcdLock {
                 }
                 Err(e) if e.is_retryable() => {
                     failures += 1;
-                    if opts.retry.is_none_or(|p| failures > p.max_retries) {
+                    // A Wait::Forever acquire waits out any outage (as `retry_transient`).
+                    let forever = opts.wait == Wait::Forever;
+                    if opts
+                        .retry
+                        .is_none_or(|p| !forever && failures > p.max_retries)
+                    {
                         return Err(e);
                     }
                     let delay = backoff.next_delay();

@@ -135,9 +135,9 @@
 //!   waiting session still exists, so a connection cut off without FIN or RST (which sqlx would
 //!   otherwise wait on forever) ends the wait with
 //!   [`Error::Unavailable`](lockkit_core::Error::Unavailable), which the acquire retries by its
-//!   retry policy (each retry bounded by the connect timeout: with the defaults, a
-//!   `Wait::Forever` acquire cut off from the server gives up after about
-//!   3 s + 6 × 10 s plus backoff). Opening a connection counts
+//!   retry policy (each retry bounded by the connect timeout; a `Wait::Forever` acquire retries
+//!   until the server answers again, so it lives through a restart or an outage of the server;
+//!   with `retry(None)` it ends after about 3 s + the connect timeout). Opening a connection counts
 //!   against the wait: a timed acquire returns
 //!   [`Error::Timeout`](lockkit_core::Error::Timeout) at its deadline even if the server does
 //!   not answer the connect, and a try-once (`Wait::No`) gets the connect timeout in all,

@@ -129,6 +129,10 @@ pub struct AcquireOptions {
     pub lock_delay: Option<Duration>,
     /// The backend name the metrics and spans carry; set by [`Lock::acquire`](crate::Lock::acquire).
     pub(crate) observed_backend: Option<&'static str>,
+    /// What the lease is, for its events: `None` a lock's, else a leadership's or a permit's;
+    /// set by the slot grant ([`Election::campaign`](crate::Election::campaign),
+    /// [`Semaphore::acquire_permit`](crate::Semaphore::acquire_permit)).
+    pub(crate) observed_kind: Option<crate::slots::SlotKind>,
 }
 
 impl Default for AcquireOptions {
@@ -143,6 +147,7 @@ impl Default for AcquireOptions {
             min_validity: None,
             lock_delay: None,
             observed_backend: None,
+            observed_kind: None,
         }
     }
 }

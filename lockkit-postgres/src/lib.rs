@@ -114,7 +114,9 @@
 //!   (about 16 s). For that case each [`PgLock`] still checks every [`SESSION_CHECK`] (5 s),
 //!   with one query on another connection, that the sessions of its held leases exist in
 //!   `pg_stat_activity` (one query for all its sessions): the holder is then told within
-//!   `SESSION_CHECK` + 2 × connect timeout.
+//!   `SESSION_CHECK` + 2 × connect timeout (each check takes up to one connect timeout, and the
+//!   check running when the session ended may have read `pg_stat_activity` just before: the
+//!   next one starts `SESSION_CHECK` after it returns).
 //!   Within the window two clients may both believe they hold the lock: writes must be fenced
 //!   by the token (a server restart or kill is not a pause the TTL covers).
 //! - **Renew** (by the session's task, or by hand) runs one statement on the session

@@ -788,7 +788,7 @@ impl LockBackend for PgLock {
                    committed (synchronous_commit=on) in {schema}.fence; a session ended by a \
                    server restart or pg_terminate_backend frees the lock at once, and the \
                    holder reads the server's close on its idle connection within milliseconds \
-                   (a connection that dies silently: within SESSION_CHECK (5 s) + connect \
+                   (a connection that dies silently: within SESSION_CHECK (5 s) + 2 × connect \
                    timeout, by a check on another connection); another client may hold the \
                    lock meanwhile: fence writes; advisory locks are not replicated, so a \
                    failover to a standby may grant a held lock again";

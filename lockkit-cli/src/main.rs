@@ -49,7 +49,10 @@
 //! Exit status: the command's own (128+N if a signal N ended it); 75 if the lock is held (with
 //! `--wait 0`) or the wait timed out; 70 if the lease was lost; 64 on bad arguments or
 //! configuration; 69 if the lock service is unavailable or refused the credentials; 127 if the
-//! command cannot be started; 128+N if signal N ended the wait.
+//! command cannot be started; 128+N if signal N ended the wait. `hold` exits 0 once it released
+//! the lock, 70 if the lease was lost (also when the release finds the lock no longer held), 69
+//! if the release failed (the service unavailable: the lock lapses at its TTL), and otherwise as
+//! `run`.
 //!
 //! Unix only (process groups, signals). The parent-death signal is Linux's `PR_SET_PDEATHSIG`;
 //! elsewhere the watcher alone ends the command when `lockkit` dies.
@@ -192,6 +195,7 @@ enum Cmd {
     },
     /// Acquire LOCK, print its fencing token, hold it until SIGTERM/SIGINT/SIGHUP or stdin
     /// closes, then release it.
+    #[command(after_help = HOLD_AFTER_HELP)]
     Hold {
         #[command(flatten)]
         lock: LockArgs,
@@ -273,6 +277,11 @@ is released once the group is gone. If the lease is lost, the group gets SIGTERM
 Exit status: COMMAND's own (128+N if signal N ended it); 64 bad arguments; 69 lock service
 unavailable; 70 lease lost; 75 lock held (--wait 0) or --wait ran out; 127 COMMAND cannot be
 started; 128+N signal N arrived while waiting.";
+
+const HOLD_AFTER_HELP: &str = "\
+Exit status: 0 released; 64 bad arguments; 69 lock service unavailable, or the release failed
+(the lock lapses at its TTL); 70 lease lost, also when the release finds the lock no longer
+held; 75 lock held (--wait 0) or --wait ran out; 128+N signal N arrived while waiting.";
 
 const ELECT_AFTER_HELP: &str = "\
 COMMAND runs only while this process leads NAME, with LOCKKIT_TERM (the term, a number that
@@ -1169,8 +1178,26 @@ async fn hold(lease: Lease, what: &str, sigs: &mut Signals) -> Result<u8, Fail> 
         _ = sigs.recv() => {}
         _ = stdin_closed => {}
     }
-    release(lease).await;
-    Ok(0)
+    // hold's only result is the release: a failed one is its exit status (as `run`'s errors
+    // map to theirs), not a note behind exit 0.
+    let ttl = lease.ttl();
+    match lease.release().await {
+        Ok(()) => Ok(0),
+        Err(Error::NotHeld { .. }) => Err(Fail::new(
+            EX_LOST,
+            format!("lease on {what} was lost before its release: the server no longer held it"),
+        )),
+        Err(e) => {
+            let msg = format!(
+                "release of {what} failed: {} (no longer renewed, it may stay held until its \
+                 TTL of {} runs out)",
+                chain(&e),
+                human(ttl)
+            );
+            // The exit status of the error, as for any other (69: the service unavailable).
+            Err(Fail::new(Fail::from(e).code, msg))
+        }
+    }
 }
 
 /// A holder's value for a text line: UTF-8 (invalid bytes replaced), control characters

@@ -917,6 +917,72 @@ fn hold_exits_70_when_its_lease_is_lost() {
     assert!(!text.contains('\u{1b}'), "colour codes on a pipe: {text:?}");
 }
 
+/// A private `redis-server` on a free loopback port (no persistence), killed when dropped.
+struct PrivateRedis {
+    child: Child,
+    port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl PrivateRedis {
+    fn start() -> Self {
+        let dir = scratch("redis");
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .unwrap()
+            .port();
+        let child = Command::new("redis-server")
+            .args(["--bind", "127.0.0.1", "--port", &port.to_string()])
+            .args(["--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start redis-server");
+        wait_until(Duration::from_secs(10), "redis-server to listen", || {
+            std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+        });
+        Self {
+            child,
+            port,
+            _dir: dir,
+        }
+    }
+
+    fn signal(&self, sig: Signal) {
+        kill(Pid::from_raw(self.child.id() as i32), sig).expect("signal redis-server");
+    }
+}
+
+impl Drop for PrivateRedis {
+    fn drop(&mut self) {
+        self.signal(Signal::SIGCONT);
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `lockkit hold` whose release fails (its server stopped answering: a SIGSTOPped Redis)
+/// exits 69 saying so, not 0 as if the lock had been given back.
+#[test]
+fn hold_exits_69_when_its_release_fails() {
+    let redis = PrivateRedis::start();
+    let url = format!("redis://127.0.0.1:{}?response_timeout=500ms", redis.port);
+    let name = unique("holdrelease");
+    let (mut holder, _token) = start_hold(&url, &name, &["--ttl", "60s"]);
+    let err = stderr_lines(&mut holder);
+    redis.signal(Signal::SIGSTOP);
+    drop(holder.stdin.take());
+    let st = wait_exit(&mut holder, Duration::from_secs(30), "hold to exit");
+    let text = rest(&err);
+    assert_eq!(st.code(), Some(69), "{text}");
+    assert!(
+        text.contains(&format!("release of lock \"{name}\" failed")) && text.contains("TTL of 1m"),
+        "{text}"
+    );
+}
+
 /// `--metrics-addr` serves Prometheus text at /metrics while `lockkit` holds a lock.
 #[test]
 fn metrics_addr_serves_prometheus_text() {

@@ -172,7 +172,8 @@ impl fmt::Display for HostPort {
 /// - The scheme is case-insensitive. The user info ends at the **last `@` before the first
 ///   `/`**, so a password may hold `@` and `:`, but a raw `?` or `#` before that `@` is refused
 ///   (percent-encode them, `%3F` / `%23`; an `@` in a query value of a URL without a path is
-///   `%40`). User name and password are percent-decoded.
+///   `%40`). User name and password are percent-decoded; a `%` not followed by two hex digits
+///   is refused (a literal `%` is `%25`).
 /// - Query parameters are form-decoded; each may be given once (an alias and its name count as
 ///   the same parameter) and every one must be known to the backend: [`finish`](Self::finish)
 ///   refuses the rest, so a typo never falls back to a default silently.
@@ -225,7 +226,8 @@ impl BackendUrl {
     ///
     /// # Errors
     /// [`Error::InvalidConfig`] for a URL longer than [`MAX_URL_BYTES`], without `scheme://`,
-    /// with another scheme, a raw `?`/`#` in the user info, user info that is not UTF-8 after
+    /// with another scheme, a raw `?`/`#` in the user info, user info with an invalid
+    /// percent-escape (a `%` not followed by two hex digits) or that is not UTF-8 after
     /// percent-decoding, or a repeated query parameter.
     pub fn parse(url: &str, schemes: &[&str]) -> Result<Self> {
         if url.len() > MAX_URL_BYTES {
@@ -564,6 +566,20 @@ pub fn excerpt(s: &str) -> String {
 }
 
 fn decode(s: &str, what: &str) -> Result<String> {
+    // percent_decode_str passes a '%' that starts no escape through as it is: a password
+    // `p%ZZw` would be sent as written, which is never what was meant.
+    let b = s.as_bytes();
+    let bad = b.iter().enumerate().any(|(i, &c)| {
+        c == b'%'
+            && !(b.get(i + 1).is_some_and(u8::is_ascii_hexdigit)
+                && b.get(i + 2).is_some_and(u8::is_ascii_hexdigit))
+    });
+    if bad {
+        return Err(Error::config(format!(
+            "the URL's {what} has a '%' that is not followed by two hex digits: write a \
+             literal '%' as %25"
+        )));
+    }
     percent_decode_str(s)
         .decode_utf8()
         .map(|c| c.into_owned())
@@ -742,6 +758,22 @@ mod tests {
             assert!(!shown.contains("hunter2"), "{shown}");
             assert!(matches!(e, Error::InvalidConfig { .. }));
         }
+    }
+
+    #[test]
+    fn invalid_percent_escape_in_userinfo_is_refused_without_echo() {
+        for bad in [
+            "x://:p%ZZwhunter2@h",
+            "x://u:hunter2%4@h",
+            "x://u:hunter2%@h",
+            "x://hunter2%zz:pw@h",
+        ] {
+            let e = BackendUrl::parse(bad, &["x"]).unwrap_err();
+            let shown = format!("{e} {e:?}");
+            assert!(!shown.contains("hunter2"), "{shown}");
+            assert!(matches!(e, Error::InvalidConfig { .. }), "{bad}");
+        }
+        assert_eq!(url("x://:p%25ZZ%41@h").password(), Some("p%ZZA"));
     }
 
     #[test]

@@ -83,6 +83,7 @@ impl Lease {
         let backend = opts.observed_backend.unwrap_or("unknown");
         tracker.attach(
             &name,
+            opts.observed_kind,
             token.clone(),
             Labels::new(backend, &name, opts.lock_name_label),
         );

@@ -504,8 +504,11 @@ pub fn wait_deadline(wait: Wait, start: Instant) -> Option<Instant> {
 /// exponential backoff and jitter (backon's `ExponentialBuilder::with_jitter`: each pause is
 /// between 1× and 2× the current delay), as configured by `opts.retry`, never sleeping past
 /// `deadline` (for [`Wait::No`], no pause ends later than `max_delay` after the first
-/// attempt). For backends' `acquire` implementations: `attempt` itself must respect `deadline`
-/// (a single attempt is not cut short here).
+/// attempt). A [`Wait::Forever`] acquire is not bounded by
+/// [`max_retries`](crate::RetryPolicy::max_retries): it retries (every `max_delay` once the
+/// backoff reached it) until an attempt succeeds or fails permanently, or the future is dropped,
+/// so that it lives through a restart of the server. For backends' `acquire` implementations:
+/// `attempt` itself must respect `deadline` (a single attempt is not cut short here).
 ///
 /// # Errors
 /// The last attempt's error.
@@ -522,12 +525,15 @@ where
     Fut: Future<Output = Result<T>>,
 {
     let mut delays = opts.retry.map(|r| {
-        ExponentialBuilder::default()
+        let b = ExponentialBuilder::default()
             .with_min_delay(r.min_delay)
             .with_max_delay(r.max_delay)
-            .with_max_times(r.max_retries)
-            .with_jitter()
-            .build()
+            .with_jitter();
+        match opts.wait {
+            Wait::Forever => b.without_max_times(),
+            _ => b.with_max_times(r.max_retries),
+        }
+        .build()
     });
     // A try-once acquire (`Wait::No`) still retries transient errors, but only for about one
     // `max_delay` (it promised an answer "at once"); a timed one stops when the pause would run
@@ -691,11 +697,13 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn gives_up_after_max_retries_and_never_retries_permanent() {
         let n = AtomicUsize::new(0);
-        let opts = AcquireOptions::new().retry(Some(crate::RetryPolicy::new(
-            Duration::from_millis(1),
-            Duration::from_millis(4),
-            3,
-        )));
+        let opts = AcquireOptions::new()
+            .wait(Wait::Timeout(Duration::from_secs(60)))
+            .retry(Some(crate::RetryPolicy::new(
+                Duration::from_millis(1),
+                Duration::from_millis(4),
+                3,
+            )));
         let r: Result<()> = retry_transient(&opts, None, || async {
             n.fetch_add(1, Ordering::SeqCst);
             Err(unavailable())
@@ -716,6 +724,29 @@ mod tests {
         assert!(matches!(r, Err(Error::Unavailable { .. })));
         assert!(start.elapsed() <= crate::RetryPolicy::default().max_delay);
         assert!(k.load(Ordering::SeqCst) >= 2);
+
+        // Wait::Forever is not bounded by max_retries: it retries until the server answers.
+        let f = AtomicUsize::new(0);
+        let forever = opts.clone().wait(Wait::Forever);
+        let out = retry_transient(&forever, None, || async {
+            if f.fetch_add(1, Ordering::SeqCst) < 50 {
+                Err(unavailable())
+            } else {
+                Ok(())
+            }
+        })
+        .await;
+        assert!(out.is_ok(), "{out:?}");
+        assert_eq!(f.load(Ordering::SeqCst), 51);
+        // ... unless retries are off.
+        let g = AtomicUsize::new(0);
+        let r: Result<()> = retry_transient(&forever.retry(None), None, || async {
+            g.fetch_add(1, Ordering::SeqCst);
+            Err(unavailable())
+        })
+        .await;
+        assert!(matches!(r, Err(Error::Unavailable { .. })));
+        assert_eq!(g.load(Ordering::SeqCst), 1);
 
         let m = AtomicUsize::new(0);
         let r: Result<()> = retry_transient(&opts, None, || async {

@@ -50,7 +50,10 @@ pub struct RetryPolicy {
     pub min_delay: Duration,
     /// Largest delay. Default 2 s.
     pub max_delay: Duration,
-    /// Attempts after the first one. Default 5.
+    /// Attempts after the first one, for a try-once or timed acquire. Default 5. A
+    /// [`Wait::Forever`] acquire is not bounded by it: it retries transient failures until the
+    /// server answers (or the future is dropped); set [`retry`](AcquireOptions#structfield.retry) to `None` to not
+    /// retry at all.
     pub max_retries: usize,
 }
 
@@ -126,6 +129,10 @@ pub struct AcquireOptions {
     pub lock_delay: Option<Duration>,
     /// The backend name the metrics and spans carry; set by [`Lock::acquire`](crate::Lock::acquire).
     pub(crate) observed_backend: Option<&'static str>,
+    /// What the lease is, for its events: `None` a lock's, else a leadership's or a permit's;
+    /// set by the slot grant ([`Election::campaign`](crate::Election::campaign),
+    /// [`Semaphore::acquire_permit`](crate::Semaphore::acquire_permit)).
+    pub(crate) observed_kind: Option<crate::slots::SlotKind>,
 }
 
 impl Default for AcquireOptions {
@@ -140,6 +147,7 @@ impl Default for AcquireOptions {
             min_validity: None,
             lock_delay: None,
             observed_backend: None,
+            observed_kind: None,
         }
     }
 }

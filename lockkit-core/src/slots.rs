@@ -344,6 +344,7 @@ pub(crate) async fn grant_checked<B: SlotBackend + ?Sized>(
         });
     }
     opts.observed_backend = Some(g.lock.backend);
+    opts.observed_kind = Some(req.kind);
     with_min_validity(
         req.name,
         &opts,

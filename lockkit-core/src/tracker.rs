@@ -15,6 +15,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::observe::{Labels, TARGET};
+use crate::slots::SlotKind;
 use crate::{Error, FencingToken, Result};
 
 #[cfg(doc)]
@@ -147,6 +148,8 @@ struct Validity {
 #[derive(Debug)]
 struct Meta {
     name: String,
+    /// `None`: a lock's lease; else a leadership's or a permit's.
+    kind: Option<SlotKind>,
     token: FencingToken,
     labels: Labels,
     granted_at: Instant,
@@ -219,13 +222,14 @@ impl Shared {
         };
         let (lock, backend, token) = (m.name.as_str(), m.labels.backend, m.token.get());
         let (from, to) = (state_name(c.from), state_name(c.to));
+        let what = Subject(m.kind, lock);
         match c.to {
             LeaseState::Lost => {
                 let reason = c.lost.unwrap_or(LossReason::DeadlineExpired);
                 if reason.by_holder() {
-                    tracing::debug!(target: TARGET, lock, backend, token, from, to, reason = reason.as_str(), "lease ended: {reason}");
+                    tracing::debug!(target: TARGET, lock, backend, token, from, to, reason = reason.as_str(), "{what} ended: {reason}");
                 } else {
-                    tracing::warn!(target: TARGET, lock, backend, token, from, to, reason = reason.as_str(), "lease on lock {lock:?} lost: {reason}");
+                    tracing::warn!(target: TARGET, lock, backend, token, from, to, reason = reason.as_str(), "{what} lost: {reason}");
                 }
                 if !m.ended.swap(true, Ordering::AcqRel) {
                     let lost = (!reason.by_holder()).then_some(reason.as_str());
@@ -235,10 +239,10 @@ impl Shared {
             }
             LeaseState::Suspect => {
                 let reason = c.suspect.unwrap_or(SuspectReason::RenewalOverdue);
-                tracing::warn!(target: TARGET, lock, backend, token, from, to, reason = reason.as_str(), "lease on lock {lock:?} at risk: {reason}");
+                tracing::warn!(target: TARGET, lock, backend, token, from, to, reason = reason.as_str(), "{what} at risk: {reason}");
             }
             LeaseState::Held => {
-                tracing::info!(target: TARGET, lock, backend, token, from, to, reason = "renewed", "lease on lock {lock:?} held again");
+                tracing::info!(target: TARGET, lock, backend, token, from, to, reason = "renewed", "{what} held again");
             }
         }
     }
@@ -246,6 +250,21 @@ impl Shared {
     fn renewal(&self, result: &'static str) {
         if let Some(m) = self.meta.get() {
             m.labels.renewal(result);
+        }
+    }
+}
+
+/// What a lease is, in its events: `lease on lock "x"`, `leadership of election "x"` or
+/// `permit of semaphore "x"`.
+struct Subject<'a>(Option<SlotKind>, &'a str);
+
+impl fmt::Display for Subject<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let name = self.1;
+        match self.0 {
+            None => write!(f, "lease on lock {name:?}"),
+            Some(SlotKind::Election) => write!(f, "leadership of election {name:?}"),
+            Some(SlotKind::Semaphore) => write!(f, "permit of semaphore {name:?}"),
         }
     }
 }
@@ -522,13 +541,20 @@ impl TrackerHandle {
 
     /// Makes this the tracker of the lease `name`/`token`: from now on its changes are reported
     /// with these labels; a change that happened before is reported now.
-    pub(crate) fn attach(&self, name: &str, token: FencingToken, labels: Labels) {
+    pub(crate) fn attach(
+        &self,
+        name: &str,
+        kind: Option<SlotKind>,
+        token: FencingToken,
+        labels: Labels,
+    ) {
         let shared = &self.view.shared;
         let granted_at = shared.tx.borrow().confirmed_sent_at;
         let fresh = shared
             .meta
             .set(Meta {
                 name: name.to_owned(),
+                kind,
                 token,
                 labels,
                 granted_at,

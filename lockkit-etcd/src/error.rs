@@ -90,7 +90,7 @@ pub(crate) fn from_client(e: EtcdError) -> Error {
     };
     let kind = match (&e, code_of(&e)) {
         // Credentials were configured for a server that has authentication disabled.
-        (_, Some((_, m))) if m.contains("authentication is not enabled") => Kind::Config,
+        (_, Some((_, m))) if m.contains("authentication is not enabled") => Kind::AuthNotEnabled,
         (_, Some((Code::Unauthenticated | Code::PermissionDenied, _))) => Kind::Auth,
         (_, Some((_, m))) if auth_msg(&m) => Kind::Auth,
         (
@@ -135,6 +135,13 @@ pub(crate) fn from_client(e: EtcdError) -> Error {
             source: Box::new(e),
         },
         Kind::Config => Error::config_with("etcd client rejected the configuration", e),
+        // The status names no credential: it is safe as the source.
+        Kind::AuthNotEnabled => Error::config_with(
+            "a user and password were given, but authentication is not enabled on the etcd \
+             server: connect without user and password (or enable authentication on the \
+             server: etcdctl auth enable)",
+            e,
+        ),
         Kind::Backend => Error::Backend {
             backend: BACKEND,
             source: Box::new(e),
@@ -144,6 +151,8 @@ pub(crate) fn from_client(e: EtcdError) -> Error {
 
 enum Kind {
     Auth,
+    /// Credentials given to a server without authentication.
+    AuthNotEnabled,
     Unavailable,
     Config,
     Backend,

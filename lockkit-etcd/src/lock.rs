@@ -207,7 +207,7 @@ impl EtcdLock {
     /// - [`Error::Auth`] if etcd refuses the user name or password, or has authentication
     ///   enabled and none was given (or the user may not read under the prefix).
     /// - [`Error::InvalidConfig`] also if credentials are given and etcd has authentication
-    ///   disabled, or a TLS file (`tls_ca`, `tls_cert`, `tls_key`) is missing or unreadable.
+    ///   disabled (the message says so; it never holds the password), or a TLS file (`tls_ca`, `tls_cert`, `tls_key`) is missing or unreadable.
     /// - [`Error::Auth`] also if TLS refused the server's certificate (unknown CA, expired, not
     ///   for the host or `tls_server_name`). A server that refuses *our* certificate (or its
     ///   absence) just closes the connection: [`Error::Unavailable`] after the connect timeout.
@@ -576,7 +576,12 @@ impl EtcdLock {
                 }
                 Err(e) if e.is_retryable() => {
                     failures += 1;
-                    if opts.retry.is_none_or(|p| failures > p.max_retries) {
+                    // A Wait::Forever acquire waits out any outage (as `retry_transient`).
+                    let forever = opts.wait == Wait::Forever;
+                    if opts
+                        .retry
+                        .is_none_or(|p| !forever && failures > p.max_retries)
+                    {
                         return Err(e);
                     }
                     let delay = backoff.next_delay();

@@ -59,6 +59,13 @@ pub(crate) fn sqlstate(e: &sqlx::Error) -> Option<String> {
     }
 }
 
+/// Whether `e` is `query_canceled` (SQLSTATE 57014): an admin's `pg_cancel_backend` of the
+/// running statement (a routine action against long queries). For a waiting statement it is not
+/// a reason to give up the wait: the caller waits again on a new session.
+pub(crate) fn cancelled(e: &sqlx::Error) -> bool {
+    sqlstate(e).as_deref() == Some("57014")
+}
+
 /// A plain message as an error source.
 #[derive(Debug)]
 pub(crate) struct Msg(pub String);

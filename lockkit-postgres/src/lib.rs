@@ -114,7 +114,9 @@
 //!   (about 16 s). For that case each [`PgLock`] still checks every [`SESSION_CHECK`] (5 s),
 //!   with one query on another connection, that the sessions of its held leases exist in
 //!   `pg_stat_activity` (one query for all its sessions): the holder is then told within
-//!   `SESSION_CHECK` + 2 × connect timeout.
+//!   `SESSION_CHECK` + 2 × connect timeout (each check takes up to one connect timeout, and the
+//!   check running when the session ended may have read `pg_stat_activity` just before: the
+//!   next one starts `SESSION_CHECK` after it returns).
 //!   Within the window two clients may both believe they hold the lock: writes must be fenced
 //!   by the token (a server restart or kill is not a pause the TTL covers).
 //! - **Renew** (by the session's task, or by hand) runs one statement on the session
@@ -135,9 +137,9 @@
 //!   waiting session still exists, so a connection cut off without FIN or RST (which sqlx would
 //!   otherwise wait on forever) ends the wait with
 //!   [`Error::Unavailable`](lockkit_core::Error::Unavailable), which the acquire retries by its
-//!   retry policy (each retry bounded by the connect timeout: with the defaults, a
-//!   `Wait::Forever` acquire cut off from the server gives up after about
-//!   3 s + 6 × 10 s plus backoff). Opening a connection counts
+//!   retry policy (each retry bounded by the connect timeout; a `Wait::Forever` acquire retries
+//!   until the server answers again, so it lives through a restart or an outage of the server;
+//!   with `retry(None)` it ends after about 3 s + the connect timeout). Opening a connection counts
 //!   against the wait: a timed acquire returns
 //!   [`Error::Timeout`](lockkit_core::Error::Timeout) at its deadline even if the server does
 //!   not answer the connect, and a try-once (`Wait::No`) gets the connect timeout in all,

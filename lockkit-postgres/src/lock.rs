@@ -16,7 +16,7 @@ use lockkit_core::{
 
 use crate::config::PgConfig;
 use crate::core::{Conn, Inner, Sql, duration_ms, key_of, ttl_ms};
-use crate::error::{BACKEND, Msg, backend, from_sqlx, sqlstate, unavailable};
+use crate::error::{BACKEND, Msg, backend, cancelled, from_sqlx, sqlstate, unavailable};
 use crate::lease::PgLease;
 use crate::session::{Adopted, Grant, Sessions, TryGrant};
 
@@ -282,7 +282,7 @@ impl Inner {
             }
             // query_canceled: an admin's `pg_cancel_backend` of the waiting statement (a routine
             // action against long queries), not a reason to give up a wait.
-            Err(e) if sqlstate(&e).as_deref() == Some("57014") => return Ok(Outcome::Cancelled),
+            Err(e) if cancelled(&e) => return Ok(Outcome::Cancelled),
             Err(e) => return Err(from_sqlx(e)),
         }
         // Granted. The bump restarts the session's idle timer (which the server started when
@@ -788,7 +788,7 @@ impl LockBackend for PgLock {
                    committed (synchronous_commit=on) in {schema}.fence; a session ended by a \
                    server restart or pg_terminate_backend frees the lock at once, and the \
                    holder reads the server's close on its idle connection within milliseconds \
-                   (a connection that dies silently: within SESSION_CHECK (5 s) + connect \
+                   (a connection that dies silently: within SESSION_CHECK (5 s) + 2 × connect \
                    timeout, by a check on another connection); another client may hold the \
                    lock meanwhile: fence writes; advisory locks are not replicated, so a \
                    failover to a standby may grant a held lock again";

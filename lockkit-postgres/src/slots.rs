@@ -25,7 +25,7 @@ use lockkit_core::{AcquireOptions, Error, FencingToken, Instant, Lease, Result, 
 use sqlx::postgres::{PgListener, PgPoolOptions};
 
 use crate::core::{Conn, Inner, duration_ms, quote_ident, ttl_ms};
-use crate::error::{Msg, backend, from_sqlx, sqlstate, unavailable};
+use crate::error::{Msg, backend, cancelled, from_sqlx, sqlstate, unavailable};
 use crate::lease::PgLease;
 use crate::lock::{PgLock, Request, WAIT_CHECK, full_name, lock_key_in};
 use crate::session::Adopted;
@@ -253,6 +253,10 @@ enum SemOutcome {
     },
     Held,
     Timeout,
+    /// A waiting statement (on the gate, or for the members lock) was cancelled by the server
+    /// (`pg_cancel_backend`, SQLSTATE 57014): wait again on a new session (this one may hold
+    /// what the cancel raced; closing it frees that).
+    Cancelled,
 }
 
 /// One semaphore acquire's fixed inputs.
@@ -373,6 +377,10 @@ impl PgLock {
                 }
                 // The connection is closed (dropped): whatever it held or waited for is freed.
                 Ok(SemOutcome::Timeout) => return Err(r.timeout()),
+                Ok(SemOutcome::Cancelled) => {
+                    tracing::debug!(semaphore = %r.names.name, "the server cancelled the wait (pg_cancel_backend); waiting again on a new session");
+                    drop(c); // ends the session, and whatever a racing grant left on it
+                }
                 Err(e) if reused && may_retry && e.is_retryable() => {
                     tracing::debug!(error = %e, "cached connection failed; opening a new one");
                     may_retry = false;
@@ -401,7 +409,9 @@ impl PgLock {
         .await
         .map_err(from_sqlx)?;
         c.idle_ms = ttl;
-        self.join(c, r).await?;
+        if !self.join(c, r).await? {
+            return Ok(SemOutcome::Cancelled);
+        }
         if r.opts.wait == Wait::No {
             let status = self.inner.status_on(c, &self.q(), &r.keys).await?;
             if let Some((slot, token, sent)) = self.try_slots(c, r, &status).await? {
@@ -432,6 +442,7 @@ impl PgLock {
         match self.inner.watched(pid, wait).await? {
             Ok(_) => {}
             Err(e) if sqlstate(&e).as_deref() == Some("55P03") => return Ok(SemOutcome::Timeout),
+            Err(e) if cancelled(&e) => return Ok(SemOutcome::Cancelled),
             Err(e) => return Err(from_sqlx(e)),
         }
         // First in line. Wake on NOTIFY of a release; a session that ended by its idle
@@ -477,7 +488,8 @@ impl PgLock {
     /// Joins semaphore `r` as a member (the shared lock `members`), checking N: the N stored
     /// for the name is in force while anyone is a member or holds a slot; it is replaced only
     /// by a joiner holding `members` exclusively (no other member) while no slot is held.
-    async fn join(&self, c: &mut Conn, r: &SemReq<'_>) -> Result<()> {
+    /// `Ok(false)`: the server cancelled the wait for the members lock (`pg_cancel_backend`).
+    async fn join(&self, c: &mut Conn, r: &SemReq<'_>) -> Result<bool> {
         let q = self.q();
         let n = r.names;
         let mut theirs = None;
@@ -540,19 +552,23 @@ impl PgLock {
                     .execute(&mut c.conn)
                     .await
                     .map_err(from_sqlx)?;
-                return Ok(());
+                return Ok(true);
             }
             // Others are members: they agree on the stored N, which cannot change while we
-            // hold the shared lock.
+            // hold the shared lock. (It waits while a joiner holds it exclusively.)
             c.last_sent = Instant::now();
-            sqlx::query("SELECT pg_advisory_lock_shared($1)")
+            match sqlx::query("SELECT pg_advisory_lock_shared($1)")
                 .bind(n.members)
                 .execute(&mut c.conn)
                 .await
-                .map_err(from_sqlx)?;
+            {
+                Ok(_) => {}
+                Err(e) if cancelled(&e) => return Ok(false),
+                Err(e) => return Err(from_sqlx(e)),
+            }
             let stored = self.stored_permits(c, &q, n).await?;
             if stored == Some(r.permits) {
-                return Ok(());
+                return Ok(true);
             }
             theirs = stored;
             c.last_sent = Instant::now();

@@ -277,3 +277,42 @@ fn spans_carry_no_password_from_the_url() {
         leaks.join("\n")
     );
 }
+
+/// The loss warning says what was lost: `lease on lock "x"`, `leadership of election "x"`,
+/// `permit of semaphore "x"` (it said `lease on lock` for all three), here for leases of a real
+/// server that lapse unrenewed.
+#[cfg(feature = "postgres")]
+#[test]
+fn loss_warning_names_lock_leadership_or_permit() {
+    use lockkit::{Election, Semaphore};
+    let url = with_prefix(&server_url("LOCKKIT_POSTGRES_URL"), &fresh_prefix());
+    let ((), text) = lockkit::observe::testing::traced(&runtime(), async {
+        let pg = lockkit::postgres::PgLock::connect(&url)
+            .await
+            .expect("connect");
+        let once = AcquireOptions::new()
+            .ttl(Duration::from_millis(500))
+            .wait(Wait::No)
+            .keepalive(false);
+        let lease = pg.acquire("lapse-l", once.clone()).await.expect("lock");
+        let leader = pg
+            .campaign("lapse-e", b"v", once.clone())
+            .await
+            .expect("leadership");
+        let permit = pg.acquire_permit("lapse-s", 2, once).await.expect("permit");
+        lease.lost().await;
+        leader.lease().lost().await;
+        permit.lease().lost().await;
+    });
+    for what in [
+        "lease on lock \"lapse-l\" lost",
+        "leadership of election \"lapse-e\" lost",
+        "permit of semaphore \"lapse-s\" lost",
+    ] {
+        let line = text.lines().find(|l| l.contains(what));
+        assert!(
+            line.is_some_and(|l| l.contains("WARN")),
+            "no warning {what:?} in:\n{text}"
+        );
+    }
+}

@@ -262,3 +262,36 @@ async fn known_injections_are_refused_without_echo() {
         }
     }
 }
+
+/// A `%` in the user info that starts no escape (`p%ZZw`, a trailing `%4`, in the password or
+/// the user name) is refused with `InvalidConfig` before any I/O, echoing neither; it used to
+/// be passed through as written and sent to the server (here: `Unavailable` from the closed
+/// port).
+#[tokio::test]
+async fn invalid_percent_escapes_in_the_user_info_are_refused() {
+    let port = closed_port();
+    for scheme in schemes().into_iter().filter(|s| *s != "memory") {
+        for userinfo in [
+            format!(":p%ZZw{SECRET}"),
+            format!("app:{SECRET}%4"),
+            format!("app:{SECRET}%"),
+            format!("a%G1{SECRET}:pw"),
+        ] {
+            let url = format!("{scheme}://{userinfo}@127.0.0.1:{port}");
+            let r = tokio::time::timeout(HANG, lockkit::connect(&url)).await;
+            match r.expect("connect hung") {
+                Err(e @ Error::InvalidConfig { .. }) => {
+                    let shown = format!("{e} {e:#} {e:?}");
+                    assert!(!shown.contains(SECRET), "{scheme}: {shown}");
+                    assert!(shown.contains("%25"), "{scheme}: {shown}");
+                }
+                other => panic!("{scheme}: {userinfo}: {:?}", other.map(|_| ())),
+            }
+        }
+    }
+    // A valid escape still works: %25 is a literal '%'.
+    let u: lockkit::redis::RedisConfig = format!("redis://:p%25ZZw@127.0.0.1:{port}")
+        .parse()
+        .expect("a valid escape");
+    assert!(!format!("{u:?}").contains("p%ZZw"));
+}

@@ -1102,3 +1102,59 @@ async fn key_watch_reconnects_after_a_member_restart() {
         .count();
     assert_eq!(lost, many.iter().step_by(97).count());
 }
+
+/// A `Wait::Forever` waiter queued behind a holder lives through a 6 s outage of the (single)
+/// etcd member, longer than the default retry budget (5 retries, about 1.5–3 s), and gets the
+/// lock when the holder releases after the restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forever_waiter_survives_a_server_outage() {
+    let data = support::fresh_data_dir();
+    let (cp, pp) = (free_port(), free_port());
+    let mut m = support::start_single(data.path(), cp, pp).await;
+    let url = format!("etcd://{}", m.endpoint());
+    let (h, w) = (
+        EtcdLock::connect(&url).await.unwrap(),
+        EtcdLock::connect(&url).await.unwrap(),
+    );
+    let ttl = Duration::from_secs(30);
+    let held = h.try_acquire("outage", ttl).await.expect("acquire");
+    let waiter = tokio::spawn(async move {
+        w.acquire("outage", AcquireOptions::new().ttl(ttl).wait(Wait::Forever))
+            .await
+    });
+    // Queued: two keys under the lock's prefix (polled: etcd sends no signal for it).
+    let mut kv = h.client().kv_client();
+    let until = Instant::now() + TOLERANCE * 5;
+    loop {
+        let n = kv
+            .get(
+                h.name_prefix("outage"),
+                Some(GetOptions::new().with_prefix().with_count_only()),
+            )
+            .await
+            .unwrap()
+            .count();
+        if n == 2 {
+            break;
+        }
+        assert!(Instant::now() < until, "the waiter never queued ({n} keys)");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    m.proc.kill();
+    // The outage itself: twice the longest the default retry budget lasts. Nothing to await.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert!(
+        !waiter.is_finished(),
+        "a Wait::Forever acquire ended during a 6 s outage: {:?}",
+        waiter.await.map(|r| r.map(|l| l.token()))
+    );
+    m = support::start_single(data.path(), cp, pp).await;
+    held.release().await.expect("release after the restart");
+    let lease = tokio::time::timeout(Duration::from_secs(30), waiter)
+        .await
+        .expect("the waiter did not get the lock after the server came back")
+        .unwrap()
+        .expect("the waiter's acquire failed after the server came back");
+    lease.release().await.expect("release");
+    drop(m);
+}

@@ -184,3 +184,26 @@ async fn credentials_without_server_auth_are_invalid_config() {
         other => panic!("expected InvalidConfig, got {other:?}"),
     }
 }
+
+/// Credentials for an etcd without authentication enabled (the shared test server) are refused
+/// with an `InvalidConfig` that says so, and how to fix it, without the password; it used to say
+/// only "etcd client rejected the configuration".
+#[tokio::test]
+async fn credentials_for_a_server_without_auth_say_so() {
+    const SECRET: &str = "pw-Hunter2-etcd";
+    let url =
+        server_url("LOCKKIT_ETCD_URL").replacen("etcd://", &format!("etcd://app:{SECRET}@"), 1);
+    match lockkit::connect(&url).await {
+        Err(e @ Error::InvalidConfig { .. }) => {
+            let shown = format!("{e} | {e:#} | {e:?}");
+            assert!(!shown.contains(SECRET), "password echoed: {shown}");
+            let text = e.to_string();
+            assert!(
+                text.contains("authentication is not enabled on the etcd server"),
+                "{text}"
+            );
+            assert!(text.contains("without user and password"), "{text}");
+        }
+        other => panic!("expected InvalidConfig, got {other:?}"),
+    }
+}

@@ -1,14 +1,15 @@
-//! A waiter whose waiting statement an admin cancels (`pg_cancel_backend`) keeps waiting.
+//! A waiter (of a lock, a permit, a leadership) whose waiting statement an admin cancels
+//! (`pg_cancel_backend`) keeps waiting.
 
 use std::time::Duration;
 
 use lockkit::postgres::PgLock;
 use lockkit::postgres::sqlx;
-use lockkit::{AcquireOptions, Lock, LockExt, Wait};
+use lockkit::{AcquireOptions, Election, Lock, LockExt, Semaphore, Wait};
 use tokio::time::Instant;
 
-use super::base_url;
 use super::server::admin;
+use super::{advisory_locks, base_url, waiting_pid};
 use crate::common::{fresh_prefix, with_prefix};
 
 /// A waiter queued in the server's lock queue (`SELECT pg_advisory_lock($1)`) whose statement
@@ -63,4 +64,90 @@ async fn waiter_survives_pg_cancel_backend() {
         got.is_ok(),
         "the waiter's acquire ended after pg_cancel_backend of its wait: {got:?}"
     );
+}
+
+/// `pg_cancel_backend` of the session waiting for advisory key `key` (this test's own: the
+/// server is shared).
+async fn cancel_waiter_of(key: i64) {
+    let pid = waiting_pid(&base_url(), key).await;
+    let mut db = admin(&base_url()).await;
+    let cancelled: bool = sqlx::query_scalar("SELECT pg_cancel_backend($1)")
+        .bind(pid)
+        .fetch_one(&mut db)
+        .await
+        .unwrap();
+    assert!(cancelled, "pg_cancel_backend({pid}) found no session");
+}
+
+fn waiting(ttl: Duration) -> AcquireOptions {
+    AcquireOptions::new()
+        .ttl(ttl)
+        .wait(Wait::Timeout(Duration::from_secs(30)))
+}
+
+/// A permit waiter queued behind another on the semaphore's gate (`pg_advisory_lock(gate)`)
+/// whose statement an admin cancels keeps waiting, as the lock's waiters do, and gets the
+/// permit in its turn; before the fix its acquire ended with `Error::Backend` (SQLSTATE 57014).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn permit_waiter_survives_pg_cancel_backend() {
+    let url = with_prefix(&base_url(), &fresh_prefix());
+    let (a, b, c) = (
+        PgLock::connect(&url).await.unwrap(),
+        PgLock::connect(&url).await.unwrap(),
+        PgLock::connect(&url).await.unwrap(),
+    );
+    let ttl = Duration::from_secs(30);
+    let held = a
+        .acquire_permit("p", 1, AcquireOptions::new().ttl(ttl).wait(Wait::No))
+        .await
+        .unwrap();
+    // B is first in line: it holds the gate and watches the slots (no statement running).
+    let gate = a.key("sem/p\0gate");
+    let first = tokio::spawn(async move { b.acquire_permit("p", 1, waiting(ttl)).await });
+    let until = Instant::now() + Duration::from_secs(10);
+    while advisory_locks(&base_url(), gate).await == 0 {
+        assert!(
+            Instant::now() < until,
+            "the first waiter never took the gate"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // C queues behind B on the gate: its statement waits in the server's lock queue.
+    let second = tokio::spawn(async move { c.acquire_permit("p", 1, waiting(ttl)).await });
+    cancel_waiter_of(gate).await;
+    held.release().await.unwrap();
+    let p = first.await.unwrap().expect("the first waiter's permit");
+    p.release().await.unwrap();
+    let got = second.await.unwrap();
+    assert!(
+        got.is_ok(),
+        "the permit waiter's acquire ended after pg_cancel_backend of its wait: {got:?}"
+    );
+    got.unwrap().release().await.unwrap();
+}
+
+/// A candidate waiting for the leadership (`pg_advisory_lock` on the election's slot) whose
+/// statement an admin cancels keeps campaigning, and leads once the leader resigns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn candidate_survives_pg_cancel_backend() {
+    let url = with_prefix(&base_url(), &fresh_prefix());
+    let (a, b) = (
+        PgLock::connect(&url).await.unwrap(),
+        PgLock::connect(&url).await.unwrap(),
+    );
+    let ttl = Duration::from_secs(30);
+    let leader = a
+        .campaign("e", b"a", AcquireOptions::new().ttl(ttl).wait(Wait::No))
+        .await
+        .unwrap();
+    let slot = a.key("elect/e");
+    let candidate = tokio::spawn(async move { b.campaign("e", b"b", waiting(ttl)).await });
+    cancel_waiter_of(slot).await;
+    leader.resign().await.unwrap();
+    let got = candidate.await.unwrap();
+    assert!(
+        got.is_ok(),
+        "the candidate's campaign ended after pg_cancel_backend of its wait: {got:?}"
+    );
+    got.unwrap().resign().await.unwrap();
 }

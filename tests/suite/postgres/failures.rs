@@ -14,7 +14,7 @@ use tokio::time::Instant;
 use super::server::{PgServer, admin};
 use super::{
     base_url, drop_waiters, pid_of, poll_paused, scratch_table, signal, spawn_test_child,
-    tagged_line, wait_no_advisory_lock,
+    tagged_line, wait_no_advisory_lock, waiting_pid,
 };
 use crate::common::proxy::Proxy;
 use crate::common::{fresh_prefix, with_prefix};
@@ -321,6 +321,45 @@ async fn server_restart_tokens_never_repeat() {
     }
 }
 
+/// A `Wait::Forever` acquire lives through a server outage longer than its retry policy's
+/// `max_retries` budget (default: 5 retries, about 1.5–3 s of backoff) and gets the lock once
+/// the server is back: "forever" survives a restart. Before the fix it ended with
+/// `Unavailable` about 3 s into the outage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forever_wait_survives_a_server_outage() {
+    let srv = PgServer::start(None);
+    let url = with_prefix(&format!("{}?connect_timeout=1", srv.url()), &fresh_prefix());
+    let (a, b) = (
+        PgLock::connect(&url).await.expect("connect"),
+        PgLock::connect(&url).await.expect("connect"),
+    );
+    let ttl = Duration::from_secs(10);
+    let held = a.try_acquire("outage", ttl).await.expect("acquire");
+    let waiter = tokio::spawn(async move {
+        b.acquire("outage", AcquireOptions::new().ttl(ttl).wait(Wait::Forever))
+            .await
+    });
+    waiting_pid(&srv.url(), a.key("outage")).await;
+    srv.stop_immediate();
+    // The outage itself: twice the longest the default retry budget lasts. Nothing to await.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert!(
+        !waiter.is_finished(),
+        "a Wait::Forever acquire ended during a 6 s outage: {:?}",
+        waiter.await
+    );
+    srv.start_again();
+    let lease = tokio::time::timeout(Duration::from_secs(30), waiter)
+        .await
+        .expect("the waiter did not get the lock after the server came back")
+        .unwrap()
+        .expect("the waiter's acquire failed after the server came back");
+    // The holder's session died with the server: the lock was free, and the token moved on.
+    assert!(lease.token() > held.token());
+    lease.release().await.expect("release");
+    drop(held);
+}
+
 /// Acquires dropped at every moment (waiting for a held lock, or racing the grant of a free one)
 /// leave nothing in `pg_locks`, and the next acquirer gets the lock at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -527,4 +566,14 @@ async fn guarantees_are_declared() {
     assert!(g.tokens_survive_restart && g.fifo_waiters && g.manual_renewal);
     assert!(!g.safe_across_failover);
     assert_eq!(g.expiry_slack, SLACK);
+    // The silent-death bound is the one README states (each check of `sessions_gone` takes up
+    // to one connect timeout; the one running at the death may just have missed it): it said
+    // "+ connect timeout" here and "+ 2 × connect timeout" in README.
+    let bound = "SESSION_CHECK (5 s) + 2 × connect timeout";
+    let notes = g.notes.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(notes.contains(bound), "{notes}");
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md"))
+        .expect("README.md");
+    let readme = readme.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(readme.contains(&bound.replace("SESSION_CHECK", "`SESSION_CHECK`")));
 }

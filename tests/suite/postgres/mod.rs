@@ -67,6 +67,31 @@ pub async fn advisory_locks(url: &str, key: i64) -> i64 {
     .expect("pg_locks")
 }
 
+/// The pid of a session waiting for advisory key `key` (polls pg_locks, which has no change
+/// signal, until one shows up).
+pub async fn waiting_pid(url: &str, key: i64) -> i32 {
+    let mut db = admin(url).await;
+    let hi = (key as u64 >> 32) as i64;
+    let lo = (key as u64 & 0xffff_ffff) as i64;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let pid: Option<i32> = sqlx::query_scalar(
+            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
+             AND classid = $1::bigint::oid AND objid = $2::bigint::oid AND objsubid = 1",
+        )
+        .bind(hi)
+        .bind(lo)
+        .fetch_optional(&mut db)
+        .await
+        .expect("pg_locks");
+        if let Some(p) = pid {
+            return p;
+        }
+        assert!(Instant::now() < deadline, "no session waits for key {key}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// Waits (polling pg_locks, which has no change signal) until no session holds or waits for
 /// `key`.
 pub async fn wait_no_advisory_lock(url: &str, key: i64, limit: Duration) {

@@ -11,34 +11,9 @@ use lockkit::{AcquireOptions, Error, FencingToken, Lock, LockExt, Wait};
 use tokio::time::Instant;
 
 use super::server::{PgServer, admin};
-use super::{base_url, pid_of, port_of, signal};
+use super::{base_url, pid_of, port_of, signal, waiting_pid};
 use crate::common::proxy::Proxy;
 use crate::common::{fresh_prefix, with_prefix};
-
-/// The pid of a session waiting for advisory key `key` (polls pg_locks, which has no change
-/// signal, until one shows up).
-async fn waiting_pid(url: &str, key: i64) -> i32 {
-    let mut db = admin(url).await;
-    let hi = (key as u64 >> 32) as i64;
-    let lo = (key as u64 & 0xffff_ffff) as i64;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let pid: Option<i32> = sqlx::query_scalar(
-            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
-             AND classid = $1::bigint::oid AND objid = $2::bigint::oid AND objsubid = 1",
-        )
-        .bind(hi)
-        .bind(lo)
-        .fetch_optional(&mut db)
-        .await
-        .expect("pg_locks");
-        if let Some(p) = pid {
-            return p;
-        }
-        assert!(Instant::now() < deadline, "no session waits for key {key}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
 
 /// Finding 2: a waiting acquire holds no lock on the fence table while it waits, so DDL on the
 /// table is not queued behind it (nor every acquire behind that DDL): an `ALTER TABLE` on the

@@ -306,6 +306,8 @@ mod error;
 mod fence;
 mod lease;
 mod lock;
+mod redlock;
+mod redlock_config;
 mod renewer;
 mod replicas;
 mod sentinel;
@@ -321,6 +323,8 @@ pub use config::{
 };
 pub use fence::RedisFence;
 pub use lock::{EXPIRY_JITTER, EXPIRY_SLACK, MAX_WAIT_POLL, RedisLock, WAITER_TTL};
+pub use redlock::{REDLOCK_BOOT_KEY, REDLOCK_EXPIRY_SLACK, REDLOCK_MAX_POLL, RedlockLock};
+pub use redlock_config::{DEFAULT_REDLOCK_MAX_TTL, MAX_REDLOCK_NODES, RedlockConfig};
 pub use renewer::BATCH as RENEW_BATCH;
 pub use replicas::NotReplicated;
 pub use slots::MAX_OBSERVE_POLL;

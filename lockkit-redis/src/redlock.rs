@@ -385,12 +385,17 @@ impl RedlockLock {
             )));
         }
         if failed + restarting > n - q {
-            return Err(unavailable(format!(
+            let err = unavailable(format!(
                 "no majority of the {n} redlock nodes can vote: {failed} did not answer{}, \
                  {restarting} are in their delayed restart (for up to {restart_left:?} more); \
                  a majority ({q}) is needed",
                 last_error.map_or_else(String::new, |e| format!(" (last error: {e})"))
-            )));
+            ));
+            if failed <= n - q {
+                // Enough nodes are up: the lock can be had once the delayed restarts end.
+                return Ok(Attempted::Restarting(restart_left, err));
+            }
+            return Err(err);
         }
         Ok(Attempted::Held(held.into_iter().min()))
     }
@@ -401,6 +406,9 @@ enum Attempted {
     Granted(Lease),
     /// Held by another (or split between contenders): the shortest `PTTL` of the holder's keys.
     Held(Option<Duration>),
+    /// No majority can vote until nodes in their delayed restart take part again (in at most
+    /// this long); the error for an acquire that does not wait.
+    Restarting(Duration, Error),
 }
 
 fn unavailable(msg: String) -> Error {
@@ -614,13 +622,15 @@ impl LockBackend for RedlockLock {
         loop {
             let pttl = match retry_transient(&opts, deadline, || self.attempt(name, &opts)).await? {
                 Attempted::Granted(lease) => return Ok(lease),
+                Attempted::Held(_) if opts.wait == Wait::No => {
+                    return Err(Error::Held {
+                        name: name.to_owned(),
+                    });
+                }
+                Attempted::Restarting(_, e) if opts.wait == Wait::No => return Err(e),
                 Attempted::Held(pttl) => pttl,
+                Attempted::Restarting(left, _) => Some(left),
             };
-            if opts.wait == Wait::No {
-                return Err(Error::Held {
-                    name: name.to_owned(),
-                });
-            }
             let mut pause = backoff.next_delay();
             if let Some(p) = pttl {
                 pause = pause.min(p + Duration::from_millis(rand::random_range(1..=20)));

@@ -18,6 +18,7 @@ mod failures;
 mod fence;
 mod notify;
 mod queue;
+mod redlock;
 mod sentinel;
 mod slots;
 

@@ -292,18 +292,14 @@ impl RedlockLock {
                         }
                     }
                 },
+                // Stop early only on success: a failure is classified (held, or no majority can
+                // vote) from every node's answer.
                 |answers| {
-                    let granted = answers
+                    answers
                         .iter()
                         .filter(|a| matches!(a, Some(Ok(Vote::Granted(_)))))
-                        .count();
-                    let against = answers
-                        .iter()
-                        .filter(|a| {
-                            matches!(a, Some(Ok(Vote::Held(_) | Vote::Restarting(_)) | Err(_)))
-                        })
-                        .count();
-                    granted >= q || against > n - q
+                        .count()
+                        >= q
                 },
             )
             .await;

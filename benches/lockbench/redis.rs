@@ -460,6 +460,18 @@ pub async fn run(iters: usize) -> Vec<Row> {
         .ttl(Duration::from_secs(10))
         .wait(Wait::No)
         .keepalive(true);
+    // Redlock over the five nodes of `scripts/servers.sh`'s redlock topology, next to one node.
+    let redlock = match std::env::var("LOCKKIT_REDLOCK_URL") {
+        Ok(u) => {
+            let sep = if u.contains('?') { '&' } else { '?' };
+            Some(
+                lockkit::redis::RedlockLock::connect(&format!("{u}{sep}prefix={prefix}"))
+                    .await
+                    .expect("redlock connect"),
+            )
+        }
+        Err(_) => None,
+    };
     let floor = op(|| {
         let mut conn = conn.clone();
         let (release, key) = (&release, &floor_key);
@@ -490,18 +502,6 @@ pub async fn run(iters: usize) -> Vec<Row> {
     });
     let rs = op(|| rslock.cycle(&rs_name, Duration::ZERO));
     let rl = op(|| redis_lock.cycle(&rl_name, Duration::ZERO));
-    // Redlock over the five nodes of `scripts/servers.sh`'s redlock topology, next to one node.
-    let redlock = match std::env::var("LOCKKIT_REDLOCK_URL") {
-        Ok(u) => {
-            let sep = if u.contains('?') { '&' } else { '?' };
-            Some(
-                lockkit::redis::RedlockLock::connect(&format!("{u}{sep}prefix={prefix}"))
-                    .await
-                    .expect("redlock connect"),
-            )
-        }
-        Err(_) => None,
-    };
     let mut ops = vec![
         ("floor: SET NX PX + Lua compare-and-delete", floor),
         ("lockkit acquire + release", lockkit),

@@ -18,6 +18,8 @@ pub const MAX_REDLOCK_NODES: usize = 15;
 
 /// URL parameters of a single-node `redis://` URL that have no meaning for Redlock.
 const NOT_FOR_REDLOCK: &[&str] = &[
+    // The eviction check of `strict` is not run on Redlock nodes yet: refused, not ignored.
+    "strict",
     "notifications",
     "min_replicas",
     "replica_timeout",
@@ -119,7 +121,7 @@ impl RedlockConfig {
     /// an odd N is recommended (an even N needs N/2 + 1 nodes, so it tolerates no more failed
     /// nodes than N − 1). The user info, database and parameters apply to every node and are
     /// those of `redis://` ([`RedisConfig::from_url`]: `prefix`, `connect_timeout`,
-    /// `response_timeout`, `tls_ca`, `tls_cert`, `tls_key`, `protocol`, `strict`), plus:
+    /// `response_timeout`, `tls_ca`, `tls_cert`, `tls_key`, `protocol`), plus:
     ///
     /// | parameter | meaning | default |
     /// |---|---|---|
@@ -128,7 +130,7 @@ impl RedlockConfig {
     /// # Errors
     /// [`Error::InvalidConfig`] for a URL that does not parse, another scheme, fewer than 3 or
     /// more than [`MAX_REDLOCK_NODES`] hosts, a host named twice, a parameter that only
-    /// single-node or Sentinel URLs take (`notifications`, `min_replicas`, `replica_timeout`,
+    /// single-node or Sentinel URLs take (`strict`, `notifications`, `min_replicas`, `replica_timeout`,
     /// `sentinel_*`), a bad `max_ttl`, or anything [`RedisConfig::from_url`] refuses. The URL is
     /// never echoed (it may carry a password).
     pub fn from_url(url: &str) -> Result<Self> {
@@ -291,6 +293,7 @@ mod tests {
             "redlock://:hunter2@h1,h2,h3?max_ttl=x",
             "redlock://:hunter2@h1,h2,h3?max_ttl=2d",
             "redlock://:hunter2@h1,h2,h3?notifications=off",
+            "redlock://:hunter2@h1,h2,h3?strict=true",
             "redlock://:hunter2@h1,h2,h3?min_replicas=1",
             "redlock://:hunter2@h1,h2,h3?sentinel_password=x",
             "redlock://:hunter2@h1,h2,h3?prefx=a",

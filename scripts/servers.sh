@@ -16,13 +16,16 @@
 # The server name `sentinel` starts a Redis Sentinel topology: a primary, a replica and three
 # sentinels watching service `lockkit` (LOCKKIT_REDIS_SENTINEL_URL). Tests that kill a primary
 # start their own topology; this one is for the contract suite.
+# The server name `redlock` starts five independent redis-servers (no persistence) for Redlock
+# (LOCKKIT_REDLOCK_URL, redlock://h:p,…); they are declared fresh (REDLOCK_BOOT_KEY set to 0, see
+# the lockkit-redis docs, "Redlock") so that they vote at once instead of after one max_ttl.
 # Set LOCKKIT_SERVERS="redis etcd" to start a subset.
 set -euo pipefail
 
 cmd=${1:-start}
 root=$(cd "$(dirname "$0")/.." && pwd)
 dir=${2:-$root/target/lockkit-servers}
-servers=${LOCKKIT_SERVERS:-redis sentinel etcd zk postgres}
+servers=${LOCKKIT_SERVERS:-redis sentinel redlock etcd zk postgres}
 
 free_port() {
   python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'
@@ -111,6 +114,22 @@ CONF
     hosts="$hosts${hosts:+,}127.0.0.1:$s"
   done
   echo "export LOCKKIT_REDIS_SENTINEL_URL=redis+sentinel://$hosts/lockkit" >> "$dir/env"
+}
+
+start_redlock() {
+  local hosts="" i p
+  for i in 1 2 3 4 5; do
+    p=$(free_port)
+    mkdir -p "$dir/redlock-$i"
+    redis-server --bind 127.0.0.1 --port "$p" --dir "$dir/redlock-$i" --save '' --appendonly no \
+      --daemonize no --logfile "$dir/redlock-$i.log" >/dev/null 2>&1 &
+    echo $! > "$dir/redlock-$i.pid"
+    wait_for "redlock-$i" 100 redis-cli -p "$p" ping
+    # A brand-new node with no leases on it: it may vote at once (no delayed restart).
+    redis-cli -p "$p" set lockkit-redlock:boot 0 >/dev/null
+    hosts="$hosts${hosts:+,}127.0.0.1:$p"
+  done
+  echo "export LOCKKIT_REDLOCK_URL=redlock://$hosts" >> "$dir/env"
 }
 
 start_etcd() {
@@ -285,7 +304,7 @@ case "$cmd" in
     echo "export LOCKKIT_TLS_DIR=$dir/tls" >> "$dir/env"
     for s in $servers; do
       case "$s" in
-        redis) start_redis;; sentinel) start_sentinel;; etcd) start_etcd;; zk) start_zk;; postgres) start_postgres;;
+        redis) start_redis;; sentinel) start_sentinel;; redlock) start_redlock;; etcd) start_etcd;; zk) start_zk;; postgres) start_postgres;;
         *) echo "servers: unknown server $s" >&2; exit 2;;
       esac
     done
@@ -294,7 +313,7 @@ case "$cmd" in
   stop)
     [ -d "$dir" ] || exit 0
     for s in redis redis-tls sentinel-1 sentinel-2 sentinel-3 sentinel-replica sentinel-primary \
-      etcd etcd-tls zk zk-tls zk-sasl; do stop_pid "$dir/$s.pid"; done
+      redlock-1 redlock-2 redlock-3 redlock-4 redlock-5 etcd etcd-tls zk zk-tls zk-sasl; do stop_pid "$dir/$s.pid"; done
     stop_postgres
     for f in "$dir/etcd.datadir" "$dir/etcd-tls.datadir"; do
       if [ -f "$f" ]; then rm -rf "$(cat "$f")"; fi

@@ -11,6 +11,7 @@
 //! | `memory://` | in-process ([`MemoryLock`]) | always on | yes |
 //! | `redis://host:port`, `rediss://…` (TLS) | Redis (efficiency lock) | `redis` | yes |
 //! | `redis+sentinel://host:port[,host:port]/service` | Redis behind Sentinel (efficiency lock) | `redis` | yes |
+//! | `redlock://host:port,host:port,…`, `redlocks://…` (TLS) | Redlock over N independent Redis masters (efficiency lock) | `redis` | no ([`Error::NotSupported`]) |
 //! | `etcd://host:port[,host:port]`, `etcds://…` (TLS) | etcd v3 (correctness lock) | `etcd` | yes |
 //! | `zk://host:port[,host:port][/chroot]` | ZooKeeper (correctness lock) | `zk` | yes |
 //! | `postgres://user@host:port/db` (TLS with `sslmode`, `tls_ca`, …) | PostgreSQL advisory locks | `postgres` | yes |
@@ -157,9 +158,10 @@ pub async fn connect(url: &str) -> Result<Arc<dyn Lock>> {
 /// ```
 ///
 /// # Errors
-/// As [`connect`]: every backend has elections.
+/// As [`connect`], and [`Error::NotSupported`] for `redlock://` (every other backend has
+/// elections and semaphores).
 pub async fn connect_election(url: &str) -> Result<Arc<dyn Election>> {
-    Ok(Connected::open(url).await?.slots().election)
+    Ok(Connected::open(url).await?.slots()?.election)
 }
 
 /// Connects to the service named by `url` and returns its counting semaphores as
@@ -186,7 +188,7 @@ pub async fn connect_election(url: &str) -> Result<Arc<dyn Election>> {
 /// # Errors
 /// As [`connect_election`].
 pub async fn connect_semaphore(url: &str) -> Result<Arc<dyn Semaphore>> {
-    Ok(Connected::open(url).await?.slots().semaphore)
+    Ok(Connected::open(url).await?.slots()?.semaphore)
 }
 
 /// One backend, connected: what [`connect`], [`connect_election`] and [`connect_semaphore`]
@@ -195,6 +197,8 @@ enum Connected {
     Memory(MemoryLock),
     #[cfg(feature = "redis")]
     Redis(lockkit_redis::RedisLock),
+    #[cfg(feature = "redis")]
+    Redlock(lockkit_redis::RedlockLock),
     #[cfg(feature = "etcd")]
     Etcd(lockkit_etcd::EtcdLock),
     #[cfg(feature = "zk")]
@@ -240,6 +244,14 @@ impl Connected {
                 #[cfg(not(feature = "redis"))]
                 return Err(feature_off(&scheme, "redis"));
             }
+            "redlock" | "redlocks" => {
+                #[cfg(feature = "redis")]
+                return Ok(Self::Redlock(
+                    lockkit_redis::RedlockLock::connect(url).await?,
+                ));
+                #[cfg(not(feature = "redis"))]
+                return Err(feature_off(&scheme, "redis"));
+            }
             "etcd" | "etcds" => {
                 #[cfg(feature = "etcd")]
                 return Ok(Self::Etcd(lockkit_etcd::EtcdLock::connect(url).await?));
@@ -273,7 +285,7 @@ impl Connected {
                 };
                 Err(Error::config(format!(
                     "unknown lock service scheme{named}: expected memory, redis, rediss, \
-                     redis+sentinel, etcd, zk, postgres or postgresql"
+                     redis+sentinel, redlock, redlocks, etcd, zk, postgres or postgresql"
                 )))
             }
         }
@@ -284,6 +296,8 @@ impl Connected {
             Self::Memory(b) => Arc::new(b),
             #[cfg(feature = "redis")]
             Self::Redis(b) => Arc::new(b),
+            #[cfg(feature = "redis")]
+            Self::Redlock(b) => Arc::new(b),
             #[cfg(feature = "etcd")]
             Self::Etcd(b) => Arc::new(b),
             #[cfg(feature = "zk")]
@@ -293,19 +307,27 @@ impl Connected {
         }
     }
 
-    /// The backend's elections and semaphores (every backend implements `SlotBackend`).
-    fn slots(self) -> Slots {
-        match self {
+    /// The backend's elections and semaphores (every backend but Redlock implements
+    /// `SlotBackend`).
+    fn slots(self) -> Result<Slots> {
+        Ok(match self {
             Self::Memory(b) => Slots::of(b),
             #[cfg(feature = "redis")]
             Self::Redis(b) => Slots::of(b),
+            #[cfg(feature = "redis")]
+            Self::Redlock(_) => {
+                return Err(Error::NotSupported {
+                    operation: "elections and semaphores",
+                    backend: "redlock",
+                });
+            }
             #[cfg(feature = "etcd")]
             Self::Etcd(b) => Slots::of(b),
             #[cfg(feature = "zk")]
             Self::Zk(b) => Slots::of(b),
             #[cfg(feature = "postgres")]
             Self::Postgres(b) => Slots::of(b),
-        }
+        })
     }
 }
 

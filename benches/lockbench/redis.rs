@@ -480,6 +480,18 @@ pub async fn run(iters: usize) -> Vec<Row> {
         .ttl(Duration::from_secs(10))
         .wait(Wait::No)
         .keepalive(true);
+    // Redlock over the five nodes of `scripts/servers.sh`'s redlock topology, next to one node.
+    let redlock = match std::env::var("LOCKKIT_REDLOCK_URL") {
+        Ok(u) => {
+            let sep = if u.contains('?') { '&' } else { '?' };
+            Some(
+                lockkit::redis::RedlockLock::connect(&format!("{u}{sep}prefix={prefix}"))
+                    .await
+                    .expect("redlock connect"),
+            )
+        }
+        Err(_) => None,
+    };
     let floor = op(|| {
         let mut conn = conn.clone();
         let (release, key) = (&release, &floor_key);
@@ -510,12 +522,25 @@ pub async fn run(iters: usize) -> Vec<Row> {
     });
     let rs = op(|| rslock.cycle(&rs_name, Duration::ZERO));
     let rl = op(|| redis_lock.cycle(&rl_name, Duration::ZERO));
-    let ops = vec![
+    let mut ops = vec![
         ("floor: SET NX PX + Lua compare-and-delete", floor),
         ("lockkit acquire + release", lockkit),
         ("rslock 0.10 lock + unlock", rs),
         ("redis-lock 0.5.1 lock_across", rl),
     ];
+    if let Some(redlock) = &redlock {
+        let opts = &opts;
+        ops.push((
+            "lockkit Redlock (5 nodes) acquire + release",
+            op(move || async move {
+                let l = redlock
+                    .acquire("bench", opts.clone())
+                    .await
+                    .expect("acquire");
+                l.release().await.expect("release");
+            }),
+        ));
+    }
     interleaved("redis", ops, (iters / 10).max(10), iters).await
 }
 

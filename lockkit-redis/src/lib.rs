@@ -2,7 +2,8 @@
 //!
 //! The Redis backend of [lockkit](https://docs.rs/lockkit): leases with TTLs and strictly
 //! increasing fencing tokens on **one** Redis server, or on the master of a
-//! [Sentinel](#sentinel) service (no Cluster, no Redlock yet). It is an **efficiency lock**: it
+//! [Sentinel](#sentinel) service (no Cluster yet), or over N independent masters with
+//! [Redlock](#redlock) ([`RedlockLock`]). It is an **efficiency lock**: it
 //! saves duplicate work, and a fenced resource keeps data safe, but a failover can grant a held
 //! lock twice (see [Guarantees](#guarantees); [replication-confirmed
 //! grants](#replication-confirmed-grants) narrow that window).
@@ -170,6 +171,19 @@
 //!   names a read-only replica) and `NOPERM` are [`Error::Backend`](lockkit_core::Error::Backend)
 //!   errors that say so.
 //!
+//! ## Redlock
+//! `redlock[s]://[[user]:password@]host[:port],host[:port],…[/db]` ([`RedlockConfig`],
+//! [`RedlockLock`]): N (3 to [`MAX_REDLOCK_NODES`]) independent masters, each reached as a
+//! `redis://` URL with the same user info, database and parameters, plus `max_ttl`
+//! ([`DEFAULT_REDLOCK_MAX_TTL`]). A grant needs a majority of votes (`SET NX PX` per node, in
+//! parallel) within the validity time (TTL − elapsed since the first request − drift); its
+//! token is the largest counter of the granting nodes + 1, written back to a majority before
+//! the grant returns. A failed attempt gives back with compare-and-delete on every node; renewal
+//! needs a majority of compare-and-`PEXPIRE`s; a node restarted without its data refuses to vote
+//! for one `max_ttl` ([`REDLOCK_BOOT_KEY`]). An **efficiency** lock: waiters poll (no FIFO),
+//! no lock-delay, no elections or semaphores. The design, and Kleppmann's critique with
+//! antirez's reply: docs/redlock.md.
+//!
 //! ## Sentinel
 //! `redis+sentinel://[[user]:password@]host[:port][,host[:port]…]/service[/db]` (or
 //! [`RedisConfig::sentinel`]): the hosts are sentinels (default port
@@ -310,6 +324,8 @@ mod error;
 mod fence;
 mod lease;
 mod lock;
+mod redlock;
+mod redlock_config;
 mod renewer;
 mod replicas;
 mod sentinel;
@@ -325,6 +341,8 @@ pub use config::{
 };
 pub use fence::RedisFence;
 pub use lock::{EXPIRY_JITTER, EXPIRY_SLACK, MAX_WAIT_POLL, RedisLock, WAITER_TTL};
+pub use redlock::{REDLOCK_BOOT_KEY, REDLOCK_EXPIRY_SLACK, REDLOCK_MAX_POLL, RedlockLock};
+pub use redlock_config::{DEFAULT_REDLOCK_MAX_TTL, MAX_REDLOCK_NODES, RedlockConfig};
 pub use renewer::BATCH as RENEW_BATCH;
 pub use replicas::NotReplicated;
 pub use slots::MAX_OBSERVE_POLL;

@@ -19,6 +19,7 @@ mod failures;
 mod fence;
 mod notify;
 mod queue;
+mod redlock;
 mod sentinel;
 mod slots;
 

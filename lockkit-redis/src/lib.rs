@@ -299,6 +299,7 @@
 #![deny(rustdoc::broken_intra_doc_links)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod cluster;
 mod config;
 mod conn;
 mod core;

@@ -11,6 +11,7 @@
 //! | `memory://` | in-process ([`MemoryLock`]) | always on | yes |
 //! | `redis://host:port`, `rediss://…` (TLS) | Redis (efficiency lock) | `redis` | yes |
 //! | `redis+sentinel://host:port[,host:port]/service` | Redis behind Sentinel (efficiency lock) | `redis` | yes |
+//! | `redis+cluster://host:port[,host:port]` | Redis Cluster, the hosts are seed nodes (efficiency lock) | `redis` | no |
 //! | `etcd://host:port[,host:port]`, `etcds://…` (TLS) | etcd v3 (correctness lock) | `etcd` | yes |
 //! | `zk://host:port[,host:port][/chroot]` | ZooKeeper (correctness lock) | `zk` | yes |
 //! | `postgres://user@host:port/db` (TLS with `sslmode`, `tls_ca`, …) | PostgreSQL advisory locks | `postgres` | yes |
@@ -233,7 +234,7 @@ impl Connected {
                 memory_url(url)?;
                 Ok(Self::Memory(MemoryLock::new()))
             }
-            "redis" | "rediss" | "redis+sentinel" => {
+            "redis" | "rediss" | "redis+sentinel" | "redis+cluster" => {
                 #[cfg(feature = "redis")]
                 return Ok(Self::Redis(lockkit_redis::RedisLock::connect(url).await?));
                 #[cfg(not(feature = "redis"))]
@@ -272,7 +273,7 @@ impl Connected {
                 };
                 Err(Error::config(format!(
                     "unknown lock service scheme{named}: expected memory, redis, rediss, \
-                     redis+sentinel, etcd, zk, postgres or postgresql"
+                     redis+sentinel, redis+cluster, etcd, zk, postgres or postgresql"
                 )))
             }
         }

@@ -358,7 +358,8 @@ impl RedisConfig {
     /// the host), or `rediss` when the crate was built without its `tls` feature. The URL is
     /// never echoed in the error (it may carry a password).
     pub fn from_url(url: &str) -> Result<Self> {
-        let mut u = BackendUrl::parse(url, &["redis", "rediss", "redis+sentinel", "redis+cluster"])?;
+        let mut u =
+            BackendUrl::parse(url, &["redis", "rediss", "redis+sentinel", "redis+cluster"])?;
         if u.scheme() == "redis+cluster" {
             return Self::from_cluster_url(u);
         }
@@ -850,7 +851,14 @@ impl RedisConfig {
         }
         u.finish(
             "redis+cluster",
-            &["prefix", "connect_timeout", "response_timeout", "protocol", "strict", "notifications"],
+            &[
+                "prefix",
+                "connect_timeout",
+                "response_timeout",
+                "protocol",
+                "strict",
+                "notifications",
+            ],
         )?;
         let mut cfg = Self::cluster(hosts.into_iter().map(|h| (h.host, h.port)));
         let mut redis = RedisConnectionInfo::default().set_protocol(protocol);
@@ -1122,10 +1130,15 @@ mod tests {
         assert_eq!(c.notifications_mode(), Notifications::Off);
         assert!(!format!("{c:?}").contains("p@ss"));
         assert_eq!(
-            RedisConfig::from_url("redis+cluster://n1:7000/0").unwrap().mode(),
+            RedisConfig::from_url("redis+cluster://n1:7000/0")
+                .unwrap()
+                .mode(),
             RedisMode::Cluster
         );
-        assert_eq!(RedisConfig::from_url("redis://n1").unwrap().mode(), RedisMode::Single);
+        assert_eq!(
+            RedisConfig::from_url("redis://n1").unwrap().mode(),
+            RedisMode::Single
+        );
         for bad in [
             "redis+cluster://",
             "redis+cluster://:hunter2@n1:7000/1",
@@ -1149,11 +1162,35 @@ mod tests {
                 other => panic!("{bad:?}: {other:?}"),
             }
         }
-        assert!(RedisConfig::cluster(Vec::<(String, u16)>::new()).validate().is_err());
-        assert!(RedisConfig::cluster([("n1", 7000)]).db(2).validate().is_err());
-        assert!(RedisConfig::cluster([("n1", 7000)]).min_replicas(1).validate().is_err());
-        assert!(RedisConfig::cluster([("n1", 7000)]).prefix("a}").validate().is_err());
-        assert!(RedisConfig::cluster([("n1", 7000)]).tls(true).validate().is_err());
+        assert!(
+            RedisConfig::cluster(Vec::<(String, u16)>::new())
+                .validate()
+                .is_err()
+        );
+        assert!(
+            RedisConfig::cluster([("n1", 7000)])
+                .db(2)
+                .validate()
+                .is_err()
+        );
+        assert!(
+            RedisConfig::cluster([("n1", 7000)])
+                .min_replicas(1)
+                .validate()
+                .is_err()
+        );
+        assert!(
+            RedisConfig::cluster([("n1", 7000)])
+                .prefix("a}")
+                .validate()
+                .is_err()
+        );
+        assert!(
+            RedisConfig::cluster([("n1", 7000)])
+                .tls(true)
+                .validate()
+                .is_err()
+        );
         assert!(RedisConfig::cluster([("n1", 7000)]).validate().is_ok());
     }
 

@@ -57,7 +57,11 @@ impl Keys {
             name.to_owned()
         };
         // Waiter IDs follow the tag in a tagged layout, the kind otherwise.
-        let ids = if tagged { format!("{n}:") } else { String::new() };
+        let ids = if tagged {
+            format!("{n}:")
+        } else {
+            String::new()
+        };
         Self {
             lock: format!("{prefix}:lock:{n}"),
             fence: format!("{prefix}:fence:{n}"),
@@ -493,11 +497,20 @@ mod tests {
 
     #[test]
     fn tagged_keys_of_one_name_share_one_hash_tag() {
-        for name in ["job", "}", "}x", "a}b", "{", "{}", "a{b}c", "x:lock:y", "ü *?[x]"] {
+        for name in [
+            "job", "}", "}x", "a}b", "{", "{}", "a{b}c", "x:lock:y", "ü *?[x]",
+        ] {
             let k = Keys::build("app", name, true);
             let id = "0123456789abcdef0123456789abcdef";
             let waiter = format!("{}{id}", k.waiter_prefix);
-            let all = [&k.lock, &k.fence, &k.queue, &k.delay, &waiter, &k.tombstone(id)];
+            let all = [
+                &k.lock,
+                &k.fence,
+                &k.queue,
+                &k.delay,
+                &waiter,
+                &k.tombstone(id),
+            ];
             let tag = hash_tag(&k.lock);
             assert!(!tag.is_empty() && tag != k.lock, "{name:?}: {tag:?}");
             for key in all {
@@ -507,9 +520,15 @@ mod tests {
         let k = Keys::build("app", "job", true);
         assert_eq!(k.lock, "app:lock:{=job}");
         assert_eq!(k.waiter_prefix, "app:waiter:{=job}:");
-        assert_ne!(Keys::build("app", "a}b", true).lock, Keys::build("app", "a}c", true).lock);
+        assert_ne!(
+            Keys::build("app", "a}b", true).lock,
+            Keys::build("app", "a}c", true).lock
+        );
         // The single-node layout is unchanged.
         let plain = Keys::build("app", "job", false);
-        assert_eq!((plain.lock.as_str(), plain.waiter_prefix.as_str()), ("app:lock:job", "app:waiter:"));
+        assert_eq!(
+            (plain.lock.as_str(), plain.waiter_prefix.as_str()),
+            ("app:lock:job", "app:waiter:")
+        );
     }
 }

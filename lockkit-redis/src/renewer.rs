@@ -223,8 +223,7 @@ impl Renewer {
                 .collect()
         };
         if self.conn.is_cluster() {
-            let mut by_tag: HashMap<String, Vec<(Arc<RedisLease>, TrackerHandle)>> =
-                HashMap::new();
+            let mut by_tag: HashMap<String, Vec<(Arc<RedisLease>, TrackerHandle)>> = HashMap::new();
             for entry in leases {
                 let tag = hash_tag(&entry.0.keys.lock).to_owned();
                 by_tag.entry(tag).or_default().push(entry);

@@ -85,10 +85,13 @@ fn slot_of(port: u16, key: &str) -> u16 {
 
 /// The master that serves `slot`, as `port` sees the cluster.
 fn owner(port: u16, slot: u16) -> Node {
+    try_owner(port, slot).unwrap_or_else(|| panic!("no master for slot {slot}"))
+}
+
+fn try_owner(port: u16, slot: u16) -> Option<Node> {
     nodes(port)
         .into_iter()
         .find(|n| n.master && n.slots.iter().any(|&(a, b)| a <= slot && slot <= b))
-        .unwrap_or_else(|| panic!("no master for slot {slot}"))
 }
 
 /// The seed ports of a `redis+cluster://` URL.
@@ -338,7 +341,8 @@ async fn a_held_locks_slot_migrates_and_the_holder_keeps_it() {
         .await
         .unwrap_err();
     assert!(refused_while_migrating(&e), "{e:?}");
-    assert_eq!(a.state(), LeaseState::Held);
+    // Its renewals fail the same way meanwhile: Suspect, not Lost.
+    assert_ne!(a.state(), LeaseState::Lost);
     for n in nodes(seed).iter().filter(|n| n.master) {
         assert_eq!(
             cli(n.port, &["cluster", "setslot", &s, "node", &dst.id]),
@@ -388,7 +392,9 @@ async fn coordinated_failover_keeps_a_lease_the_new_master_holds() {
     let seed = cluster.ports[0];
     let prefix = fresh_prefix();
     let locks = RedisLock::connect(&cluster.url(&prefix)).await.unwrap();
-    let ttl = Duration::from_secs(3);
+    // Long enough that a failover on a loaded machine (clients paused meanwhile) does not
+    // outlast it.
+    let ttl = Duration::from_secs(10);
     let a = locks.acquire("job", opts(ttl)).await.unwrap();
     let slot = slot_of(seed, &locks.lock_key("job"));
     let master = owner(seed, slot);
@@ -402,7 +408,8 @@ async fn coordinated_failover_keeps_a_lease_the_new_master_holds() {
         owner(seed, slot).id == replica.id
     })
     .await;
-    until("the lease proved", Duration::from_secs(10), || {
+    until("the lease proved", Duration::from_secs(15), || {
+        assert_ne!(a.state(), LeaseState::Lost, "{:?}", a.loss_reason());
         a.valid_until() > started + ttl
     })
     .await;
@@ -431,7 +438,7 @@ async fn master_killed_before_replicating_loses_the_lease_and_tokens_still_incre
     let prefix = fresh_prefix();
     let locks = RedisLock::connect(&cluster.url(&prefix)).await.unwrap();
     // Long enough that the lease is lost by its renewal, not by its deadline.
-    let ttl = Duration::from_secs(9);
+    let ttl = Duration::from_secs(15);
     let first = locks.acquire("job", opts(ttl)).await.unwrap();
     let first_token = first.token();
     first.release().await.unwrap();
@@ -470,7 +477,7 @@ async fn master_killed_before_replicating_loses_the_lease_and_tokens_still_incre
     cluster.proc(replica.port).signal("CONT");
     let live = cluster.any_live(master.port);
     until("the replica promoted", Duration::from_secs(20), || {
-        owner(live, slot).id == replica.id
+        try_owner(live, slot).is_some_and(|n| n.id == replica.id)
     })
     .await;
     let promoted = killed.elapsed();

@@ -19,16 +19,33 @@
 # The server name `redlock` starts five independent redis-servers (no persistence) for Redlock
 # (LOCKKIT_REDLOCK_URL, redlock://h:p,…); they are declared fresh (REDLOCK_BOOT_KEY set to 0, see
 # the lockkit-redis docs, "Redlock") so that they vote at once instead of after one max_ttl.
+# The server name `cluster` starts a Redis Cluster: three masters, each with one replica, on
+# loopback (LOCKKIT_REDIS_CLUSTER_URL, the three masters as seeds), ready when every node says
+# cluster_state:ok. Tests that migrate slots or fail a master over start their own cluster.
 # Set LOCKKIT_SERVERS="redis etcd" to start a subset.
 set -euo pipefail
 
 cmd=${1:-start}
 root=$(cd "$(dirname "$0")/.." && pwd)
 dir=${2:-$root/target/lockkit-servers}
-servers=${LOCKKIT_SERVERS:-redis sentinel redlock etcd zk postgres}
+servers=${LOCKKIT_SERVERS:-redis sentinel cluster redlock etcd zk postgres}
 
 free_port() {
   python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'
+}
+
+# A free port P below 55536 whose cluster bus port P+10000 is free too (Redis Cluster).
+cluster_port() {
+  python3 -c '
+import random, socket
+while True:
+    p = random.randint(20000, 45000)
+    try:
+        for q in (p, p + 10000):
+            s = socket.socket(); s.bind(("127.0.0.1", q)); s.close()
+        print(p); break
+    except OSError:
+        pass'
 }
 
 wait_for() { # name, tries(0.1s), command...
@@ -77,6 +94,30 @@ start_redis() {
   wait_for redis-tls 100 redis-cli --tls --cacert "$t/ca.pem" --cert "$t/client.pem" \
     --key "$t/client.key" -h 127.0.0.1 -p "$tp" ping
   echo "export LOCKKIT_REDIS_TLS_URL='rediss://127.0.0.1:$tp?tls_ca=$t/ca.pem&tls_cert=$t/client.pem&tls_key=$t/client.key'" >> "$dir/env"
+}
+
+# Three masters and three replicas in one Redis Cluster (cluster-node-timeout 2 s).
+start_cluster() {
+  local ports=() p i
+  for i in 1 2 3 4 5 6; do
+    p=$(cluster_port); ports+=("$p")
+    mkdir -p "$dir/cluster-$i"
+    redis-server --bind 127.0.0.1 --port "$p" --dir "$dir/cluster-$i" --save '' --appendonly no \
+      --cluster-enabled yes --cluster-config-file "$dir/cluster-$i/nodes.conf" \
+      --cluster-node-timeout 2000 --daemonize no --logfile "$dir/cluster-$i.log" >/dev/null 2>&1 &
+    echo $! > "$dir/cluster-$i.pid"
+  done
+  for i in 1 2 3 4 5 6; do wait_for "cluster-$i" 100 redis-cli -p "${ports[$((i-1))]}" ping; done
+  local nodes=() seeds=""
+  for p in "${ports[@]}"; do nodes+=("127.0.0.1:$p"); done
+  redis-cli --cluster create "${nodes[@]}" --cluster-replicas 1 --cluster-yes \
+    > "$dir/cluster-create.log" 2>&1 || { cat "$dir/cluster-create.log" >&2; return 1; }
+  for i in 1 2 3 4 5 6; do
+    wait_for "cluster-$i" 100 bash -c "redis-cli -p ${ports[$((i-1))]} cluster info | grep -q cluster_state:ok"
+  done
+  # The masters (create makes the first three masters), as seeds.
+  for i in 0 1 2; do seeds="$seeds${seeds:+,}127.0.0.1:${ports[$i]}"; done
+  echo "export LOCKKIT_REDIS_CLUSTER_URL=redis+cluster://$seeds" >> "$dir/env"
 }
 
 # A primary, its replica and three sentinels (quorum 2) on loopback, for service `lockkit`.
@@ -304,7 +345,7 @@ case "$cmd" in
     echo "export LOCKKIT_TLS_DIR=$dir/tls" >> "$dir/env"
     for s in $servers; do
       case "$s" in
-        redis) start_redis;; sentinel) start_sentinel;; redlock) start_redlock;; etcd) start_etcd;; zk) start_zk;; postgres) start_postgres;;
+        redis) start_redis;; sentinel) start_sentinel;; cluster) start_cluster;; redlock) start_redlock;; etcd) start_etcd;; zk) start_zk;; postgres) start_postgres;;
         *) echo "servers: unknown server $s" >&2; exit 2;;
       esac
     done
@@ -313,6 +354,7 @@ case "$cmd" in
   stop)
     [ -d "$dir" ] || exit 0
     for s in redis redis-tls sentinel-1 sentinel-2 sentinel-3 sentinel-replica sentinel-primary \
+      cluster-1 cluster-2 cluster-3 cluster-4 cluster-5 cluster-6 \
       redlock-1 redlock-2 redlock-3 redlock-4 redlock-5 etcd etcd-tls zk zk-tls zk-sasl; do stop_pid "$dir/$s.pid"; done
     stop_postgres
     for f in "$dir/etcd.datadir" "$dir/etcd-tls.datadir"; do

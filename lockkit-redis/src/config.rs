@@ -67,6 +67,18 @@ pub enum RedisMode {
     /// discovered again after a failover (`redis+sentinel://`,
     /// <https://redis.io/docs/latest/operate/oss_and_stack/management/sentinel/>).
     Sentinel,
+    /// A Redis Cluster, found through seed nodes (`redis+cluster://`): every key of one lock
+    /// name lives in one hash slot, and each script goes to that slot's master
+    /// (<https://redis.io/docs/latest/operate/oss_and_stack/reference/cluster-spec/>).
+    Cluster,
+}
+
+/// The seed nodes of a [`RedisMode::Cluster`] config.
+#[derive(Clone, Debug)]
+pub(crate) struct ClusterSettings {
+    /// Host and port of each seed node (any node of the cluster; the others are learned from
+    /// `CLUSTER SLOTS`).
+    pub(crate) nodes: Vec<(String, u16)>,
 }
 
 /// The sentinels of a [`RedisMode::Sentinel`] config and how to log in to them.
@@ -142,6 +154,8 @@ pub struct RedisConfig {
     pub(crate) notifications: Notifications,
     /// The sentinels, in [`RedisMode::Sentinel`].
     pub(crate) sentinel: Option<SentinelSettings>,
+    /// The seed nodes, in [`RedisMode::Cluster`].
+    pub(crate) cluster: Option<ClusterSettings>,
     /// Replicas that must acknowledge a grant (`0`: no confirmation).
     pub(crate) min_replicas: u32,
     /// How long a grant waits for those acknowledgements.
@@ -158,6 +172,7 @@ impl fmt::Debug for RedisConfig {
         };
         let mut d = f.debug_struct("RedisConfig");
         match &self.sentinel {
+            None if self.cluster.is_some() => d.field("cluster_nodes", &self.get_cluster_nodes()),
             None => d.field("host", &host).field("port", &port),
             Some(s) => d
                 .field("sentinels", &s.nodes)
@@ -202,6 +217,7 @@ impl RedisConfig {
             strict: false,
             notifications: Notifications::Set,
             sentinel: None,
+            cluster: None,
             min_replicas: 0,
             replica_timeout: DEFAULT_REPLICA_TIMEOUT,
         }
@@ -285,10 +301,12 @@ impl RedisConfig {
         self
     }
 
-    /// Single server or Sentinel.
+    /// Single server, Sentinel or Cluster.
     pub fn mode(&self) -> RedisMode {
         if self.sentinel.is_some() {
             RedisMode::Sentinel
+        } else if self.cluster.is_some() {
+            RedisMode::Cluster
         } else {
             RedisMode::Single
         }
@@ -348,7 +366,11 @@ impl RedisConfig {
         {
             return Err(sentinel_tls());
         }
-        let mut u = BackendUrl::parse(url, &["redis", "rediss", "redis+sentinel"])?;
+        let mut u =
+            BackendUrl::parse(url, &["redis", "rediss", "redis+sentinel", "redis+cluster"])?;
+        if u.scheme() == "redis+cluster" {
+            return Self::from_cluster_url(u);
+        }
         let sentinel = u.scheme() == "redis+sentinel";
         let tls = u.scheme() == "rediss";
         if tls && !cfg!(feature = "tls") {
@@ -714,6 +736,7 @@ impl RedisConfig {
             ));
         }
         self.tls.validate()?;
+        self.validate_cluster()?;
         if let Some(s) = &self.sentinel {
             if s.nodes.is_empty() || s.nodes.iter().any(|(h, _)| h.is_empty()) {
                 return Err(Error::config(
@@ -750,6 +773,153 @@ impl RedisConfig {
             }
         }
         Ok(())
+    }
+}
+
+/// Redis Cluster ([`RedisMode::Cluster`]).
+impl RedisConfig {
+    /// A Redis Cluster reached through the seed nodes `nodes` (host, port; any nodes of the
+    /// cluster, the rest are learned from it): [`RedisMode::Cluster`]. Credentials with
+    /// [`username`](Self::username) and [`password`](Self::password) (the same on every node).
+    /// Not supported in this mode (refused by [`validate`](Self::validate)): TLS, a database
+    /// other than 0 (a cluster has only database 0), [`min_replicas`](Self::min_replicas), and
+    /// a prefix with `{` or `}` (it would change the keys' hash tag).
+    ///
+    /// ```
+    /// use lockkit_redis::{RedisConfig, RedisMode};
+    ///
+    /// let c = RedisConfig::cluster([("10.0.0.1", 7000), ("10.0.0.2", 7000)]).password("s3cret");
+    /// assert_eq!(c.mode(), RedisMode::Cluster);
+    /// let u: RedisConfig = "redis+cluster://:s3cret@10.0.0.1:7000,10.0.0.2:7000?prefix=app".parse()?;
+    /// assert_eq!(u.get_cluster_nodes(), c.get_cluster_nodes());
+    /// assert!(!format!("{c:?}{u:?}").contains("s3cret"));
+    /// # Ok::<(), lockkit_core::Error>(())
+    /// ```
+    pub fn cluster<S: Into<String>>(nodes: impl IntoIterator<Item = (S, u16)>) -> Self {
+        let nodes: Vec<(String, u16)> = nodes.into_iter().map(|(h, p)| (h.into(), p)).collect();
+        let first = nodes
+            .first()
+            .cloned()
+            .unwrap_or_else(|| (String::new(), DEFAULT_PORT));
+        let mut cfg = Self::new(first.0, first.1);
+        cfg.cluster = Some(ClusterSettings { nodes });
+        cfg
+    }
+
+    /// The seed nodes (host, port) of a [`RedisMode::Cluster`] config; empty otherwise.
+    pub fn get_cluster_nodes(&self) -> &[(String, u16)] {
+        self.cluster.as_ref().map_or(&[], |c| c.nodes.as_slice())
+    }
+
+    /// `redis+cluster://[[user]:password@]host[:port][,host[:port]…][/0][?param=value&…]`: the
+    /// parameters of `redis://` (see [`from_url`](Self::from_url)) but the TLS ones,
+    /// `min_replicas` and `replica_timeout`.
+    fn from_cluster_url(mut u: BackendUrl) -> Result<Self> {
+        if u.fragment().is_some() {
+            return Err(Error::config("a redis+cluster URL takes no #fragment"));
+        }
+        let hosts = u.host_list(Some(DEFAULT_PORT))?;
+        match u.path().trim_end_matches('/') {
+            "" | "/0" => {}
+            _ => {
+                return Err(Error::config(
+                    "a redis+cluster URL has no path but /0: a cluster has only database 0",
+                ));
+            }
+        }
+        let common = u.take_common([&["tls_ca_file"], &[], &[]])?;
+        if common.tls.is_set() {
+            return Err(Error::config(
+                "TLS is not supported in Cluster mode by the redis backend yet",
+            ));
+        }
+        let response_timeout = u.take_duration("response_timeout", Some("response_timeout_ms"))?;
+        let protocol = match u.take("protocol", &[])?.as_deref() {
+            None | Some("2" | "resp2") => ProtocolVersion::RESP2,
+            Some("3" | "resp3") => ProtocolVersion::RESP3,
+            Some(_) => return Err(Error::config("protocol must be resp2 or resp3")),
+        };
+        let strict = u.take_bool("strict")?;
+        let notifications = match u.take("notifications", &[])?.as_deref() {
+            None | Some("off") => Notifications::Off,
+            Some(_) => {
+                return Err(Error::config(
+                    "Cluster mode uses no keyspace notifications yet: notifications=off or none",
+                ));
+            }
+        };
+        for p in ["min_replicas", "replica_timeout"] {
+            if u.take(p, &[])?.is_some() {
+                return Err(Error::config(format!(
+                    "{p} is not supported in Cluster mode by the redis backend yet"
+                )));
+            }
+        }
+        u.finish(
+            "redis+cluster",
+            &[
+                "prefix",
+                "connect_timeout",
+                "response_timeout",
+                "protocol",
+                "strict",
+                "notifications",
+            ],
+        )?;
+        let mut cfg = Self::cluster(hosts.into_iter().map(|h| (h.host, h.port)));
+        let mut redis = RedisConnectionInfo::default().set_protocol(protocol);
+        if let Some(user) = u.username() {
+            redis = redis.set_username(user);
+        }
+        if let Some(pw) = u.password().filter(|p| !p.is_empty()) {
+            redis = redis.set_password(pw);
+        }
+        cfg.redis = redis;
+        if let Some(p) = common.prefix {
+            cfg.prefix = p;
+        }
+        cfg.connect_timeout = common.connect_timeout.unwrap_or(DEFAULT_CONNECT_TIMEOUT);
+        cfg.response_timeout = response_timeout.unwrap_or(DEFAULT_RESPONSE_TIMEOUT);
+        cfg.strict = strict.unwrap_or(false);
+        cfg.notifications = notifications;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// The Cluster mode's part of [`validate`](Self::validate).
+    fn validate_cluster(&self) -> Result<()> {
+        let Some(c) = &self.cluster else {
+            return Ok(());
+        };
+        let reason = if c.nodes.is_empty() || c.nodes.iter().any(|(h, _)| h.is_empty()) {
+            "Cluster mode needs at least one seed node"
+        } else if self.sentinel.is_some() {
+            "a config is either Sentinel or Cluster"
+        } else if self.is_tls() || self.tls_root_cert.is_some() || self.tls.is_set() {
+            "TLS is not supported in Cluster mode by the redis backend yet"
+        } else if self.redis.db() != 0 {
+            "a Redis Cluster has only database 0"
+        } else if self.min_replicas > 0 {
+            "min_replicas is not supported in Cluster mode by the redis backend yet"
+        } else if self.prefix.contains(['{', '}']) {
+            "in Cluster mode the key prefix may not contain '{' or '}' (the keys' hash tag)"
+        } else {
+            return Ok(());
+        };
+        Err(Error::config(reason))
+    }
+
+    /// The seed nodes as the redis crate's connection settings (with the credentials).
+    pub(crate) fn cluster_node_infos(&self) -> Result<Vec<ConnectionInfo>> {
+        self.get_cluster_nodes()
+            .iter()
+            .map(|(h, p)| {
+                Ok(ConnectionAddr::Tcp(h.clone(), *p)
+                    .into_connection_info()
+                    .map_err(from_redis)?
+                    .set_redis_settings(self.redis.clone()))
+            })
+            .collect()
     }
 }
 
@@ -985,6 +1155,92 @@ mod tests {
                 other => panic!("{other:?}"),
             }
         }
+    }
+
+    #[test]
+    fn cluster_urls_parse_into_a_typed_config_and_bad_ones_are_typed_errors() {
+        let c = RedisConfig::from_url(
+            "redis+cluster://app:p%40ss@n1:7000,n2,[::1]:7002?prefix=p&response_timeout=1s&strict=true",
+        )
+        .unwrap();
+        assert_eq!(c.mode(), RedisMode::Cluster);
+        let nodes: Vec<(&str, u16)> = c
+            .get_cluster_nodes()
+            .iter()
+            .map(|(h, p)| (h.as_str(), *p))
+            .collect();
+        assert_eq!(nodes, [("n1", 7000), ("n2", DEFAULT_PORT), ("[::1]", 7002)]);
+        assert_eq!(c.redis.username(), Some("app"));
+        assert_eq!(c.redis.password(), Some("p@ss"));
+        assert_eq!(
+            (c.get_prefix(), c.get_response_timeout(), c.is_strict()),
+            ("p", Duration::from_secs(1), true)
+        );
+        assert_eq!(c.notifications_mode(), Notifications::Off);
+        assert!(!format!("{c:?}").contains("p@ss"));
+        assert_eq!(
+            RedisConfig::from_url("redis+cluster://n1:7000/0")
+                .unwrap()
+                .mode(),
+            RedisMode::Cluster
+        );
+        assert_eq!(
+            RedisConfig::from_url("redis://n1").unwrap().mode(),
+            RedisMode::Single
+        );
+        for bad in [
+            "redis+cluster://",
+            "redis+cluster://:hunter2@n1:7000/1",
+            "redis+cluster://:hunter2@n1:7000/x",
+            "redis+cluster://:hunter2@n1:70000",
+            "redis+cluster://:hunter2@n1?tls_ca=ca.pem",
+            "redis+cluster://:hunter2@n1#insecure",
+            "redis+cluster://:hunter2@n1?min_replicas=1",
+            "redis+cluster://:hunter2@n1?replica_timeout=1ms",
+            "redis+cluster://:hunter2@n1?notifications=set",
+            "redis+cluster://:hunter2@n1?prefix=a%7Bb",
+            "redis+cluster://:hunter2@n1?prefix=a:b",
+            "redis+cluster://:hunter2@n1?prefx=a",
+            "redis+cluster://:hunter2@n1?sentinel_password=hunter2",
+            "rediss+cluster://:hunter2@n1",
+        ] {
+            match RedisConfig::from_url(bad) {
+                Err(Error::InvalidConfig { reason, .. }) => {
+                    assert!(!reason.contains("hunter2"), "secret echoed: {reason}")
+                }
+                other => panic!("{bad:?}: {other:?}"),
+            }
+        }
+        assert!(
+            RedisConfig::cluster(Vec::<(String, u16)>::new())
+                .validate()
+                .is_err()
+        );
+        assert!(
+            RedisConfig::cluster([("n1", 7000)])
+                .db(2)
+                .validate()
+                .is_err()
+        );
+        assert!(
+            RedisConfig::cluster([("n1", 7000)])
+                .min_replicas(1)
+                .validate()
+                .is_err()
+        );
+        assert!(
+            RedisConfig::cluster([("n1", 7000)])
+                .prefix("a}")
+                .validate()
+                .is_err()
+        );
+        assert!(
+            RedisConfig::cluster([("n1", 7000)])
+                .tls(true)
+                .validate()
+                .is_err()
+        );
+        assert!(RedisConfig::cluster([("n1", 7000)]).validate().is_ok());
     }
 
     #[cfg(feature = "serde")]

@@ -13,12 +13,19 @@
 //! sentinels start a discovery of the master; when it names another address, the connection,
 //! the confirmation connection and the client are replaced, and the master's generation number
 //! ([`Conn::switches`]) goes up, which the pub/sub connection and the loss notices follow.
+//!
+//! In Cluster mode ([`Conn::cluster`]) commands and scripts go through the redis crate's
+//! cluster connection ([`redis::cluster_async`]), which routes each to the master of its first
+//! key's slot and follows `MOVED` and `ASK` redirections (refreshing its slot map on `MOVED`);
+//! the pub/sub connection goes to one seed node after the other (a `PUBLISH` reaches every node
+//! of a cluster).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, FromRedisValue, RedisResult, ScriptInvocation};
 use tokio::sync::watch;
 
@@ -45,6 +52,15 @@ struct Inner {
     discovering: AtomicBool,
     /// The master's generation number, bumped when the sentinels name another master.
     switched: watch::Sender<u64>,
+    /// In Cluster mode: the cluster connection, and the seed nodes' clients for pub/sub.
+    cluster: Option<Cluster>,
+}
+
+struct Cluster {
+    conn: ClusterConnection,
+    seeds: Vec<redis::Client>,
+    /// The seed the next pub/sub connection goes to.
+    next: AtomicUsize,
 }
 
 struct Current {
@@ -82,12 +98,53 @@ impl Conn {
                 discovering: AtomicBool::new(false),
                 discovery,
                 switched: watch::channel(0).0,
+                cluster: None,
             }),
         };
         if let Some(d) = &this.inner.discovery {
             d.listen(this.downgrade(), this.switches());
         }
         this
+    }
+
+    /// Wraps a connected cluster connection; `seeds` (at least one) are the seed nodes'
+    /// clients, for pub/sub.
+    pub(crate) fn cluster(
+        conn: ClusterConnection,
+        seeds: Vec<redis::Client>,
+        config: ConnectionManagerConfig,
+    ) -> redis::RedisResult<Self> {
+        let first = seeds.first().cloned().ok_or_else(|| {
+            redis::RedisError::from((redis::ErrorKind::InvalidClientConfig, "no seed node"))
+        })?;
+        // Never used for commands in Cluster mode; lazy, so it opens no connection.
+        let manager = ConnectionManager::new_lazy_with_config(first.clone(), config.clone())?;
+        let addr = first.get_connection_info().addr().to_string();
+        Ok(Self {
+            inner: Arc::new(Inner {
+                config,
+                current: Mutex::new(Current {
+                    generation: 0,
+                    manager,
+                    side: None,
+                    client: first,
+                    addr,
+                }),
+                discovery: None,
+                discovering: AtomicBool::new(false),
+                switched: watch::channel(0).0,
+                cluster: Some(Cluster {
+                    conn,
+                    seeds,
+                    next: AtomicUsize::new(0),
+                }),
+            }),
+        })
+    }
+
+    /// Whether this is a Cluster connection.
+    pub(crate) fn is_cluster(&self) -> bool {
+        self.inner.cluster.is_some()
     }
 
     fn lock(&self) -> MutexGuard<'_, Current> {
@@ -99,8 +156,16 @@ impl Conn {
         (cur.generation, cur.manager.clone())
     }
 
-    /// The client of the current master (for the pub/sub connection).
+    /// The client of the current master (for the pub/sub connection); in Cluster mode the
+    /// next seed node's, round robin, so that a pub/sub connection reopened after a node
+    /// failed tries another one.
     pub(crate) fn client(&self) -> redis::Client {
+        if let Some(c) = &self.inner.cluster {
+            let i = c.next.fetch_add(1, Ordering::Relaxed);
+            if let Some(seed) = c.seeds.get(i % c.seeds.len().max(1)) {
+                return seed.clone();
+            }
+        }
         self.lock().client.clone()
     }
 
@@ -129,6 +194,9 @@ impl Conn {
         &self,
         script: &ScriptInvocation<'_>,
     ) -> RedisResult<T> {
+        if let Some(c) = &self.inner.cluster {
+            return script.invoke_async(&mut c.conn.clone()).await;
+        }
         let (generation, mut conn) = self.current();
         let r = script.invoke_async(&mut conn).await;
         self.check(generation, &r);
@@ -143,6 +211,9 @@ impl Conn {
     /// # Cancel safety
     /// Cancel safe; the command may still run on the server.
     pub(crate) async fn query<T: FromRedisValue>(&self, cmd: &Cmd) -> RedisResult<T> {
+        if let Some(c) = &self.inner.cluster {
+            return cmd.query_async(&mut c.conn.clone()).await;
+        }
         let (generation, mut conn) = self.current();
         let r = cmd.query_async(&mut conn).await;
         self.check(generation, &r);
@@ -163,6 +234,13 @@ impl Conn {
         script: &ScriptInvocation<'_>,
         wait: &Cmd,
     ) -> RedisResult<(T, U)> {
+        if self.is_cluster() {
+            // Refused by the config's validation; a WAIT would not follow the script's node.
+            return Err(redis::RedisError::from((
+                redis::ErrorKind::InvalidClientConfig,
+                "replication-confirmed grants are not supported in Cluster mode",
+            )));
+        }
         let (generation, mut side) = {
             let mut cur = self.lock();
             let side = match &cur.side {

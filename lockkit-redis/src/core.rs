@@ -34,14 +34,41 @@ pub(crate) struct Keys {
 }
 
 impl Keys {
+    /// The single-node (and Sentinel) layout: `P:kind:N`, waiter keys `P:waiter:ID`.
     pub(crate) fn new(prefix: &str, name: &str) -> Self {
+        Self::build(prefix, name, false)
+    }
+
+    /// The one place where the keys of a lock name are made. With `tagged` (Redis Cluster)
+    /// the name is wrapped in a hash tag (`P:kind:{=N}`, waiter keys `P:waiter:{=N}:ID`, see
+    /// <https://redis.io/docs/latest/operate/oss_and_stack/reference/cluster-spec/#hash-tags>):
+    /// Redis hashes only what lies between the first `{` and the first `}` after it, here `=`
+    /// and the name up to its first `}`, the same for every kind, so every key of one name
+    /// (including its waiters' keys and tombstones, which the scripts reach through their
+    /// prefixes) lands in one slot and one script can touch them all. The `=` keeps the tag
+    /// non-empty for a name that starts with `}` (an empty tag would hash the whole key). The
+    /// prefix holds no `{` in Cluster mode ([`RedisConfig::validate`](crate::RedisConfig::validate)),
+    /// so the name's `{` is the first one. Without `tagged` the layout is the one of earlier
+    /// releases, unchanged.
+    pub(crate) fn build(prefix: &str, name: &str, tagged: bool) -> Self {
+        let n = if tagged {
+            format!("{{={name}}}")
+        } else {
+            name.to_owned()
+        };
+        // Waiter IDs follow the tag in a tagged layout, the kind otherwise.
+        let ids = if tagged {
+            format!("{n}:")
+        } else {
+            String::new()
+        };
         Self {
-            lock: format!("{prefix}:lock:{name}"),
-            fence: format!("{prefix}:fence:{name}"),
-            queue: format!("{prefix}:queue:{name}"),
-            delay: format!("{prefix}:delay:{name}"),
-            waiter_prefix: format!("{prefix}:waiter:"),
-            cancelled: format!("{prefix}:cancelled:"),
+            lock: format!("{prefix}:lock:{n}"),
+            fence: format!("{prefix}:fence:{n}"),
+            queue: format!("{prefix}:queue:{n}"),
+            delay: format!("{prefix}:delay:{n}"),
+            waiter_prefix: format!("{prefix}:waiter:{ids}"),
+            cancelled: format!("{prefix}:cancelled:{ids}"),
         }
     }
 
@@ -50,6 +77,20 @@ impl Keys {
     pub(crate) fn tombstone(&self, id: &str) -> String {
         format!("{}{id}", self.cancelled)
     }
+}
+
+/// What Redis Cluster hashes of `key` to find its slot (the cluster spec's hash tag rule):
+/// the bytes between the first `{` and the first `}` after it, if there are any; else the
+/// whole key. Keys with equal tags share a slot.
+pub(crate) fn hash_tag(key: &str) -> &str {
+    if let Some(open) = key.find('{') {
+        if let Some(len) = key[open + 1..].find('}') {
+            if len > 0 {
+                return &key[open + 1..open + 1 + len];
+            }
+        }
+    }
+    key
 }
 
 /// Compare-and-pexpire. `KEYS[1]` lock key, `KEYS[2]` lock-delay key; `ARGV[1]` owner value,
@@ -452,5 +493,42 @@ mod tests {
         assert_eq!(k.fence, "app:fence:a:lock:b *?[x]");
         assert_eq!(k.queue, "app:queue:a:lock:b *?[x]");
         assert_ne!(Keys::new("app", "x").lock, Keys::new("app", "x ").lock);
+    }
+
+    #[test]
+    fn tagged_keys_of_one_name_share_one_hash_tag() {
+        for name in [
+            "job", "}", "}x", "a}b", "{", "{}", "a{b}c", "x:lock:y", "ü *?[x]",
+        ] {
+            let k = Keys::build("app", name, true);
+            let id = "0123456789abcdef0123456789abcdef";
+            let waiter = format!("{}{id}", k.waiter_prefix);
+            let all = [
+                &k.lock,
+                &k.fence,
+                &k.queue,
+                &k.delay,
+                &waiter,
+                &k.tombstone(id),
+            ];
+            let tag = hash_tag(&k.lock);
+            assert!(!tag.is_empty() && tag != k.lock, "{name:?}: {tag:?}");
+            for key in all {
+                assert_eq!(hash_tag(key), tag, "{name:?}: {key}");
+            }
+        }
+        let k = Keys::build("app", "job", true);
+        assert_eq!(k.lock, "app:lock:{=job}");
+        assert_eq!(k.waiter_prefix, "app:waiter:{=job}:");
+        assert_ne!(
+            Keys::build("app", "a}b", true).lock,
+            Keys::build("app", "a}c", true).lock
+        );
+        // The single-node layout is unchanged.
+        let plain = Keys::build("app", "job", false);
+        assert_eq!(
+            (plain.lock.as_str(), plain.waiter_prefix.as_str()),
+            ("app:lock:job", "app:waiter:")
+        );
     }
 }

@@ -2,7 +2,9 @@
 //!
 //! - Unreachable server, refused or dropped connection, I/O error, timeout, and the transient
 //!   server states `LOADING` (loading its data set), `BUSY` (another script runs too long),
-//!   `TRYAGAIN` and `MASTERDOWN` → [`Error::Unavailable`] (retryable).
+//!   `TRYAGAIN` and `MASTERDOWN`, and in Cluster mode the redirections and states the cluster
+//!   connection's retries did not get past (`ASK`, `MOVED`, `CLUSTERDOWN`: a slot being
+//!   migrated or a failover) → [`Error::Unavailable`] (retryable).
 //! - Refused credentials (`AuthenticationFailed`, `WRONGPASS`, `NOAUTH`) → [`Error::Auth`].
 //! - `READONLY` (the URL names a read-only replica, where no lock can be taken) →
 //!   [`Error::Backend`] saying so; not retried, since a replica stays one unless promoted.
@@ -83,7 +85,7 @@ fn is_transient(e: &RedisError) -> bool {
         )
         || matches!(
             e.code(),
-            Some("BUSY" | "LOADING" | "TRYAGAIN" | "MASTERDOWN")
+            Some("BUSY" | "LOADING" | "TRYAGAIN" | "MASTERDOWN" | "ASK" | "MOVED" | "CLUSTERDOWN")
         )
 }
 

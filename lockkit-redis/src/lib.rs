@@ -2,8 +2,8 @@
 //!
 //! The Redis backend of [lockkit](https://docs.rs/lockkit): leases with TTLs and strictly
 //! increasing fencing tokens on **one** Redis server, or on the master of a
-//! [Sentinel](#sentinel) service (no Cluster yet), or over N independent masters with
-//! [Redlock](#redlock) ([`RedlockLock`]). It is an **efficiency lock**: it
+//! [Sentinel](#sentinel) service, on a [Redis Cluster](#cluster), or over N independent masters
+//! with [Redlock](#redlock) ([`RedlockLock`]). It is an **efficiency lock**: it
 //! saves duplicate work, and a fenced resource keeps data safe, but a failover can grant a held
 //! lock twice (see [Guarantees](#guarantees); [replication-confirmed
 //! grants](#replication-confirmed-grants) narrow that window).
@@ -218,6 +218,39 @@
 //!   master that still takes writes from clients on its side can grant locks too, until
 //!   Sentinel demotes it.
 //!
+//! ## Cluster
+//! `redis+cluster://[[user]:password@]host[:port][,host[:port]…]` (or [`RedisConfig::cluster`]):
+//! the hosts are seed nodes of a Redis Cluster
+//! (<https://redis.io/docs/latest/operate/oss_and_stack/reference/cluster-spec/>); the user info
+//! logs in to every node. See also `docs/redis-cluster.md`.
+//! - **Keys**: every key of one lock name carries the name as its hash tag, `P:kind:{=N}` (and
+//!   waiter keys and tombstones `P:waiter:{=N}:ID`, `P:cancelled:{=N}:ID`), so they share one
+//!   slot and each script (the same scripts as on one server) runs atomically on that slot's
+//!   master. The `=` keeps the tag non-empty for a name that starts with `}`. The single-node
+//!   layout is not changed by this (the two modes do not share keys).
+//! - **Routing**: the redis crate's cluster connection ([`redis::cluster_async`]) sends each
+//!   script to the master of its first key's slot and follows `MOVED` (refreshing its slot map)
+//!   and `ASK` (a slot being migrated). While a lock's slot migrates, Redis refuses its scripts
+//!   with `TRYAGAIN` (a multi-key command with some keys missing): acquires and renewals of that
+//!   lock fail as [`Unavailable`](lockkit_core::Error::Unavailable) and are retried until the
+//!   slot's migration ends; a lock held through it stays held if that takes less than its TTL
+//!   (`MIGRATE` moves its keys with their expiries; tested), and nobody else gets it meanwhile.
+//! - **Renewal**: one script may only touch one slot, so the batched renewal groups leases by
+//!   hash tag (one call per lock name, each call up to [`RENEW_BATCH`] leases of that name), all
+//!   calls in flight together.
+//! - **Waiters**: the hand-off queue as on one server; the hand-off `PUBLISH` goes to the
+//!   client's channel, which a cluster delivers to every node, so the client's pub/sub
+//!   connection may be on any node (one seed after the other, when one fails).
+//! - **Failover**: a master's replica is promoted by the cluster. A lease whose key reached
+//!   the replica stays held (its next renewal, after `MOVED`, proves it there); one whose key
+//!   did not is [`Lost`](lockkit_core::LeaseState::Lost)
+//!   ([`NotHeldOnServer`](lockkit_core::LossReason::NotHeldOnServer)) at its next renewal
+//!   (within TTL/3), while a new acquire may already have the lock on the new master with a
+//!   larger token (the `TIME` floor): the same efficiency-lock limit as Sentinel's.
+//! - **Not supported yet**: TLS, `min_replicas`, keyspace notifications (loss notice: none;
+//!   a deleted key is found at the next renewal), elections and semaphores
+//!   ([`NotSupported`](lockkit_core::Error::NotSupported)), the eviction check at connect.
+//!
 //! ## Replication-confirmed grants
 //! `min_replicas=N&replica_timeout=100ms` (or [`RedisConfig::min_replicas`], on `redis://`
 //! and `redis+sentinel://`): every grant (of a lock, a leadership or a permit) is followed by
@@ -317,6 +350,7 @@
 #![deny(rustdoc::broken_intra_doc_links)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod cluster;
 mod config;
 mod conn;
 mod core;

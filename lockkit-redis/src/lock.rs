@@ -19,7 +19,7 @@ use lockkit_core::{
     Result, Wait,
 };
 
-use crate::config::{RedisConfig, TlsFiles, connect_error};
+use crate::config::{RedisConfig, RedisMode, TlsFiles, connect_error};
 use crate::conn::Conn;
 use crate::core::{
     Keys, RedisLease, Registration, SERVE_LUA, cancel_attempt, cancel_once, compare_and_pexpire,
@@ -256,6 +256,14 @@ impl RedisLock {
             // ring unless the application installed one already (then this is a no-op).
             let _ = rustls::crypto::ring::default_provider().install_default();
         }
+        if config.mode() == RedisMode::Cluster {
+            let conn = crate::cluster::connect(&config).await?;
+            let facts = server::Facts {
+                notifications: false,
+                run_id: None,
+            };
+            return Ok(Self::assemble(config, conn, facts).await);
+        }
         let ct = config.connect_timeout;
         let files = match tokio::time::timeout(ct, config.tls_files()).await {
             Ok(r) => r?,
@@ -339,6 +347,13 @@ impl RedisLock {
             Ok(r) => r?,
             Err(_) => return Err(timed_out("checking the server's configuration", ct)),
         };
+        Ok(Self::assemble(config, conn, facts).await)
+    }
+
+    /// The client around a connected `conn`: loss notices, waiters, renewer.
+    async fn assemble(config: RedisConfig, conn: Conn, facts: server::Facts) -> Self {
+        let ct = config.connect_timeout;
+        let rt = config.response_timeout;
         let watch = Watch::new(
             conn.clone(),
             config.db_number(),
@@ -357,14 +372,19 @@ impl RedisLock {
                 tracing::debug!(error = %e, "the pub/sub connection for loss notices is not up yet");
             }
         }
-        Ok(Self {
+        Self {
             inner: Arc::new(Inner {
                 renewer: Renewer::new(conn.clone(), hub.clone()),
                 conn,
                 hub,
                 config,
             }),
-        })
+        }
+    }
+
+    /// The keys of lock `name`, in the layout of this client's mode (see [`Keys::build`]).
+    pub(crate) fn keys(&self, name: &str) -> Keys {
+        Keys::build(self.prefix(), name, self.inner.conn.is_cluster())
     }
 
     /// Within how long a holder hears that the server removed its lock key (deleted, expired
@@ -397,13 +417,13 @@ impl RedisLock {
     /// The Redis key holding lock `name` (its value is the holder's random owner value), for
     /// inspection and tests. Does not validate `name`.
     pub fn lock_key(&self, name: &str) -> String {
-        Keys::new(self.prefix(), name).lock
+        self.keys(name).lock
     }
 
     /// The Redis key of the fence counter of lock `name` (never expires), for inspection.
     /// Does not validate `name`.
     pub fn fence_key(&self, name: &str) -> String {
-        Keys::new(self.prefix(), name).fence
+        self.keys(name).fence
     }
 
     /// This client's hand-off channel (`P:client:ID`, subscribed on the waiters' pub/sub
@@ -415,7 +435,7 @@ impl RedisLock {
     /// The Redis key of the waiters' queue of lock `name` (a sorted set of waiter IDs in
     /// arrival order), for inspection. Does not validate `name`.
     pub fn queue_key(&self, name: &str) -> String {
-        Keys::new(self.prefix(), name).queue
+        self.keys(name).queue
     }
 
     /// One run of the acquire script for the call's current waiter ID, joining the queue if
@@ -845,7 +865,7 @@ impl LockBackend for RedisLock {
         let start = Instant::now();
         let deadline = wait_deadline(opts.wait, start);
         let delay = opts.effective_lock_delay();
-        let keys = Keys::new(self.prefix(), name);
+        let keys = self.keys(name);
         let timeout = || Error::Timeout {
             name: name.to_owned(),
             waited: start.elapsed(),
@@ -989,6 +1009,8 @@ impl LockBackend for RedisLock {
         g.loss_notice = self.loss_notice();
         g.notes = if self.inner.config.sentinel.is_some() {
             crate::sentinel::NOTES
+        } else if self.inner.conn.is_cluster() {
+            crate::cluster::NOTES
         } else {
             NOTES
         };
@@ -1004,7 +1026,7 @@ impl LockBackend for RedisLock {
     /// Cancel safe: it only reads.
     async fn holder(&self, name: &str) -> Result<Option<HolderInfo>> {
         validate_name(name)?;
-        let keys = Keys::new(self.prefix(), name);
+        let keys = self.keys(name);
         let (held, pttl, counter): (i64, i64, String) = self
             .inner
             .conn

@@ -9,6 +9,12 @@
 //! per lease, so a lease whose key is gone is marked lost alone, and a batch whose call failed
 //! marks only its own leases suspect (retried after `TTL/12`).
 //!
+//! In Cluster mode one script may only touch keys of one hash slot, so the leases are grouped
+//! by their keys' hash tag (one lock name each, see `Keys::build`) and each group is one script
+//! call (of up to [`BATCH`] leases), all in flight together: the cluster connection sends each
+//! to its slot's master. Leases of different names mostly get a call each then; what the batch
+//! still saves is the per-lease timer.
+//!
 //! Each tick also starts, in the background, the client's once-per-tick checks (see
 //! `waiters.rs`): a `PING` of the pub/sub connection and the server's `run_id`.
 //!
@@ -27,7 +33,7 @@ use lockkit_core::backend::{SuspectReason, TrackerHandle};
 use lockkit_core::{LeaseState, LossReason};
 
 use crate::conn::Conn;
-use crate::core::{RedisLease, delay_px, ttl_millis};
+use crate::core::{RedisLease, delay_px, hash_tag, ttl_millis};
 use crate::error::{bad_reply, from_redis};
 use crate::waiters::Hub;
 
@@ -216,6 +222,18 @@ impl Renewer {
                 .filter_map(|e| Some((e.lease.upgrade()?, e.tracker.clone())))
                 .collect()
         };
+        if self.conn.is_cluster() {
+            let mut by_tag: HashMap<String, Vec<(Arc<RedisLease>, TrackerHandle)>> = HashMap::new();
+            for entry in leases {
+                let tag = hash_tag(&entry.0.keys.lock).to_owned();
+                by_tag.entry(tag).or_default().push(entry);
+            }
+            let calls = by_tag
+                .values()
+                .flat_map(|group| group.chunks(BATCH))
+                .map(|chunk| self.renew_batch(chunk));
+            return join_all(calls).await.into_iter().all(|ok| ok);
+        }
         let calls = leases.chunks(BATCH).map(|chunk| self.renew_batch(chunk));
         join_all(calls).await.into_iter().all(|ok| ok)
     }

@@ -453,6 +453,21 @@ impl RedisLock {
         SlotKeys::new(self.prefix(), kind, name, 1).events
     }
 
+    /// Elections and semaphores build their keys without the Cluster mode's hash tag (their
+    /// permits' keys and the `P:slots:` hash would land in different slots): refused there.
+    ///
+    /// # Errors
+    /// [`Error::NotSupported`] in [`RedisMode::Cluster`](crate::RedisMode::Cluster).
+    fn slots_supported(&self) -> Result<()> {
+        if self.conn().is_cluster() {
+            return Err(Error::NotSupported {
+                operation: "an election or semaphore in Redis Cluster mode",
+                backend: crate::error::BACKEND,
+            });
+        }
+        Ok(())
+    }
+
     fn slot_token(&self, keys: &SlotKeys, slot: u32, token: u64) -> FencingToken {
         FencingToken::new(self.lock_id(&keys.slot_name(slot)), token)
     }
@@ -996,6 +1011,7 @@ impl SlotBackend for RedisLock {
     /// for its waiter ID that leaves the queue, frees (hands on) a slot it took or was handed,
     /// and leaves a tombstone against a late script of that ID.
     async fn grant_slot(&self, req: SlotRequest<'_>, opts: AcquireOptions) -> Result<SlotGrant> {
+        self.slots_supported()?;
         validate_name(req.name)?;
         let start = Instant::now();
         let deadline = wait_deadline(opts.wait, start);
@@ -1103,6 +1119,7 @@ impl SlotBackend for RedisLock {
     /// # Cancel safety
     /// Cancel safe: it only reads.
     async fn slot_holders(&self, kind: SlotKind, name: &str) -> Result<Option<SlotHolders>> {
+        self.slots_supported()?;
         validate_name(name)?;
         let permits = if kind == SlotKind::Semaphore {
             lockkit_core::MAX_PERMITS
@@ -1144,6 +1161,7 @@ impl SlotBackend for RedisLock {
     /// # Cancel safety
     /// Cancel safe: a dropped call closes its connection.
     async fn watch_slots(&self, kind: SlotKind, name: &str) -> Result<Box<dyn SlotWatch>> {
+        self.slots_supported()?;
         validate_name(name)?;
         let permits = if kind == SlotKind::Semaphore {
             lockkit_core::MAX_PERMITS

@@ -320,6 +320,11 @@ impl Watch {
     /// # Cancel safety
     /// Cancel safe: a dropped check leaves the last known run as it was.
     pub(crate) async fn check_run(&self) -> bool {
+        if self.conn.is_cluster() {
+            // Many servers, no one run_id: a lease on a restarted or failed-over master is
+            // found lost by its renewal (compare-and-PEXPIRE on the slot's master).
+            return true;
+        }
         let mut run = self.run.lock().await;
         let info = match self
             .conn

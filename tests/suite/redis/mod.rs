@@ -13,6 +13,7 @@ use tokio::time::Instant;
 use crate::common::{ServerProcess, free_port, fresh_prefix, server_url, wait_until, with_prefix};
 
 mod break_slots;
+mod cluster;
 mod delay;
 mod edge_cases;
 mod failures;

@@ -1,0 +1,531 @@
+//! Redis Cluster (`redis+cluster://`): the contract suite against the shared cluster
+//! (`LOCKKIT_REDIS_CLUSTER_URL`: three masters with a replica each, started by
+//! `scripts/servers.sh`), names on every master, and on private clusters (started by their test,
+//! killed with it) a slot migration of a held lock's slot and master failovers.
+
+use std::process::Command;
+use std::time::Duration;
+
+use lockkit::redis::RedisLock;
+use lockkit::{AcquireOptions, Error, LeaseState, Lock, LockExt, LossReason, MemoryFence, Wait};
+use tokio::time::Instant;
+
+use crate::common::{ServerProcess, fresh_prefix, server_url, wait_until, with_prefix};
+
+mod contract {
+    use crate::common::UrlHarness;
+    lockkit::contract_suite!(UrlHarness::from_env("LOCKKIT_REDIS_CLUSTER_URL"));
+}
+
+/// A free port P whose cluster bus port P + 10000 is free too (both bound, then released).
+fn cluster_port() -> u16 {
+    loop {
+        let p: u16 = 20000 + rand::random::<u16>() % 25000;
+        let free = |q: u16| std::net::TcpListener::bind(("127.0.0.1", q)).is_ok();
+        if free(p) && free(p + 10000) {
+            return p;
+        }
+    }
+}
+
+fn cli(port: u16, args: &[&str]) -> String {
+    let out = Command::new("redis-cli")
+        .args(["-p", &port.to_string()])
+        .args(args)
+        .output()
+        .expect("redis-cli");
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+/// One line of `CLUSTER NODES`.
+#[derive(Debug, Clone)]
+struct Node {
+    id: String,
+    port: u16,
+    master: bool,
+    /// The master's ID, for a replica.
+    of: Option<String>,
+    slots: Vec<(u16, u16)>,
+}
+
+fn nodes(port: u16) -> Vec<Node> {
+    cli(port, &["cluster", "nodes"])
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            if f.len() < 8 || f[2].contains("fail") {
+                return None;
+            }
+            let addr = f[1].split('@').next()?;
+            let port = addr.rsplit(':').next()?.parse().ok()?;
+            let slots = f[8..]
+                .iter()
+                .filter(|s| !s.starts_with('['))
+                .filter_map(|s| match s.split_once('-') {
+                    Some((a, b)) => Some((a.parse().ok()?, b.parse().ok()?)),
+                    None => s.parse().ok().map(|n| (n, n)),
+                })
+                .collect();
+            Some(Node {
+                id: f[0].to_owned(),
+                port,
+                master: f[2].contains("master"),
+                of: (f[3] != "-").then(|| f[3].to_owned()),
+                slots,
+            })
+        })
+        .collect()
+}
+
+fn slot_of(port: u16, key: &str) -> u16 {
+    cli(port, &["cluster", "keyslot", key])
+        .parse()
+        .expect("keyslot")
+}
+
+/// The master that serves `slot`, as `port` sees the cluster.
+fn owner(port: u16, slot: u16) -> Node {
+    try_owner(port, slot).unwrap_or_else(|| panic!("no master for slot {slot}"))
+}
+
+fn try_owner(port: u16, slot: u16) -> Option<Node> {
+    nodes(port)
+        .into_iter()
+        .find(|n| n.master && n.slots.iter().any(|&(a, b)| a <= slot && slot <= b))
+}
+
+/// The seed ports of a `redis+cluster://` URL.
+fn seed_ports(url: &str) -> Vec<u16> {
+    let hosts = url
+        .trim_start_matches("redis+cluster://")
+        .split(['/', '?'])
+        .next()
+        .unwrap_or_default();
+    hosts
+        .split(',')
+        .filter_map(|h| h.rsplit(':').next()?.parse().ok())
+        .collect()
+}
+
+/// A private cluster of three masters (and with `replicas` one replica each), on loopback.
+struct PrivateCluster {
+    ports: Vec<u16>,
+    procs: Vec<ServerProcess>,
+}
+
+impl PrivateCluster {
+    async fn start(replicas: bool) -> Self {
+        let n = if replicas { 6 } else { 3 };
+        let mut ports = Vec::new();
+        let mut procs = Vec::new();
+        for i in 0..n {
+            let port = cluster_port();
+            let dir = tempfile::tempdir().expect("temp dir");
+            let mut cmd = Command::new("redis-server");
+            cmd.args(["--bind", "127.0.0.1", "--port", &port.to_string()])
+                .arg("--dir")
+                .arg(dir.path())
+                .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
+                .args(["--cluster-enabled", "yes", "--cluster-node-timeout", "1000"])
+                .args(["--cluster-replica-validity-factor", "0"])
+                .arg("--cluster-config-file")
+                .arg(dir.path().join("nodes.conf"));
+            procs.push(ServerProcess::spawn(&format!("cluster-{i}"), dir, cmd));
+            ports.push(port);
+        }
+        for &p in &ports {
+            wait_until("a cluster node", Duration::from_secs(10), || {
+                cli(p, &["ping"]) == "PONG"
+            })
+            .await;
+        }
+        let addrs: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+        let st = Command::new("redis-cli")
+            .args(["--cluster", "create"])
+            .args(&addrs)
+            .args(["--cluster-replicas", if replicas { "1" } else { "0" }])
+            .arg("--cluster-yes")
+            .stdout(std::process::Stdio::null())
+            .status()
+            .expect("redis-cli --cluster create");
+        assert!(st.success(), "cluster create failed");
+        let me = Self { ports, procs };
+        me.wait_ok().await;
+        me
+    }
+
+    /// Until every live node says `cluster_state:ok` (and, with replicas, every replica's link
+    /// is up).
+    async fn wait_ok(&self) {
+        let live: Vec<u16> = self.ports.clone();
+        wait_until("cluster_state:ok", Duration::from_secs(20), || {
+            live.iter().all(|&p| {
+                let info = cli(p, &["cluster", "info"]);
+                info.is_empty() || info.contains("cluster_state:ok")
+            })
+        })
+        .await;
+    }
+
+    fn url(&self, prefix: &str) -> String {
+        let seeds: Vec<String> = self
+            .ports
+            .iter()
+            .map(|p| format!("127.0.0.1:{p}"))
+            .collect();
+        with_prefix(&format!("redis+cluster://{}", seeds.join(",")), prefix)
+    }
+
+    fn proc(&mut self, port: u16) -> &mut ServerProcess {
+        let i = self.ports.iter().position(|&p| p == port).expect("a node");
+        &mut self.procs[i]
+    }
+
+    fn any_live(&self, except: u16) -> u16 {
+        *self.ports.iter().find(|&&p| p != except).expect("a node")
+    }
+}
+
+fn opts(ttl: Duration) -> AcquireOptions {
+    AcquireOptions::new()
+        .ttl(ttl)
+        .wait(Wait::Timeout(Duration::from_secs(20)))
+}
+
+async fn until(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
+    wait_until(what, limit, &mut done).await;
+}
+
+fn is_held_error(e: &Error) -> bool {
+    matches!(e, Error::Held { .. })
+}
+
+/// A try-acquire while the slot migrates: refused, as held, or as unavailable (`TRYAGAIN`:
+/// Redis refuses a multi-key script with some keys missing while their slot migrates).
+fn refused_while_migrating(e: &Error) -> bool {
+    matches!(e, Error::Held { .. } | Error::Unavailable { .. })
+}
+
+/// Names on all three masters of the shared cluster, held at once: every grant works on its
+/// slot's master, renewal (grouped by slot) keeps them all, tokens are per name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn names_on_every_master_are_granted_and_renewed_together() {
+    let url = server_url("LOCKKIT_REDIS_CLUSTER_URL");
+    let seed = seed_ports(&url)[0];
+    let locks = RedisLock::connect(&with_prefix(&url, &fresh_prefix()))
+        .await
+        .unwrap();
+    let mut leases = Vec::new();
+    let mut masters = std::collections::BTreeSet::new();
+    for i in 0..24 {
+        let name = format!("n{i}");
+        masters.insert(owner(seed, slot_of(seed, &locks.lock_key(&name))).id);
+        leases.push(
+            locks
+                .acquire(&name, opts(Duration::from_secs(2)))
+                .await
+                .unwrap(),
+        );
+    }
+    assert_eq!(
+        masters.len(),
+        3,
+        "24 names should land on all three masters"
+    );
+    // Two renewal rounds (every TTL/3) later, every lease is still held and extended.
+    let t = Instant::now();
+    for l in &leases {
+        until("a renewal", Duration::from_secs(5), || {
+            l.valid_until() > t + Duration::from_millis(1500)
+        })
+        .await;
+        assert_eq!(l.state(), LeaseState::Held);
+    }
+    let other = RedisLock::connect(&with_prefix(&url, locks.prefix()))
+        .await
+        .unwrap();
+    for (i, l) in leases.into_iter().enumerate() {
+        let name = format!("n{i}");
+        let e = other
+            .acquire(&name, AcquireOptions::new().wait(Wait::No))
+            .await
+            .unwrap_err();
+        assert!(is_held_error(&e), "{name}: {e:?}");
+        let token = l.token();
+        l.release().await.unwrap();
+        let next = other
+            .try_acquire(&name, Duration::from_secs(2))
+            .await
+            .expect("free after the release");
+        assert!(next.token() > token);
+        next.release().await.unwrap();
+    }
+}
+
+/// Cluster mode refuses elections and semaphores with a typed error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn elections_are_not_supported_in_cluster_mode() {
+    let url = server_url("LOCKKIT_REDIS_CLUSTER_URL");
+    let url = with_prefix(&url, &fresh_prefix());
+    let elections = lockkit::connect_election(&url).await.unwrap();
+    let e = elections
+        .campaign("leader", b"me", AcquireOptions::new().wait(Wait::No))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::NotSupported { .. }), "{e:?}");
+    let semaphores = lockkit::connect_semaphore(&url).await.unwrap();
+    let e = semaphores
+        .acquire_permit("pool", 2, AcquireOptions::new().wait(Wait::No))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::NotSupported { .. }), "{e:?}");
+}
+
+/// The slot of a held lock moves to another master (`SETSLOT … IMPORTING/MIGRATING`, `MIGRATE`
+/// of all its keys, `SETSLOT … NODE`): nobody else gets the lock meanwhile (refused as held, or
+/// `TRYAGAIN` while the slot is half moved), the holder keeps it (its renewal after the move
+/// follows `MOVED` to the new owner), a waiter queued there is handed it at the release, and
+/// its token is larger.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_locks_slot_migrates_and_the_holder_keeps_it() {
+    let cluster = PrivateCluster::start(false).await;
+    let seed = cluster.ports[0];
+    let prefix = fresh_prefix();
+    let locks = RedisLock::connect(&cluster.url(&prefix)).await.unwrap();
+    let other = RedisLock::connect(&cluster.url(&prefix)).await.unwrap();
+    let ttl = Duration::from_secs(6);
+    let a = locks.acquire("moving", opts(ttl)).await.unwrap();
+    let key = locks.lock_key("moving");
+    let slot = slot_of(seed, &key);
+    let src = owner(seed, slot);
+    let dst = nodes(seed)
+        .into_iter()
+        .find(|n| n.master && n.id != src.id)
+        .unwrap();
+    let s = slot.to_string();
+    assert_eq!(
+        cli(dst.port, &["cluster", "setslot", &s, "importing", &src.id]),
+        "OK"
+    );
+    assert_eq!(
+        cli(src.port, &["cluster", "setslot", &s, "migrating", &dst.id]),
+        "OK"
+    );
+    // Mid-migration, keys still on the source: not granted.
+    let e = other
+        .acquire("moving", AcquireOptions::new().wait(Wait::No))
+        .await
+        .unwrap_err();
+    assert!(refused_while_migrating(&e), "{e:?}");
+    let keys: Vec<String> = cli(src.port, &["cluster", "getkeysinslot", &s, "100"])
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    assert!(keys.contains(&key), "{keys:?}");
+    let mut migrate = vec![
+        "migrate".to_owned(),
+        "127.0.0.1".to_owned(),
+        dst.port.to_string(),
+        String::new(),
+        "0".to_owned(),
+        "5000".to_owned(),
+        "keys".to_owned(),
+    ];
+    migrate.extend(keys.iter().cloned());
+    let args: Vec<&str> = migrate.iter().map(String::as_str).collect();
+    assert_eq!(cli(src.port, &args), "OK");
+    // Keys on the target, slot still migrating (ASK, then TRYAGAIN for the missing keys):
+    // not granted.
+    let e = other
+        .acquire("moving", AcquireOptions::new().wait(Wait::No))
+        .await
+        .unwrap_err();
+    assert!(refused_while_migrating(&e), "{e:?}");
+    // Its renewals fail the same way meanwhile: Suspect, not Lost.
+    assert_ne!(a.state(), LeaseState::Lost);
+    for n in nodes(seed).iter().filter(|n| n.master) {
+        assert_eq!(
+            cli(n.port, &["cluster", "setslot", &s, "node", &dst.id]),
+            "OK"
+        );
+    }
+    assert_eq!(owner(dst.port, slot).id, dst.id);
+    // Done: MOVED from the old owner, the client refreshes its map.
+    let done = Instant::now();
+    until("a renewal after MOVED", Duration::from_secs(5), || {
+        a.valid_until() > done + ttl - Duration::from_millis(500)
+    })
+    .await;
+    eprintln!(
+        "cluster, slot migration: lease renewed on the new owner {:?} after SETSLOT NODE",
+        done.elapsed()
+    );
+    assert_eq!(a.state(), LeaseState::Held);
+    a.check().await.expect("the new owner holds the key");
+    let e = other
+        .acquire("moving", AcquireOptions::new().wait(Wait::No))
+        .await
+        .unwrap_err();
+    assert!(is_held_error(&e), "{e:?}");
+    // A waiter queued on the new owner is handed the lock at the release.
+    let waiting = tokio::spawn({
+        let other = other.clone();
+        async move { other.acquire("moving", opts(ttl)).await }
+    });
+    until("the waiter queued", Duration::from_secs(5), || {
+        cli(dst.port, &["zcard", &other.queue_key("moving")]) == "1"
+    })
+    .await;
+    let token = a.token();
+    a.release().await.unwrap();
+    let b = waiting.await.unwrap().unwrap();
+    assert!(b.token() > token, "{:?} after {token:?}", b.token());
+    b.release().await.unwrap();
+}
+
+/// A coordinated failover (`CLUSTER FAILOVER` on the replica, which first catches up): the new
+/// master has the lock key, the holder's renewal (after `MOVED`) proves it, the lease stays
+/// Held, and the next grant has a larger token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn coordinated_failover_keeps_a_lease_the_new_master_holds() {
+    let cluster = PrivateCluster::start(true).await;
+    let seed = cluster.ports[0];
+    let prefix = fresh_prefix();
+    let locks = RedisLock::connect(&cluster.url(&prefix)).await.unwrap();
+    // Long enough that a failover on a loaded machine (clients paused meanwhile) does not
+    // outlast it.
+    let ttl = Duration::from_secs(10);
+    let a = locks.acquire("job", opts(ttl)).await.unwrap();
+    let slot = slot_of(seed, &locks.lock_key("job"));
+    let master = owner(seed, slot);
+    let replica = nodes(seed)
+        .into_iter()
+        .find(|n| n.of.as_deref() == Some(master.id.as_str()))
+        .expect("a replica of the master");
+    assert_eq!(cli(replica.port, &["cluster", "failover"]), "OK");
+    let started = Instant::now();
+    until("the replica promoted", Duration::from_secs(10), || {
+        owner(seed, slot).id == replica.id
+    })
+    .await;
+    until("the lease proved", Duration::from_secs(15), || {
+        assert_ne!(a.state(), LeaseState::Lost, "{:?}", a.loss_reason());
+        a.valid_until() > started + ttl
+    })
+    .await;
+    eprintln!(
+        "cluster, coordinated failover: lease renewed on the new master {:?} after CLUSTER FAILOVER",
+        started.elapsed()
+    );
+    assert_eq!(a.state(), LeaseState::Held);
+    a.check().await.expect("the new master holds the key");
+    let token = a.token();
+    a.release().await.unwrap();
+    let other = RedisLock::connect(&cluster.url(&prefix)).await.unwrap();
+    let b = other.acquire("job", opts(ttl)).await.unwrap();
+    assert!(b.token() > token);
+    b.release().await.unwrap();
+}
+
+/// The master killed after a grant its replica never received (the replica's replication link
+/// cut and the replica stopped while the grant is made): the replica is promoted without the
+/// key, the holder's next renewal there fails, and it becomes Lost (NotHeldOnServer); a new
+/// acquire gets a larger token (the TIME floor), and the old holder's fenced write is rejected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn master_killed_before_replicating_loses_the_lease_and_tokens_still_increase() {
+    let mut cluster = PrivateCluster::start(true).await;
+    let seed = cluster.ports[0];
+    let prefix = fresh_prefix();
+    let locks = RedisLock::connect(&cluster.url(&prefix)).await.unwrap();
+    // Long enough that the lease is lost by its renewal, not by its deadline.
+    let ttl = Duration::from_secs(15);
+    let first = locks.acquire("job", opts(ttl)).await.unwrap();
+    let first_token = first.token();
+    first.release().await.unwrap();
+    let slot = slot_of(seed, &locks.lock_key("job"));
+    let master = owner(seed, slot);
+    let replica = nodes(seed)
+        .into_iter()
+        .find(|n| n.of.as_deref() == Some(master.id.as_str()))
+        .expect("a replica of the master");
+    // The replica has what the master wrote so far.
+    until("the replica caught up", Duration::from_secs(10), || {
+        let m = cli(master.port, &["info", "replication"]);
+        let r = cli(replica.port, &["info", "replication"]);
+        let field = |s: &str, f: &str| {
+            s.lines()
+                .find_map(|l| l.strip_prefix(f))
+                .map(|v| v.trim().to_owned())
+        };
+        field(&m, "master_repl_offset:").is_some()
+            && field(&m, "master_repl_offset:") == field(&r, "slave_repl_offset:")
+    })
+    .await;
+    cluster.proc(replica.port).signal("STOP");
+    assert_eq!(
+        cli(master.port, &["client", "kill", "type", "replica"])
+            .parse::<u32>()
+            .ok(),
+        Some(1)
+    );
+    let a = locks.acquire("job", opts(ttl)).await.unwrap();
+    assert!(a.token() > first_token);
+    let fence = MemoryFence::new();
+    fence.write("report", a.token(), "a").unwrap();
+    cluster.proc(master.port).kill();
+    let killed = Instant::now();
+    cluster.proc(replica.port).signal("CONT");
+    let live = cluster.any_live(master.port);
+    until("the replica promoted", Duration::from_secs(20), || {
+        try_owner(live, slot).is_some_and(|n| n.id == replica.id)
+    })
+    .await;
+    let promoted = killed.elapsed();
+    tokio::time::timeout(ttl, a.lost())
+        .await
+        .expect("the lease was not lost within its TTL of the kill");
+    let lost_after = killed.elapsed();
+    assert_eq!(a.loss_reason(), Some(LossReason::NotHeldOnServer));
+    let other = RedisLock::connect(&cluster.url(&prefix)).await.unwrap();
+    let b = other.acquire("job", opts(ttl)).await.unwrap();
+    eprintln!(
+        "cluster, master killed: replica promoted {promoted:?} after the kill, lease Lost \
+         {lost_after:?}, new grant {:?}; tokens {} then {}",
+        killed.elapsed(),
+        a.token().get(),
+        b.token().get()
+    );
+    assert!(
+        b.token() > a.token(),
+        "{:?} after {:?}",
+        b.token(),
+        a.token()
+    );
+    fence.write("report", b.token(), "b").unwrap();
+    assert!(matches!(
+        fence.write("report", a.token(), "stale"),
+        Err(Error::StaleToken { .. })
+    ));
+    b.release().await.unwrap();
+}
+
+/// Bad cluster URLs are typed errors through the facade too, and a cluster URL pointing at no
+/// server fails fast with Unavailable.
+#[tokio::test]
+async fn bad_cluster_urls_and_an_unreachable_seed() {
+    for bad in [
+        "redis+cluster://",
+        "redis+cluster://127.0.0.1:1/3",
+        "redis+cluster://127.0.0.1:1?min_replicas=1",
+    ] {
+        let e = lockkit::connect(bad).await.unwrap_err();
+        assert!(matches!(e, Error::InvalidConfig { .. }), "{bad}: {e:?}");
+    }
+    let port = crate::common::free_port();
+    let e = lockkit::connect(&format!(
+        "redis+cluster://127.0.0.1:{port}?connect_timeout=1s"
+    ))
+    .await
+    .unwrap_err();
+    assert!(matches!(e, Error::Unavailable { .. }), "{e:?}");
+}

@@ -74,15 +74,20 @@ return 0
 /// `KEYS[2]` fence counter key, `KEYS[3]` the lock's queue, `KEYS[4]` the lock-delay key;
 /// `ARGV[1]` the waiter-key prefix (`P:waiter:`).
 ///
-/// `bump()` is the one place a token is made: `INCR` of the fence counter, floored at the
-/// server's `TIME` in µs (the counter is set to the floor when it is below): so tokens keep
+/// `bump()` is the one place a token is made: the fence counter plus one, floored at the
+/// server's `TIME` in µs, i.e. `max(counter + 1, TIME)`, in two commands in the common case:
+/// `TIME`, then `SET … GET` of the counter to the floor (reading the old value in the same
+/// step); only a counter at or above the floor (more than one grant per µs, or a clock that
+/// stepped back) takes a third command, the `SET` of counter + 1. So tokens keep
 /// increasing when the counter was lost (a restart without persistence, an eviction, a
 /// deletion) and also when it is merely *old*: a replica promoted after a failover that did not
 /// receive the last grants has the counter of an earlier grant, and `INCR` alone would hand out
 /// a lost grant's token a second time (the Sentinel test
 /// `failover_with_replication_blocked_loses_the_lease_and_tokens_still_increase` saw equal
-/// tokens before the floor applied to every grant). `INCR` fails (and the script with it,
-/// before anything is written) if the counter is not an integer.
+/// tokens before the floor applied to every grant). A counter that is not an integer (or not
+/// exact as a Lua number, 2^53 and up) is put back as it was and `INCR`ed, as before: for a
+/// non-integer that fails (and the script with it), leaving the counter as it was; a key of
+/// another type fails the `SET … GET` with nothing written.
 ///
 /// `serve(me)` hands the free lock to the first live waiter of the queue (a ZSET in arrival
 /// order, members are waiter IDs): a waiter is live while its key `P:waiter:ID` (value
@@ -96,12 +101,21 @@ return 0
 /// the queue is only looked at up to `me`, which is removed: then the caller takes the lock.
 pub(crate) const SERVE_LUA: &str = r"
 local function bump()
-  local t = redis.call('INCR', KEYS[2])
   local now = redis.call('TIME')
-  local floor = tonumber(now[1]) * 1000000 + tonumber(now[2])
-  if t < floor then
-    t = floor
-    redis.call('SET', KEYS[2], string.format('%d', t))
+  local t = tonumber(now[1]) * 1000000 + tonumber(now[2])
+  local old = redis.call('SET', KEYS[2], string.format('%d', t), 'GET')
+  if old then
+    local o = string.match(old, '^%-?%d+$') and tonumber(old)
+    if not o or o >= 9007199254740992 then
+      -- not a counter Lua holds exactly: put it back and INCR it (which fails for a
+      -- non-integer, writing nothing)
+      redis.call('SET', KEYS[2], old, 'KEEPTTL')
+      return redis.call('INCR', KEYS[2])
+    end
+    if o >= t then
+      t = o + 1
+      redis.call('SET', KEYS[2], string.format('%d', t))
+    end
   end
   return t
 end

@@ -61,8 +61,9 @@ pub const WAITER_TTL: Duration = Duration::from_secs(3);
 /// [`WAITER_TTL`] in ms, `ARGV[6]` TTL + lock-delay in ms (`0`: no lock-delay).
 ///
 /// - The common case first: no tombstone, no lock-delay key and no queue (one `EXISTS` of the
-///   three): `SET NX PX … GET` and, if that took the lock, the counter's `INCR`; a held lock is
-///   joined as below. Three commands for a free lock. Otherwise:
+///   three): `SET NX PX … GET` and, if that took the lock, the token bump (`TIME` and
+///   `SET … GET` of the counter, see [`SERVE_LUA`]); a held lock is joined as below. Four
+///   commands for a free lock. Otherwise:
 /// - A tombstone means the ID was retired and its cleanup ran first (it came on another
 ///   connection): `{2, 0, ''}`, nothing touched.
 /// - No lock key but a lock-delay key: the last holder lapsed with a lock-delay, and nobody gets
@@ -72,7 +73,7 @@ pub const WAITER_TTL: Duration = Duration::from_secs(3);
 ///   the token read back, `{1, token, ''}`.
 /// - Free lock (`SET NX PX … GET` set it to our ID, Redis 7.0+): if live waiters queue before
 ///   us (the holder's key expired, nobody released), the first is handed the lock instead and we
-///   go on as for a held lock. Otherwise the counter is `INCR`ed (a counter that is not an
+///   go on as for a held lock. Otherwise the counter is bumped (a counter that is not an
 ///   integer fails the script, and the lock key is deleted again) and we leave the queue:
 ///   `{1, token, ''}`.
 /// - Held lock: with a channel, we join the queue's tail (`ZADD NX` scored by the server's

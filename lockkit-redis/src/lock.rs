@@ -63,7 +63,8 @@ pub const WAITER_TTL: Duration = Duration::from_secs(3);
 /// - The common case first: no tombstone, no lock-delay key and no queue (one `EXISTS` of the
 ///   three): `SET NX PX … GET` and, if that took the lock, the token bump (`TIME` and
 ///   `SET … GET` of the counter, see [`SERVE_LUA`]); a held lock is joined as below. Four
-///   commands for a free lock. Otherwise:
+///   commands for a free lock. Otherwise (after one `EXISTS` of the tombstone, one `GET` of
+///   the lock key tells the cases apart):
 /// - A tombstone means the ID was retired and its cleanup ran first (it came on another
 ///   connection): `{2, 0, ''}`, nothing touched.
 /// - No lock key but a lock-delay key: the last holder lapsed with a lock-delay, and nobody gets
@@ -71,7 +72,7 @@ pub const WAITER_TTL: Duration = Duration::from_secs(3);
 ///   and no holder: `{0, PTTL, ''}`.
 /// - The lock key holds our ID (a release handed it to us): the TTL is set anew from now and
 ///   the token read back, `{1, token, ''}`.
-/// - Free lock (`SET NX PX … GET` set it to our ID, Redis 7.0+): if live waiters queue before
+/// - Free lock (set to our ID with `SET PX`): if live waiters queue before
 ///   us (the holder's key expired, nobody released), the first is handed the lock instead and we
 ///   go on as for a held lock. Otherwise the counter is bumped (a counter that is not an
 ///   integer fails the script, and the lock key is deleted again) and we leave the queue:
@@ -123,20 +124,22 @@ end
 if redis.call('EXISTS', KEYS[5]) == 1 then
   return {{2, 0, ''}}
 end
-if redis.call('EXISTS', KEYS[1]) == 0 and redis.call('EXISTS', KEYS[4]) == 1 then
-  return wait(redis.call('PTTL', KEYS[4]), '')
-end
-local v = redis.call('SET', KEYS[1], me, 'NX', 'PX', ARGV[3], 'GET')
+local v = redis.call('GET', KEYS[1])
 if v == me then
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
   delay()
   return {{1, tonumber(redis.call('GET', KEYS[2])) or bump(), ''}}
 end
+if v then
+  return wait(redis.call('PTTL', KEYS[1]), v)
+end
+if redis.call('EXISTS', KEYS[4]) == 1 then
+  return wait(redis.call('PTTL', KEYS[4]), '')
+end
+redis.call('SET', KEYS[1], me, 'PX', ARGV[3])
+v = serve(me)
 if not v then
-  v = serve(me)
-  if not v then
-    return granted()
-  end
+  return granted()
 end
 return wait(redis.call('PTTL', KEYS[1]), v)
 "

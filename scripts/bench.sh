@@ -4,6 +4,8 @@
 # LOCKBENCH_ITERS (default 2000) sets the number of measured iterations per row.
 # Redis scenarios: LOCKBENCH_ROUNDS (windows per variant, default 3), LOCKBENCH_WINDOW_MS (1000),
 # LOCKBENCH_HANDOFFS (samples per hand-off run, 300); LOCKBENCH_NO_SCENARIOS=1 skips them.
+# LOCKBENCH_LOCKKIT_PARAMS adds URL parameters to lockkit's Redis clients (A/B runs, e.g.
+# notifications=off).
 # The Redis part takes about 2-3 minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."

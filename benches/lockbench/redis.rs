@@ -137,9 +137,14 @@ impl Client {
     }
 }
 
+/// A lockkit client under `prefix`; `LOCKBENCH_LOCKKIT_PARAMS` (e.g. `notifications=off`) adds
+/// URL parameters to lockkit's clients only, for A/B runs against the peers.
 async fn lockkit_client(base: &str, prefix: &str) -> RedisLock {
     let sep = if base.contains('?') { '&' } else { '?' };
-    RedisLock::connect(&format!("{base}{sep}prefix={prefix}"))
+    let extra = std::env::var("LOCKBENCH_LOCKKIT_PARAMS")
+        .map(|p| format!("&{p}"))
+        .unwrap_or_default();
+    RedisLock::connect(&format!("{base}{sep}prefix={prefix}{extra}"))
         .await
         .expect("lockkit connect")
 }

@@ -5,7 +5,7 @@
 //! but the connection and error helpers, so no two modules import each other.
 
 use std::fmt;
-use std::sync::{LazyLock, Mutex};
+use std::sync::{LazyLock, Mutex, MutexGuard};
 use std::time::Duration;
 
 use redis::Script;
@@ -115,15 +115,20 @@ return 0
 /// `KEYS[2]` fence counter key, `KEYS[3]` the lock's queue, `KEYS[4]` the lock-delay key;
 /// `ARGV[1]` the waiter-key prefix (`P:waiter:`).
 ///
-/// `bump()` is the one place a token is made: `INCR` of the fence counter, floored at the
-/// server's `TIME` in µs (the counter is set to the floor when it is below): so tokens keep
+/// `bump()` is the one place a token is made: the fence counter plus one, floored at the
+/// server's `TIME` in µs, i.e. `max(counter + 1, TIME)`, in two commands in the common case:
+/// `TIME`, then `SET … GET` of the counter to the floor (reading the old value in the same
+/// step); only a counter at or above the floor (more than one grant per µs, or a clock that
+/// stepped back) takes a third command, the `SET` of counter + 1. So tokens keep
 /// increasing when the counter was lost (a restart without persistence, an eviction, a
 /// deletion) and also when it is merely *old*: a replica promoted after a failover that did not
 /// receive the last grants has the counter of an earlier grant, and `INCR` alone would hand out
 /// a lost grant's token a second time (the Sentinel test
 /// `failover_with_replication_blocked_loses_the_lease_and_tokens_still_increase` saw equal
-/// tokens before the floor applied to every grant). `INCR` fails (and the script with it,
-/// before anything is written) if the counter is not an integer.
+/// tokens before the floor applied to every grant). A counter that is not an integer (or not
+/// exact as a Lua number, 2^53 and up) is put back as it was and `INCR`ed, as before: for a
+/// non-integer that fails (and the script with it), leaving the counter as it was; a key of
+/// another type fails the `SET … GET` with nothing written.
 ///
 /// `serve(me)` hands the free lock to the first live waiter of the queue (a ZSET in arrival
 /// order, members are waiter IDs): a waiter is live while its key `P:waiter:ID` (value
@@ -137,12 +142,21 @@ return 0
 /// the queue is only looked at up to `me`, which is removed: then the caller takes the lock.
 pub(crate) const SERVE_LUA: &str = r"
 local function bump()
-  local t = redis.call('INCR', KEYS[2])
   local now = redis.call('TIME')
-  local floor = tonumber(now[1]) * 1000000 + tonumber(now[2])
-  if t < floor then
-    t = floor
-    redis.call('SET', KEYS[2], string.format('%d', t))
+  local t = tonumber(now[1]) * 1000000 + tonumber(now[2])
+  local old = redis.call('SET', KEYS[2], string.format('%d', t), 'GET')
+  if old then
+    local o = string.match(old, '^%-?%d+$') and tonumber(old)
+    if not o or o >= 9007199254740992 then
+      -- not a counter Lua holds exactly: put it back and INCR it (which fails for a
+      -- non-integer, writing nothing)
+      redis.call('SET', KEYS[2], old, 'KEEPTTL')
+      return redis.call('INCR', KEYS[2])
+    end
+    if o >= t then
+      t = o + 1
+      redis.call('SET', KEYS[2], string.format('%d', t))
+    end
   end
   return t
 end
@@ -275,42 +289,6 @@ pub(crate) async fn cancel_once(
         1 => Ok(true),
         0 => Ok(false),
         _ => Err(bad_reply("cleanup")),
-    }
-}
-
-/// Removes what the acquire attempt with `owner` (sent at `sent`) may have taken, retrying
-/// transient errors (with [`Backoff`], steps of 50 ms doubling up to 1 s, jittered) until [`cancel_horizon`] after `sent`.
-///
-/// # Cancel safety
-/// Meant to be spawned; dropping it stops the retries.
-pub(crate) async fn cancel_attempt(
-    conn: Conn,
-    keys: Keys,
-    owner: String,
-    sent: Instant,
-    ttl: Duration,
-) {
-    let until = sent.checked_add(cancel_horizon(ttl));
-    let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
-    loop {
-        match cancel_once(&conn, &keys, &owner, ttl).await {
-            Ok(true) => {
-                tracing::debug!(key = %keys.lock, "removed the lock of a cancelled acquire");
-                return;
-            }
-            Ok(false) => return,
-            Err(e) => {
-                let delay = backoff.next_delay();
-                if e.is_retryable() && until.is_none_or(|u| Instant::now() + delay < u) {
-                    tracing::debug!(key = %keys.lock, error = %e, "cleanup of a cancelled acquire failed; retrying");
-                    tokio::time::sleep(delay).await;
-                } else {
-                    tracing::warn!(key = %keys.lock, error = %e,
-                        "cleanup of a cancelled acquire failed; if it took the lock, its TTL frees it");
-                    return;
-                }
-            }
-        }
     }
 }
 
@@ -472,6 +450,250 @@ impl RedisLease {
         Error::NotHeld {
             name: self.name.clone(),
         }
+    }
+}
+
+/// What an acquire call's guard ([`Call`]) cleans up after: the keys of a lock name (the lock's
+/// acquire) or of an election or semaphore (`slots.rs`), with the one-shot cleanup script of a
+/// waiter ID for them.
+pub(crate) trait Cleanup: Clone + Send + Sync + 'static {
+    /// One run of the cleanup for the acquire attempt with waiter ID `id` (and TTL `ttl`):
+    /// `Ok(true)` if it freed (or handed on) what that attempt had taken.
+    ///
+    /// # Errors
+    /// The converted redis error.
+    ///
+    /// # Cancel safety
+    /// Cancel safe; the script may still run.
+    fn cancel_once<'a>(
+        &'a self,
+        conn: &'a Conn,
+        id: &'a str,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<bool>> + Send + 'a;
+
+    /// What the logs name: a lock key, or an election or semaphore name.
+    fn label(&self) -> &str;
+}
+
+impl Cleanup for Keys {
+    fn cancel_once<'a>(
+        &'a self,
+        conn: &'a Conn,
+        id: &'a str,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<bool>> + Send + 'a {
+        cancel_once(conn, self, id, ttl)
+    }
+
+    fn label(&self) -> &str {
+        &self.lock
+    }
+}
+
+/// Removes what the acquire attempt with waiter ID `id` (sent at `sent`) may have taken,
+/// retrying transient errors (with [`Backoff`], steps of 50 ms doubling up to 1 s, jittered)
+/// until [`cancel_horizon`] after `sent`.
+///
+/// # Cancel safety
+/// Meant to be spawned; dropping it stops the retries.
+pub(crate) async fn cancel_attempt<K: Cleanup>(
+    conn: Conn,
+    keys: K,
+    id: String,
+    sent: Instant,
+    ttl: Duration,
+) {
+    let until = sent.checked_add(cancel_horizon(ttl));
+    let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
+    loop {
+        match keys.cancel_once(&conn, &id, ttl).await {
+            Ok(true) => {
+                tracing::debug!(key = %keys.label(), "removed what a cancelled acquire took");
+                return;
+            }
+            Ok(false) => return,
+            Err(e) => {
+                let delay = backoff.next_delay();
+                if e.is_retryable() && until.is_none_or(|u| Instant::now() + delay < u) {
+                    tracing::debug!(key = %keys.label(), error = %e, "cleanup of a cancelled acquire failed; retrying");
+                    tokio::time::sleep(delay).await;
+                } else {
+                    tracing::warn!(key = %keys.label(), error = %e,
+                        "cleanup of a cancelled acquire failed; if it took the lock, its TTL frees it");
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// A fresh waiter ID: a random 128-bit value in hex (also the owner value of its grant).
+pub(crate) fn new_id() -> String {
+    format!("{:032x}", rand::random::<u128>())
+}
+
+/// The guard of one acquire call on the server (a lock's, an election's or a semaphore's): its
+/// current waiter ID and whether the server may hold something for that ID (an attempt in
+/// flight, a place in the queue, a lock or slot handed to it).
+///
+/// Dropped while armed (the acquire was cancelled, timed out or failed), it spawns the cleanup
+/// for the ID ([`cancel_attempt`]). An attempt whose reply was lost *retires* the ID: its
+/// cleanup is spawned, and the call goes on with a fresh ID (at the end of the queue), so a late
+/// script of the old ID can never touch the new one's grant.
+pub(crate) struct Call<K: Cleanup> {
+    pub(crate) conn: Conn,
+    pub(crate) keys: K,
+    ttl: Duration,
+    state: Mutex<CallState>,
+}
+
+pub(crate) struct CallState {
+    pub(crate) me: String,
+    pub(crate) armed: bool,
+    /// Some attempt of this ID joined the queue.
+    pub(crate) queued: bool,
+    /// Send time of the last attempt of this ID that left it queued: a lock handed to the ID
+    /// later was handed after that.
+    pub(crate) queued_at: Option<Instant>,
+    /// Retired IDs whose grant this call may still meet (their cleanup runs in the background).
+    retired: Vec<String>,
+}
+
+impl CallState {
+    /// A fresh ID, with nothing on the server for it.
+    fn renew_id(&mut self) {
+        self.me = new_id();
+        self.armed = false;
+        self.queued = false;
+        self.queued_at = None;
+    }
+}
+
+impl<K: Cleanup> Call<K> {
+    pub(crate) fn new(conn: Conn, keys: K, ttl: Duration) -> Self {
+        Self {
+            conn,
+            keys,
+            ttl,
+            state: Mutex::new(CallState {
+                me: new_id(),
+                armed: false,
+                queued: false,
+                queued_at: None,
+                retired: Vec::new(),
+            }),
+        }
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, CallState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn me(&self) -> String {
+        self.lock().me.clone()
+    }
+
+    /// Retires `id` (if it is still the current one) and cleans up after it in the background.
+    pub(crate) fn retire(&self, id: &str) {
+        {
+            let mut st = self.lock();
+            if st.me != id {
+                return;
+            }
+            st.renew_id();
+            st.retired.push(id.to_owned());
+        }
+        self.spawn_cleanup(id.to_owned());
+    }
+
+    /// Replaces `id` after its cleanup ran to completion.
+    pub(crate) fn forget(&self, id: &str) {
+        let mut st = self.lock();
+        if st.me == id {
+            st.renew_id();
+        }
+    }
+
+    pub(crate) fn is_retired(&self, holder: &str) -> bool {
+        self.lock().retired.iter().any(|r| r == holder)
+    }
+
+    pub(crate) fn unretire(&self, holder: &str) {
+        self.lock().retired.retain(|r| r != holder);
+    }
+
+    /// Runs the cleanup of every retired ID now (their background cleanups may not have
+    /// reached the server yet): `true` if one ran, after which no retired ID holds anything (it
+    /// freed it, or a background cleanup did): look again. An ID whose cleanup ran is
+    /// forgotten; one whose cleanup failed stays retired.
+    pub(crate) async fn clean_up_retired(&self) -> bool {
+        let retired = std::mem::take(&mut self.lock().retired);
+        let mut cleaned = false;
+        for id in retired {
+            match self.cancel_once(&id).await {
+                Ok(_) => cleaned = true,
+                Err(_) => self.lock().retired.push(id),
+            }
+        }
+        cleaned
+    }
+
+    /// One run of the cleanup for `id`, now.
+    ///
+    /// # Errors
+    /// As [`Cleanup::cancel_once`].
+    pub(crate) async fn cancel_once(&self, id: &str) -> Result<bool> {
+        self.keys.cancel_once(&self.conn, id, self.ttl).await
+    }
+
+    /// Cleans up after the current ID now, before the call returns (a timed-out wait): leaves
+    /// the queue and gives back what was handed over meanwhile, so a program that exits right
+    /// after its `Timeout` leaves nothing queued. One try; if it fails (or this future is
+    /// dropped), the cleanup goes on in the background as for a cancelled call.
+    pub(crate) async fn clean_up_now(&self) {
+        let id = {
+            let st = self.lock();
+            if !st.armed {
+                return;
+            }
+            st.me.clone()
+        };
+        if self.cancel_once(&id).await.is_ok() {
+            self.forget(&id);
+        }
+    }
+
+    /// The call got its grant: nothing to clean up. Returns the owner value.
+    pub(crate) fn granted(&self) -> String {
+        let mut st = self.lock();
+        st.armed = false;
+        st.me.clone()
+    }
+
+    fn spawn_cleanup(&self, id: String) {
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return; // no runtime: the TTLs free the lock and the queue
+        };
+        rt.spawn(cancel_attempt(
+            self.conn.clone(),
+            self.keys.clone(),
+            id,
+            Instant::now(),
+            self.ttl,
+        ));
+    }
+}
+
+impl<K: Cleanup> Drop for Call<K> {
+    fn drop(&mut self) {
+        let st = self.lock();
+        if !st.armed {
+            return;
+        }
+        let id = st.me.clone();
+        drop(st);
+        self.spawn_cleanup(id);
     }
 }
 

@@ -42,9 +42,10 @@
 //!   is free and no live waiter queues before us, it is `SET … NX PX ttl GET` (Redis 7.0 or
 //!   later)
 //!   (<https://redis.io/docs/latest/commands/set/>) to the acquire's random 128-bit waiter ID
-//!   (hex), and the lock's fence counter is `INCR`ed and never left below the server's `TIME`
-//!   in µs (<https://redis.io/docs/latest/commands/time/>): a counter that did not exist (new
-//!   name, or lost in a restart without persistence, evicted or deleted) or that is old (a
+//!   (hex), and the lock's fence counter goes up by one and is never left below the server's
+//!   `TIME` in µs (<https://redis.io/docs/latest/commands/time/>; `max(counter + 1, TIME)`,
+//!   one `TIME` and one `SET … GET` per grant): a counter that did not exist (new name, or lost
+//!   in a restart without persistence, evicted or deleted) or that is old (a
 //!   promoted replica that did not receive the last grants) jumps to it. The counter is the
 //!   [`FencingToken`](lockkit_core::FencingToken). If the lock is held, the same script puts a
 //!   waiting acquire at the end of the lock's queue and returns the holder's remaining `PTTL` (0

@@ -2,7 +2,7 @@
 
 use std::fmt;
 use std::pin::Pin;
-use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
+use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -22,8 +22,8 @@ use lockkit_core::{
 use crate::config::{RedisConfig, RedisMode, TlsFiles, connect_error};
 use crate::conn::Conn;
 use crate::core::{
-    Keys, RedisLease, Registration, SERVE_LUA, cancel_attempt, cancel_once, compare_and_pexpire,
-    delay_px, ttl_millis,
+    Call, Keys, RedisLease, Registration, SERVE_LUA, cancel_once, compare_and_pexpire, delay_px,
+    ttl_millis,
 };
 use crate::error::{BACKEND, bad_reply, from_redis, timed_out};
 use crate::renewer::Renewer;
@@ -61,8 +61,10 @@ pub const WAITER_TTL: Duration = Duration::from_secs(3);
 /// [`WAITER_TTL`] in ms, `ARGV[6]` TTL + lock-delay in ms (`0`: no lock-delay).
 ///
 /// - The common case first: no tombstone, no lock-delay key and no queue (one `EXISTS` of the
-///   three): `SET NX PX … GET` and, if that took the lock, the counter's `INCR`; a held lock is
-///   joined as below. Three commands for a free lock. Otherwise:
+///   three): `SET NX PX … GET` and, if that took the lock, the token bump (`TIME` and
+///   `SET … GET` of the counter, see [`SERVE_LUA`]); a held lock is joined as below. Four
+///   commands for a free lock. Otherwise (after one `EXISTS` of the tombstone, one `GET` of
+///   the lock key tells the cases apart):
 /// - A tombstone means the ID was retired and its cleanup ran first (it came on another
 ///   connection): `{2, 0, ''}`, nothing touched.
 /// - No lock key but a lock-delay key: the last holder lapsed with a lock-delay, and nobody gets
@@ -70,9 +72,9 @@ pub const WAITER_TTL: Duration = Duration::from_secs(3);
 ///   and no holder: `{0, PTTL, ''}`.
 /// - The lock key holds our ID (a release handed it to us): the TTL is set anew from now and
 ///   the token read back, `{1, token, ''}`.
-/// - Free lock (`SET NX PX … GET` set it to our ID, Redis 7.0+): if live waiters queue before
+/// - Free lock (set to our ID with `SET PX`): if live waiters queue before
 ///   us (the holder's key expired, nobody released), the first is handed the lock instead and we
-///   go on as for a held lock. Otherwise the counter is `INCR`ed (a counter that is not an
+///   go on as for a held lock. Otherwise the counter is bumped (a counter that is not an
 ///   integer fails the script, and the lock key is deleted again) and we leave the queue:
 ///   `{1, token, ''}`.
 /// - Held lock: with a channel, we join the queue's tail (`ZADD NX` scored by the server's
@@ -122,20 +124,22 @@ end
 if redis.call('EXISTS', KEYS[5]) == 1 then
   return {{2, 0, ''}}
 end
-if redis.call('EXISTS', KEYS[1]) == 0 and redis.call('EXISTS', KEYS[4]) == 1 then
-  return wait(redis.call('PTTL', KEYS[4]), '')
-end
-local v = redis.call('SET', KEYS[1], me, 'NX', 'PX', ARGV[3], 'GET')
+local v = redis.call('GET', KEYS[1])
 if v == me then
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
   delay()
   return {{1, tonumber(redis.call('GET', KEYS[2])) or bump(), ''}}
 end
+if v then
+  return wait(redis.call('PTTL', KEYS[1]), v)
+end
+if redis.call('EXISTS', KEYS[4]) == 1 then
+  return wait(redis.call('PTTL', KEYS[4]), '')
+end
+redis.call('SET', KEYS[1], me, 'PX', ARGV[3])
+v = serve(me)
 if not v then
-  v = serve(me)
-  if not v then
-    return granted()
-  end
+  return granted()
 end
 return wait(redis.call('PTTL', KEYS[1]), v)
 "
@@ -448,10 +452,10 @@ impl RedisLock {
     /// that the caller can tell its own orphaned grant from another holder.
     ///
     /// Cancel safe: if the future is dropped (or the reply is lost) after the script may have
-    /// run, the call's drop guard cleans up for this ID (see [`cancel_attempt`]).
+    /// run, the call's drop guard cleans up for this ID (see [`Call`]).
     async fn attempt(
         &self,
-        call: &Call,
+        call: &Call<Keys>,
         ttl: Duration,
         delay: Option<Duration>,
         route: Option<&Waiting>,
@@ -641,150 +645,6 @@ enum Attempt {
         /// The holder's owner value.
         holder: String,
     },
-}
-
-fn new_id() -> String {
-    format!("{:032x}", rand::random::<u128>())
-}
-
-/// One acquire call on the server: its current waiter ID (a random 128-bit value in hex, also
-/// the owner value of its grant) and whether the server may hold something for that ID (an
-/// attempt in flight, a place in the queue, a lock handed to it).
-///
-/// Dropped while armed (the acquire was cancelled, timed out or failed), it spawns the cleanup
-/// for the ID ([`cancel_attempt`]). An attempt whose reply was lost *retires* the ID: its
-/// cleanup is spawned, and the call goes on with a fresh ID (at the end of the queue), so a late
-/// script of the old ID can never touch the new one's grant.
-struct Call {
-    conn: Conn,
-    keys: Keys,
-    ttl: Duration,
-    state: Mutex<CallState>,
-}
-
-struct CallState {
-    me: String,
-    armed: bool,
-    /// Some attempt of this ID joined the queue.
-    queued: bool,
-    /// Send time of the last attempt of this ID that left it queued: a lock handed to the ID
-    /// later was handed after that.
-    queued_at: Option<Instant>,
-    /// Retired IDs whose grant this call may still meet as "the holder".
-    retired: Vec<String>,
-}
-
-impl Call {
-    fn new(conn: Conn, keys: Keys, ttl: Duration) -> Self {
-        Self {
-            conn,
-            keys,
-            ttl,
-            state: Mutex::new(CallState {
-                me: new_id(),
-                armed: false,
-                queued: false,
-                queued_at: None,
-                retired: Vec::new(),
-            }),
-        }
-    }
-
-    fn lock(&self) -> MutexGuard<'_, CallState> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn me(&self) -> String {
-        self.lock().me.clone()
-    }
-
-    /// Retires `id` (if it is still the current one) and cleans up after it in the background.
-    fn retire(&self, id: &str) {
-        let old = {
-            let mut st = self.lock();
-            if st.me != id {
-                return;
-            }
-            let old = std::mem::replace(&mut st.me, new_id());
-            st.retired.push(old.clone());
-            st.armed = false;
-            st.queued = false;
-            st.queued_at = None;
-            old
-        };
-        self.spawn_cleanup(old);
-    }
-
-    /// Replaces `id` after its cleanup ran to completion.
-    fn forget(&self, id: &str) {
-        let mut st = self.lock();
-        if st.me == id {
-            st.me = new_id();
-            st.armed = false;
-            st.queued = false;
-            st.queued_at = None;
-        }
-    }
-
-    fn is_retired(&self, holder: &str) -> bool {
-        self.lock().retired.iter().any(|r| r == holder)
-    }
-
-    fn unretire(&self, holder: &str) {
-        self.lock().retired.retain(|r| r != holder);
-    }
-
-    /// Cleans up after the current ID now, before the call returns (a timed-out wait): leaves
-    /// the queue and gives back a lock handed over meanwhile, so a program that exits right
-    /// after its `Timeout` leaves nothing queued. One try; if it fails (or this future is
-    /// dropped), the cleanup goes on in the background as for a cancelled call.
-    async fn clean_up_now(&self) {
-        let id = {
-            let st = self.lock();
-            if !st.armed {
-                return;
-            }
-            st.me.clone()
-        };
-        if cancel_once(&self.conn, &self.keys, &id, self.ttl)
-            .await
-            .is_ok()
-        {
-            self.forget(&id);
-        }
-    }
-
-    /// The call got its grant: nothing to clean up. Returns the owner value.
-    fn granted(&self) -> String {
-        let mut st = self.lock();
-        st.armed = false;
-        st.me.clone()
-    }
-
-    fn spawn_cleanup(&self, id: String) {
-        let Ok(rt) = tokio::runtime::Handle::try_current() else {
-            return; // no runtime: the TTLs free the lock and the queue
-        };
-        rt.spawn(cancel_attempt(
-            self.conn.clone(),
-            self.keys.clone(),
-            id,
-            Instant::now(),
-            self.ttl,
-        ));
-    }
-}
-
-impl Drop for Call {
-    fn drop(&mut self) {
-        let st = self.lock();
-        if !st.armed {
-            return;
-        }
-        let id = st.me.clone();
-        drop(st);
-        self.spawn_cleanup(id);
-    }
 }
 
 /// How long a waiter sleeps when no release message comes: until just after the holder's expiry,

@@ -22,7 +22,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
-use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
+use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -42,7 +42,9 @@ use lockkit_core::{
 
 use crate::conn::Conn;
 use crate::core::ttl_millis;
-use crate::core::{Keys, RedisLease, Registration, cancel_horizon, compare_and_pexpire, holds};
+use crate::core::{
+    Call, Cleanup, Keys, RedisLease, Registration, cancel_horizon, compare_and_pexpire, holds,
+};
 use crate::error::{BACKEND, bad_reply, from_redis};
 use crate::lock::{
     MAX_WAIT_POLL, RedisLock, Subscribing, WAITER_TTL, fallback_delay, handed, subscribed, until,
@@ -428,10 +430,6 @@ impl SlotKeys {
     }
 }
 
-fn new_id() -> String {
-    format!("{:032x}", rand::random::<u128>())
-}
-
 fn parse_u64(s: &[u8]) -> Option<u64> {
     std::str::from_utf8(s).ok()?.parse().ok()
 }
@@ -476,7 +474,7 @@ impl RedisLock {
     /// this ID's hand-off route. Cancel safe as the lock's attempt: the call's guard cleans up.
     async fn slot_attempt(
         &self,
-        call: &SlotCall,
+        call: &Call<Arc<SlotKeys>>,
         value: &[u8],
         ttl: Duration,
         route: Option<&Waiting>,
@@ -697,137 +695,19 @@ enum SlotAttempt {
     Mismatch(u32),
 }
 
-/// One slot acquire call on the server, as the lock's `Call`: its current waiter ID and
-/// whether the server may hold something for it. Dropped while armed, it spawns the cleanup
-/// ([`CANCEL_SLOT`]) for the ID, retried on transient errors until [`cancel_horizon`].
-struct SlotCall {
-    conn: Conn,
-    keys: Arc<SlotKeys>,
-    ttl: Duration,
-    state: Mutex<CallState>,
-}
-
-struct CallState {
-    me: String,
-    armed: bool,
-    queued: bool,
-    /// Retired IDs whose script may have taken a slot (their cleanup runs in the background).
-    retired: Vec<String>,
-}
-
-impl SlotCall {
-    fn new(conn: Conn, keys: Arc<SlotKeys>, ttl: Duration) -> Self {
-        Self {
-            conn,
-            keys,
-            ttl,
-            state: Mutex::new(CallState {
-                me: new_id(),
-                armed: false,
-                queued: false,
-                retired: Vec::new(),
-            }),
-        }
+/// The slot cleanup ([`CANCEL_SLOT`]) for a waiter ID, run by the acquire call's guard.
+impl Cleanup for Arc<SlotKeys> {
+    fn cancel_once<'a>(
+        &'a self,
+        conn: &'a Conn,
+        id: &'a str,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<bool>> + Send + 'a {
+        cancel_once(conn, self, id, ttl)
     }
 
-    fn lock(&self) -> MutexGuard<'_, CallState> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn me(&self) -> String {
-        self.lock().me.clone()
-    }
-
-    fn granted(&self) -> String {
-        let mut st = self.lock();
-        st.armed = false;
-        st.me.clone()
-    }
-
-    /// Retires `id` (the current one): its cleanup runs in the background, the call goes on
-    /// with a fresh ID.
-    fn retire(&self, id: &str) {
-        {
-            let mut st = self.lock();
-            if st.me != id {
-                return;
-            }
-            st.me = new_id();
-            st.armed = false;
-            st.queued = false;
-            st.retired.push(id.to_owned());
-        }
-        self.spawn_cleanup(id.to_owned());
-    }
-
-    /// Runs the cleanup of every retired ID now (their background cleanups may not have
-    /// reached the server yet): `true` if one ran, after which no retired ID holds a slot (it
-    /// freed one, or a background cleanup did, maybe right after the attempt that found the
-    /// name full): look again. An ID whose cleanup ran is forgotten; one whose cleanup failed
-    /// stays retired.
-    async fn clean_up_retired(&self) -> bool {
-        let retired = std::mem::take(&mut self.lock().retired);
-        let mut cleaned = false;
-        for id in retired {
-            match self.cancel_once(&id).await {
-                Ok(_) => cleaned = true,
-                Err(_) => self.lock().retired.push(id),
-            }
-        }
-        cleaned
-    }
-
-    /// Replaces `id` after its cleanup ran.
-    fn forget(&self, id: &str) {
-        let mut st = self.lock();
-        if st.me == id {
-            st.me = new_id();
-            st.armed = false;
-            st.queued = false;
-        }
-    }
-
-    async fn cancel_once(&self, id: &str) -> Result<bool> {
-        cancel_once(&self.conn, &self.keys, id, self.ttl).await
-    }
-
-    /// Cleans up after the current ID now (a timed-out wait); in the background if that fails.
-    async fn clean_up_now(&self) {
-        let id = {
-            let st = self.lock();
-            if !st.armed {
-                return;
-            }
-            st.me.clone()
-        };
-        if self.cancel_once(&id).await.is_ok() {
-            self.forget(&id);
-        }
-    }
-
-    fn spawn_cleanup(&self, id: String) {
-        let Ok(rt) = tokio::runtime::Handle::try_current() else {
-            return; // no runtime: the TTLs free the slot and the queue
-        };
-        rt.spawn(cancel_attempt(
-            self.conn.clone(),
-            self.keys.clone(),
-            id,
-            Instant::now(),
-            self.ttl,
-        ));
-    }
-}
-
-impl Drop for SlotCall {
-    fn drop(&mut self) {
-        let st = self.lock();
-        if !st.armed {
-            return;
-        }
-        let id = st.me.clone();
-        drop(st);
-        self.spawn_cleanup(id);
+    fn label(&self) -> &str {
+        &self.name
     }
 }
 
@@ -840,30 +720,6 @@ async fn cancel_once(conn: &Conn, keys: &SlotKeys, id: &str, ttl: Duration) -> R
         1 => Ok(true),
         0 => Ok(false),
         _ => Err(bad_reply("slot cleanup")),
-    }
-}
-
-async fn cancel_attempt(conn: Conn, keys: Arc<SlotKeys>, id: String, sent: Instant, ttl: Duration) {
-    let until = sent.checked_add(cancel_horizon(ttl));
-    let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
-    loop {
-        match cancel_once(&conn, &keys, &id, ttl).await {
-            Ok(true) => {
-                tracing::debug!(name = %keys.name, "freed the slot of a cancelled acquire");
-                return;
-            }
-            Ok(false) => return,
-            Err(e) => {
-                let delay = backoff.next_delay();
-                if e.is_retryable() && until.is_none_or(|u| Instant::now() + delay < u) {
-                    tokio::time::sleep(delay).await;
-                } else {
-                    tracing::warn!(name = %keys.name, error = %e,
-                        "cleanup of a cancelled slot acquire failed; if it took a slot, its TTL frees it");
-                    return;
-                }
-            }
-        }
     }
 }
 
@@ -1025,7 +881,7 @@ impl SlotBackend for RedisLock {
             name: req.name.to_owned(),
             waited: start.elapsed(),
         };
-        let call = SlotCall::new(self.conn().clone(), keys.clone(), opts.ttl);
+        let call = Call::new(self.conn().clone(), keys.clone(), opts.ttl);
         let hub = self.hub();
         let mut route: Option<Waiting> = None;
         let mut subscribing: Option<Subscribing> = None;

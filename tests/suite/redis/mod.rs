@@ -676,6 +676,44 @@ async fn corrupt_fence_counter_is_a_backend_error_and_takes_nothing() {
         !exists(&mut conn, &locks.lock_key(name)).await,
         "lock taken"
     );
+    let counter: String = redis::cmd("GET")
+        .arg(locks.fence_key(name))
+        .query_async(&mut conn)
+        .await
+        .expect("GET");
+    assert_eq!(
+        counter, "not a number",
+        "the failed bump changed the counter"
+    );
+}
+
+/// A fence counter that is *older* than the last token (a snapshot restored after a restart, a
+/// promoted replica that missed the last grants) does not make tokens repeat: every grant
+/// floors the token at the server's `TIME` in µs, not only a grant that finds no counter.
+#[tokio::test]
+async fn an_old_fence_counter_does_not_repeat_tokens() {
+    let url = with_prefix(&server_url("LOCKKIT_REDIS_URL"), &fresh_prefix());
+    let locks = RedisLock::connect(&url).await.expect("connect");
+    let mut conn = raw(&url).await;
+    let name = "old-counter";
+    let mut last = None;
+    for _ in 0..3 {
+        let lease = locks
+            .try_acquire(name, Duration::from_secs(10))
+            .await
+            .expect("acquire");
+        let t = lease.token().get();
+        assert!(last.is_none_or(|l| t > l), "token {t} not above {last:?}");
+        lease.release().await.expect("release");
+        // Back to a counter of long ago, as a restored snapshot would have it.
+        redis::cmd("SET")
+            .arg(locks.fence_key(name))
+            .arg(t - 1_000_000)
+            .query_async::<()>(&mut conn)
+            .await
+            .expect("SET");
+        last = Some(t);
+    }
 }
 
 /// Unusual names map to their own keys under the prefix, verbatim.

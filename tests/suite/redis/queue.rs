@@ -252,20 +252,21 @@ async fn batch_renewal_failing_for_one_lease_marks_only_that_one_lost() {
     }
 }
 
-/// An uncontended acquire + release runs eight commands inside its two scripts: the acquire one
+/// An uncontended acquire + release runs seven commands inside its two scripts: the acquire one
 /// `EXISTS` (tombstone, lock-delay key and queue at once), `SET NX PX GET` and the token bump
-/// (`INCR`, `TIME`, and a `SET` raising the counter to the server clock in µs, which it is
-/// behind unless granted more than once per µs: the floor that keeps tokens increasing on a
-/// promoted replica); the release `GET`, `ZPOPMIN` and one `DEL` (of the lock and lock-delay
-/// keys). No `PUBLISH` when nobody waits. Try-acquire and waiting acquire alike.
+/// (`TIME` and a `SET … GET` raising the counter to the server clock in µs and reading its old
+/// value, which is below that unless granted more than once per µs: the floor that keeps tokens
+/// increasing on a promoted replica); the release `GET`, `ZPOPMIN` and one `DEL` (of the lock and
+/// lock-delay keys). No `INCR`, no `PUBLISH` when nobody waits. Try-acquire and waiting acquire
+/// alike.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn uncontended_acquire_and_release_run_eight_commands() {
+async fn uncontended_acquire_and_release_run_seven_commands() {
     let server = PrivateRedis::start(None).await;
     let url = with_prefix(&server.url(), &fresh_prefix());
     let locks = RedisLock::connect(&url).await.expect("connect");
     let mut conn = server.raw().await;
     let name = "six";
-    // The first grant makes the fence counter (TIME and SET once).
+    // The first grant makes the fence counter.
     let first = locks
         .acquire(name, opts(30_000, Wait::No))
         .await
@@ -293,7 +294,6 @@ async fn uncontended_acquire_and_release_run_eight_commands() {
                 ("evalsha", 2),
                 ("exists", 1),
                 ("set", 2),
-                ("incr", 1),
                 ("get", 1),
                 ("zpopmin", 1),
                 ("del", 1),
@@ -344,4 +344,66 @@ async fn forever_waiter_survives_a_server_outage() {
         .expect("the waiter's acquire failed after the server came back");
     lease.release().await.expect("release");
     held.leak();
+}
+
+/// A hand-off to a queued waiter runs eight commands inside the release script: `GET`,
+/// `ZPOPMIN`, the waiter key's `GETDEL`, the token bump (`TIME`, `SET … GET`), the lock key's
+/// `SET PX`, the lock-delay key's `DEL` and one `PUBLISH`; the waiter sends nothing to take it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hand_off_runs_eight_commands() {
+    let server = PrivateRedis::start(None).await;
+    let url = with_prefix(&server.url(), &fresh_prefix());
+    let holder = RedisLock::connect(&url).await.expect("connect");
+    let waiter = Arc::new(RedisLock::connect(&url).await.expect("connect"));
+    let mut conn = server.raw().await;
+    // A waiter's fallback look (about once a second) may fall into the measured window: then
+    // measure again, with a fresh name.
+    for round in 0..5 {
+        let name = format!("handoff-{round}");
+        let lease = holder
+            .acquire(&name, opts(30_000, Wait::No))
+            .await
+            .expect("acquire");
+        let w = waiter.clone();
+        let n = name.clone();
+        let waiting = tokio::spawn(async move {
+            w.acquire(&n, opts(30_000, Wait::Timeout(Duration::from_secs(20))))
+                .await
+        });
+        await_queue(&mut conn, &holder.queue_key(&name), 1).await;
+        let before = info(&mut conn).await;
+        lease.release().await.expect("release");
+        let handed = waiting
+            .await
+            .expect("waiter task")
+            .expect("handed the lock");
+        let after = info(&mut conn).await;
+        handed.release().await.expect("release");
+        let ran: Vec<(&str, u64)> = [
+            "evalsha", "exists", "set", "incr", "get", "zpopmin", "del", "time", "publish",
+            "zrange", "zrem", "zadd", "pexpire", "pttl", "getdel",
+        ]
+        .into_iter()
+        .map(|c| (c, stat(&after, c) - stat(&before, c)))
+        .filter(|(_, n)| *n > 0)
+        .collect();
+        if ran.first() != Some(&("evalsha", 1)) {
+            continue; // the waiter looked meanwhile
+        }
+        assert_eq!(
+            ran,
+            [
+                ("evalsha", 1),
+                ("set", 2),
+                ("get", 1),
+                ("zpopmin", 1),
+                ("del", 1),
+                ("time", 1),
+                ("publish", 1),
+                ("getdel", 1)
+            ]
+        );
+        return;
+    }
+    panic!("the waiter looked at the lock during every measured hand-off");
 }

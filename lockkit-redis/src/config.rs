@@ -572,6 +572,44 @@ impl RedisConfig {
         matches!(self.addr, ConnectionAddr::TcpTls { .. })
     }
 
+    /// The redis crate's client for this configuration's server (TLS files read within the
+    /// connect timeout); it connects nothing yet.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for TLS files that cannot be read or used, or TLS without the
+    /// `tls` feature; [`Error::Unavailable`] if reading the files takes over the connect timeout.
+    pub(crate) async fn client(&self) -> Result<redis::Client> {
+        let ct = self.connect_timeout;
+        let files = match tokio::time::timeout(ct, self.tls_files()).await {
+            Ok(r) => r?,
+            Err(_) => return Err(crate::error::timed_out("reading the TLS files", ct)),
+        };
+        match files {
+            TlsFiles {
+                root: None,
+                client: None,
+            } => redis::Client::open(self.connection_info()?),
+            #[cfg(feature = "tls")]
+            TlsFiles { root, client } => redis::Client::build_with_tls(
+                self.connection_info()?,
+                redis::TlsCertificates {
+                    client_tls: client.map(|(client_cert, client_key)| redis::ClientTlsConfig {
+                        client_cert,
+                        client_key,
+                    }),
+                    root_cert: root,
+                },
+            ),
+            #[cfg(not(feature = "tls"))]
+            _ => {
+                return Err(Error::config(
+                    "TLS needs lockkit-redis's Cargo feature \"tls\" (on by default)",
+                ));
+            }
+        }
+        .map_err(|e| Error::config_with("cannot use the TLS files (tls_ca, tls_cert, tls_key)", e))
+    }
+
     /// Reads the root certificate (given as PEM, or `tls_ca`) and the client certificate and key,
     /// if set.
     ///

@@ -19,7 +19,7 @@ use lockkit_core::{
     Result, Wait,
 };
 
-use crate::config::{RedisConfig, RedisMode, TlsFiles, connect_error};
+use crate::config::{RedisConfig, RedisMode, connect_error};
 use crate::conn::Conn;
 use crate::core::{
     Call, Keys, RedisLease, Registration, SERVE_LUA, cancel_once, compare_and_pexpire, delay_px,
@@ -269,36 +269,7 @@ impl RedisLock {
             return Ok(Self::assemble(config, conn, facts).await);
         }
         let ct = config.connect_timeout;
-        let files = match tokio::time::timeout(ct, config.tls_files()).await {
-            Ok(r) => r?,
-            Err(_) => return Err(timed_out("reading the TLS files", ct)),
-        };
-        let client = match files {
-            TlsFiles {
-                root: None,
-                client: None,
-            } => redis::Client::open(config.connection_info()?),
-            #[cfg(feature = "tls")]
-            TlsFiles { root, client } => redis::Client::build_with_tls(
-                config.connection_info()?,
-                redis::TlsCertificates {
-                    client_tls: client.map(|(client_cert, client_key)| redis::ClientTlsConfig {
-                        client_cert,
-                        client_key,
-                    }),
-                    root_cert: root,
-                },
-            ),
-            #[cfg(not(feature = "tls"))]
-            _ => {
-                return Err(Error::config(
-                    "TLS needs lockkit-redis's Cargo feature \"tls\" (on by default)",
-                ));
-            }
-        }
-        .map_err(|e| {
-            Error::config_with("cannot use the TLS files (tls_ca, tls_cert, tls_key)", e)
-        })?;
+        let client = config.client().await?;
         let discovery = match &config.sentinel {
             Some(s) => Some(Discovery::new(s, config.redis_settings().clone(), ct)?),
             None => None,

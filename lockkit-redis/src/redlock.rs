@@ -24,7 +24,7 @@ use lockkit_core::{
     drift_margin,
 };
 
-use crate::config::{RedisConfig, TlsFiles, connect_error};
+use crate::config::{RedisConfig, connect_error};
 use crate::conn::Conn;
 use crate::core::{Keys, compare_and_delete, compare_and_pexpire, holds, ttl_millis};
 use crate::error::{bad_reply, from_redis, timed_out};
@@ -543,34 +543,7 @@ impl Inner {
 /// [`Error::InvalidConfig`] and [`Error::Auth`]: wrong for every attempt, so the connect fails.
 async fn open_node(config: &RedisConfig) -> Result<(Conn, Result<()>)> {
     let ct = config.connect_timeout;
-    let files = match tokio::time::timeout(ct, config.tls_files()).await {
-        Ok(r) => r?,
-        Err(_) => return Err(timed_out("reading the TLS files", ct)),
-    };
-    let client = match files {
-        TlsFiles {
-            root: None,
-            client: None,
-        } => redis::Client::open(config.connection_info()?),
-        #[cfg(feature = "tls")]
-        TlsFiles { root, client } => redis::Client::build_with_tls(
-            config.connection_info()?,
-            redis::TlsCertificates {
-                client_tls: client.map(|(client_cert, client_key)| redis::ClientTlsConfig {
-                    client_cert,
-                    client_key,
-                }),
-                root_cert: root,
-            },
-        ),
-        #[cfg(not(feature = "tls"))]
-        _ => {
-            return Err(Error::config(
-                "TLS needs lockkit-redis's Cargo feature \"tls\" (on by default)",
-            ));
-        }
-    }
-    .map_err(|e| Error::config_with("cannot use the TLS files (tls_ca, tls_cert, tls_key)", e))?;
+    let client = config.client().await?;
     let rt = config.response_timeout;
     let probe = AsyncConnectionConfig::new()
         .set_connection_timeout(Some(ct))

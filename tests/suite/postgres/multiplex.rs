@@ -356,7 +356,7 @@ async fn a_frozen_holder_process_frees_all_its_leases() {
 /// server session per wait (found by the benchmark: every contended acquire opened one).
 #[tokio::test]
 async fn a_released_waited_lease_gives_its_connection_to_the_next_wait() {
-    let url = with_prefix(&base_url(), &fresh_prefix("pg-waitreuse"));
+    let url = with_prefix(&base_url(), &fresh_prefix());
     let locks = PgLock::connect(&url).await.expect("connect");
     let other = PgLock::connect(&url).await.expect("connect");
     let ttl = Duration::from_secs(10);

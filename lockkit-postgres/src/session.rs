@@ -777,8 +777,8 @@ impl Actor {
     }
 
     /// A session that holds nothing goes back to the idle cache: a solo one always, a shared
-    /// one if another session of its pool takes grants (a waiting acquire, which needs a
-    /// connection of its own, then reuses this one instead of opening a new one).
+    /// one if its pool has another open session (a waiting acquire, which needs a connection
+    /// of its own, then reuses this one instead of opening a new one).
     fn after_release(&self) -> Next {
         let empty = self.holder.state().leases.is_empty();
         if empty && (self.holder.solo || self.spare()) {

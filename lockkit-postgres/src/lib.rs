@@ -66,10 +66,12 @@
 //!   the server's queue on a connection of their own (a blocking `pg_advisory_lock` cannot
 //!   share a session), and that connection, which now holds the lock, becomes a holder session
 //!   that takes further grants of its TTL. The cost: one connection per concurrent waiter (as
-//!   before), plus one statement for the first try; a session stays open while it holds a
-//!   lease, so the waiters' sessions add to the pool until their leases are released (an empty
-//!   session is closed, back to the idle cache, TTL/3 after its last grant). FIFO order is kept
-//!   by the server's queue.
+//!   before), plus the first try (and the name lookup when it finds the lock held; the wait
+//!   then goes straight to `pg_advisory_lock`); a session stays open while it holds a lease,
+//!   so the waiters' sessions add to the pool until their leases are released. A session
+//!   that holds nothing goes back to the idle cache at its last release if its pool has
+//!   another session (so the next wait reuses its connection), else TTL/3 after its last
+//!   grant. FIFO order is kept by the server's queue.
 //! - **Renewed by hand** (`keepalive(false)`): such a lease keeps a session of its own, since
 //!   its expiry must follow its own renewals and any statement on a shared session restarts
 //!   the session's idle timer.

@@ -101,7 +101,12 @@ impl Inner {
     /// A timed wait gets no more than its deadline to obtain a connection (else
     /// [`Error::Timeout`]) and its deadline plus a grace period in all; a try-once is bounded
     /// by the caller ([`PgLock::acquire`] gives it the connect timeout in all).
-    pub(crate) async fn attempt(&self, req: &Request<'_>) -> Result<Granted> {
+    ///
+    /// `held`: a try on a shared holder session has just found the lock held (and no other
+    /// name stored under its key), so the attempt goes straight to the wait, without trying
+    /// again: `pg_advisory_lock` grants a lock freed meanwhile at once, and the grant statement
+    /// after it still sits out a pending lock-delay and detects a collision.
+    pub(crate) async fn attempt(&self, req: &Request<'_>, held: bool) -> Result<Granted> {
         let mut may_retry = true;
         loop {
             let timed = matches!(req.opts.wait, Wait::Timeout(_));
@@ -117,7 +122,7 @@ impl Inner {
             // expiry the connection is dropped (closed), which ends the session and whatever
             // it held. A try-once is bounded by `acquire`.
             let pid = c.pid;
-            let once = self.try_once(&mut c, req);
+            let once = self.try_once(&mut c, req, held);
             let res = match (req.opts.wait, req.deadline) {
                 (Wait::No, _) => once.await,
                 (_, Some(d)) => {
@@ -198,7 +203,7 @@ impl Inner {
         })
     }
 
-    async fn try_once(&self, c: &mut Conn, req: &Request<'_>) -> Result<Outcome> {
+    async fn try_once(&self, c: &mut Conn, req: &Request<'_>, held: bool) -> Result<Outcome> {
         // The idle timeout must be in place before the lock can be granted: if the reply is
         // lost (or this future dropped and the close never reaches the server), the session
         // still ends after one TTL of idleness.
@@ -212,6 +217,17 @@ impl Inner {
                 .map_err(from_sqlx)?;
             c.idle_ms = ttl_ms;
         }
+        if !held {
+            if let Some(outcome) = self.try_first(c, req).await? {
+                return Ok(outcome);
+            }
+        }
+        self.wait(c, req).await
+    }
+
+    /// The grant statement, never waiting: the outcome, or `None` if the lock is held (no
+    /// collision) and the acquire may wait.
+    async fn try_first(&self, c: &mut Conn, req: &Request<'_>) -> Result<Option<Outcome>> {
         let sent = Instant::now();
         let (ok, token, wait_ms): (bool, Option<i64>, i64) = sqlx::query_as(&self.sql.grant_try)
             .bind(req.key)
@@ -222,16 +238,16 @@ impl Inner {
             .map_err(from_sqlx)?;
         c.last_sent = sent;
         match (ok, token) {
-            (true, Some(t)) => return Ok(Outcome::Granted { token: t, sent }),
+            (true, Some(t)) => return Ok(Some(Outcome::Granted { token: t, sent })),
             // A holder with a lock-delay ended without a release, and the delay is not over.
             (true, None) if wait_ms > 0 => {
                 if req.opts.wait == Wait::No {
                     self.unlock(c, req).await?;
-                    return Ok(Outcome::Held);
+                    return Ok(Some(Outcome::Held));
                 }
-                return self.sit_out_delay(c, req, wait_ms).await;
+                return self.sit_out_delay(c, req, wait_ms).await.map(Some);
             }
-            (true, None) => return self.collision(c, req).await,
+            (true, None) => return self.collision(c, req).await.map(Some),
             (false, _) => {}
         }
         // Held. A different name stored under this key is a hash collision: report it rather
@@ -242,12 +258,20 @@ impl Inner {
             .await
             .map_err(from_sqlx)?;
         if stored.as_deref().is_some_and(|s| s != req.full) {
-            return Ok(Outcome::Collision(collision_error(req, stored.as_deref())));
+            return Ok(Some(Outcome::Collision(collision_error(
+                req,
+                stored.as_deref(),
+            ))));
         }
         if req.opts.wait == Wait::No {
-            return Ok(Outcome::Held);
+            return Ok(Some(Outcome::Held));
         }
-        // Wait in the server's own lock queue, bounded by lock_timeout.
+        Ok(None)
+    }
+
+    /// Waits in the server's own lock queue, bounded by lock_timeout, then runs the grant
+    /// statement on the session that holds the lock.
+    async fn wait(&self, c: &mut Conn, req: &Request<'_>) -> Result<Outcome> {
         let remaining = req
             .deadline
             .map(|d| d.saturating_duration_since(Instant::now()));
@@ -663,7 +687,7 @@ impl PgLock {
                 TryGrant::Held => {}
             }
         }
-        let g = self.inner.attempt(req).await?;
+        let g = self.inner.attempt(req, auto).await?;
         let tracker = TrackerHandle::new(g.sent, req.opts.ttl);
         let adopted = Adopted {
             key: req.key,

@@ -776,13 +776,28 @@ impl Actor {
         }
     }
 
-    /// A solo session that holds nothing goes back to the idle cache.
+    /// A session that holds nothing goes back to the idle cache: a solo one always, a shared
+    /// one if its pool has another open session (a waiting acquire, which needs a connection
+    /// of its own, then reuses this one instead of opening a new one).
     fn after_release(&self) -> Next {
-        if self.holder.solo && self.holder.state().leases.is_empty() {
+        let empty = self.holder.state().leases.is_empty();
+        if empty && (self.holder.solo || self.spare()) {
             Next::Retire
         } else {
             Next::Go
         }
+    }
+
+    /// Whether another session of this shared session's pool is open.
+    fn spare(&self) -> bool {
+        let Some(sessions) = self.sessions.upgrade() else {
+            return false;
+        };
+        let pools = sessions.pools();
+        pools.get(&self.holder.ttl_ms).is_some_and(|pool| {
+            pool.iter()
+                .any(|h| !Arc::ptr_eq(h, &self.holder) && !h.state().dead)
+        })
     }
 
     async fn renew(

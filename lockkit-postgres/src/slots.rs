@@ -298,7 +298,7 @@ impl PgLock {
             start,
             deadline: wait_deadline(opts.wait, start),
         };
-        let attempts = retry_transient(opts, req.deadline, || self.inner.attempt(&req));
+        let attempts = retry_transient(opts, req.deadline, || self.inner.attempt(&req, false));
         let granted = if opts.wait == Wait::No {
             let t = self.inner.config.connect_timeout;
             tokio::time::timeout(t, attempts).await.map_err(|_| {

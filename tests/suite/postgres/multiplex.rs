@@ -9,7 +9,7 @@ use std::time::Duration;
 use futures_util::future::join_all;
 use lockkit::postgres::sqlx::{self, PgConnection};
 use lockkit::postgres::{PgLock, SESSION_LEASES};
-use lockkit::{Error, Lease, LeaseState, LockExt};
+use lockkit::{AcquireOptions, Error, Lease, LeaseState, Lock, LockExt};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::time::Instant;
 
@@ -348,4 +348,37 @@ async fn a_frozen_holder_process_frees_all_its_leases() {
     );
     let _ = child.kill().await;
     release_all(all).await;
+}
+
+/// A waiting acquire waits on a connection of its own, which then holds the lease. Once that
+/// lease is released its connection goes back to the idle cache (the pool has another
+/// session for tries), so the next waiting acquire waits on it instead of opening a new
+/// server session per wait (found by the benchmark: every contended acquire opened one).
+#[tokio::test]
+async fn a_released_waited_lease_gives_its_connection_to_the_next_wait() {
+    let url = with_prefix(&base_url(), &fresh_prefix());
+    let locks = PgLock::connect(&url).await.expect("connect");
+    let other = PgLock::connect(&url).await.expect("connect");
+    let ttl = Duration::from_secs(10);
+    let key = locks.key("job");
+    let mut pids = Vec::new();
+    for _ in 0..3 {
+        let held = other.try_acquire("job", ttl).await.expect("try-acquire");
+        let shared = pid_of(&held);
+        let waiter = locks.clone();
+        let wait =
+            tokio::spawn(
+                async move { waiter.acquire("job", AcquireOptions::new().ttl(ttl)).await },
+            );
+        // Queued: the holder's entry and the waiter's (pg_locks has no change signal).
+        while advisory_locks(&url, key).await < 2 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        held.release().await.expect("release");
+        let lease = wait.await.expect("wait task").expect("acquire");
+        assert_ne!(pid_of(&lease), shared);
+        pids.push(pid_of(&lease));
+        lease.release().await.expect("release");
+    }
+    assert_eq!(pids, vec![pids[0]; 3], "each wait opened a new session");
 }

@@ -31,7 +31,7 @@ examples="${CARGO_TARGET_DIR:-target}/debug/examples"
 
 # The fencing demo, on the embedded default and on every real server: the stale write and the
 # write with another lock's token must be rejected.
-for url in memory:// "$LOCKKIT_REDIS_URL" "$LOCKKIT_REDIS_SENTINEL_URL" "$LOCKKIT_REDLOCK_URL" "$LOCKKIT_ETCD_URL" "$LOCKKIT_ZK_URL" "$LOCKKIT_POSTGRES_URL"; do
+for url in memory:// "$LOCKKIT_REDIS_URL" "$LOCKKIT_REDIS_SENTINEL_URL" "$LOCKKIT_REDLOCK_URL" "$LOCKKIT_REDIS_CLUSTER_URL" "$LOCKKIT_ETCD_URL" "$LOCKKIT_ZK_URL" "$LOCKKIT_POSTGRES_URL"; do
   if ! out=$("$examples/fencing" --backend "$url" 2>&1); then
     echo "$out"; failed=1; continue
   fi

@@ -42,7 +42,7 @@ pub const EXPIRY_JITTER: Duration = Duration::from_millis(20);
 
 /// How long a waiter polls without trying to subscribe again after the server refused its
 /// SUBSCRIBE (for instance an ACL user without permission for the channel): 30 s.
-const REFUSED_SUBSCRIBE_RETRY: Duration = Duration::from_secs(30);
+pub(crate) const REFUSED_SUBSCRIBE_RETRY: Duration = Duration::from_secs(30);
 
 /// How much later than its TTL a lapsed lock may be granted to a waiter: [`EXPIRY_JITTER`] plus
 /// a round trip on a busy machine. Declared as [`Guarantees::expiry_slack`].

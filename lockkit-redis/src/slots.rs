@@ -47,7 +47,8 @@ use crate::core::{
 };
 use crate::error::{BACKEND, bad_reply, from_redis};
 use crate::lock::{
-    MAX_WAIT_POLL, RedisLock, Subscribing, WAITER_TTL, fallback_delay, handed, subscribed, until,
+    MAX_WAIT_POLL, REFUSED_SUBSCRIBE_RETRY, RedisLock, Subscribing, WAITER_TTL, fallback_delay,
+    handed, subscribed, until,
 };
 use crate::waiters::Waiting;
 
@@ -960,7 +961,7 @@ impl SlotBackend for RedisLock {
                             MAX_WAIT_POLL
                         } else {
                             hub.refused(&e);
-                            Duration::from_secs(30)
+                            REFUSED_SUBSCRIBE_RETRY
                         };
                 }
             }

@@ -158,6 +158,80 @@ enum Kind {
     Backend,
 }
 
+/// Why a connect failed, in plain words: the endpoints tried and the innermost cause (the
+/// operating system's "Connection refused", etcd's "no leader", or no answer in time), not the
+/// gRPC status wrapping it. Endpoints are `http[s]://host:port` and hold no credentials.
+#[derive(Debug)]
+struct Unreachable {
+    endpoints: String,
+    cause: String,
+    io: Option<std::io::Error>,
+}
+
+impl fmt::Display for Unreachable {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "could not connect to etcd at {}: {}",
+            self.endpoints, self.cause
+        )
+    }
+}
+
+impl std::error::Error for Unreachable {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.io.as_ref().map(|e| e as _)
+    }
+}
+
+/// The innermost I/O error under `e` (a refused or reset connection), if any.
+fn root_io<'a>(mut e: &'a (dyn std::error::Error + 'static)) -> Option<&'a std::io::Error> {
+    let mut found = None;
+    loop {
+        if let Some(io) = e.downcast_ref::<std::io::Error>() {
+            found = Some(io);
+        }
+        match e.source() {
+            Some(s) => e = s,
+            None => return found,
+        }
+    }
+}
+
+/// `e`, an error of the connect to `endpoints`, with an [`Error::Unavailable`]'s source replaced
+/// by one that names the endpoints and says in plain words what failed; other errors as they are.
+pub(crate) fn at_connect(endpoints: &[String], e: Error) -> Error {
+    let Error::Unavailable { backend, source } = e else {
+        return e;
+    };
+    let (cause, io) = match source.downcast_ref::<EtcdError>() {
+        Some(ee) => {
+            // etcd_client::Error has no `source()`: start from the tonic error it wraps.
+            let (inner, msg): (&(dyn std::error::Error + 'static), String) = match ee {
+                EtcdError::GRpcStatus(s) => (s, s.message().to_owned()),
+                EtcdError::TransportError(t) => (t, t.to_string()),
+                other => (other, other.to_string()),
+            };
+            match root_io(inner) {
+                Some(io) => (
+                    io.to_string(),
+                    Some(std::io::Error::new(io.kind(), io.to_string())),
+                ),
+                None => (msg, None),
+            }
+        }
+        None => (source.to_string(), None),
+    };
+    Error::Unavailable {
+        backend,
+        source: Box::new(Unreachable {
+            endpoints: endpoints.join(", "),
+            cause,
+            io,
+        }),
+    }
+}
+
 /// A backend error without a client error behind it (an answer we did not expect).
 pub(crate) fn protocol(msg: impl Into<String>) -> Error {
     Error::Backend {

@@ -216,6 +216,13 @@ impl EtcdLock {
     /// As [`connect`](Self::connect).
     pub async fn connect_with(config: EtcdConfig) -> Result<Self> {
         let endpoints = config.validate()?;
+        Self::open(config, &endpoints)
+            .await
+            .map_err(|e| error::at_connect(&endpoints, e))
+    }
+
+    /// [`connect_with`](Self::connect_with) once the configuration is checked.
+    async fn open(config: EtcdConfig, endpoints: &[String]) -> Result<Self> {
         let limit = config.connect_timeout_value();
         let mut opts = ConnectOptions::new()
             .with_connect_timeout(limit)
@@ -231,12 +238,12 @@ impl EtcdLock {
                 .with_auto_token_refresh(true);
         }
         let started = Instant::now();
-        let client =
-            match tokio::time::timeout(limit, Client::connect(&endpoints, Some(opts))).await {
-                Ok(Ok(c)) => c,
-                Ok(Err(e)) => return Err(tls_refusal(&e).unwrap_or_else(|| from_client(e))),
-                Err(_) => return Err(error::timeout("the connect")),
-            };
+        let client = match tokio::time::timeout(limit, Client::connect(endpoints, Some(opts))).await
+        {
+            Ok(Ok(c)) => c,
+            Ok(Err(e)) => return Err(tls_refusal(&e).unwrap_or_else(|| from_client(e))),
+            Err(_) => return Err(error::timeout("the connect")),
+        };
         if config.get_tls().is_some() {
             // One unretried request first: a refused certificate is final, not worth the
             // probe's retries until the connect timeout.

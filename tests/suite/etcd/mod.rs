@@ -79,7 +79,18 @@ async fn unreachable_is_unavailable_quickly() {
     let port = crate::common::free_port();
     let start = std::time::Instant::now();
     match lockkit::connect(&format!("etcd://127.0.0.1:{port}")).await {
-        Err(e @ Error::Unavailable { .. }) => assert!(e.is_retryable()),
+        Err(e @ Error::Unavailable { .. }) => {
+            assert!(e.is_retryable());
+            // Plain words naming the endpoint, not the gRPC status and tonic's error chain.
+            let msg = e.to_string();
+            assert!(
+                msg.contains(&format!(
+                    "could not connect to etcd at http://127.0.0.1:{port}: "
+                )) && msg.contains("refused"),
+                "{msg}"
+            );
+            assert!(!msg.contains("tonic") && !msg.contains("grpc"), "{msg}");
+        }
         other => panic!("expected Unavailable, got {other:?}"),
     }
     assert!(
@@ -99,7 +110,10 @@ async fn unreachable_is_unavailable_quickly() {
     let url = format!("etcd://127.0.0.1:{port}?connect_timeout_ms=500");
     let start = std::time::Instant::now();
     match lockkit::connect(&url).await {
-        Err(Error::Unavailable { .. }) => {}
+        Err(e @ Error::Unavailable { .. }) => {
+            let msg = e.to_string();
+            assert!(msg.contains(&format!("127.0.0.1:{port}")), "{msg}");
+        }
         other => panic!("expected Unavailable, got {other:?}"),
     }
     assert!(start.elapsed() < Duration::from_secs(3));

@@ -862,6 +862,26 @@ fn guarantees_table_and_json() {
     assert_eq!(String::from_utf8_lossy(&env.stdout), out);
 }
 
+/// `guarantees` speaks to users: durations in plain words, no names of constants in the code
+/// (it used to show "within LOSS_NOTICE" and "after WAITER_TTL" for Redis).
+#[test]
+fn guarantees_name_no_code_constants() {
+    for var in [
+        "LOCKKIT_REDIS_URL",
+        "LOCKKIT_POSTGRES_URL",
+        "LOCKKIT_ETCD_URL",
+        "LOCKKIT_ZK_URL",
+    ] {
+        let (code, out, err) = code_of(&["guarantees", &server(var)]);
+        assert_eq!(code, Some(0), "{var}: {err}");
+        let constants: Vec<&str> = out
+            .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .filter(|w| w.contains('_') && !w.chars().any(|c| c.is_ascii_lowercase()))
+            .collect();
+        assert!(constants.is_empty(), "{var}: {constants:?} in\n{out}");
+    }
+}
+
 /// A background job the command left in its group is ended before `lockkit run` releases and
 /// exits: nothing of the command outlives the lock.
 #[test]

@@ -34,6 +34,17 @@ pub(crate) const WAIT_CHECK: Duration = Duration::from_secs(3);
 /// the client is caught by the [`SESSION_CHECK`](crate::SESSION_CHECK) safety net instead.
 const LOSS_NOTICE: Duration = Duration::from_millis(100);
 
+/// What `guarantees` says of a lock on PostgreSQL, in plain words (the 5 s is
+/// [`SESSION_CHECK`](crate::SESSION_CHECK)).
+const NOTES: &str = "one PostgreSQL 14+ server: a lease is a session advisory lock on a holder \
+session (up to 1,000 kept-alive leases of one TTL each, renewed together once per TTL/3; a lease \
+renewed by hand has its own) that idle_session_timeout (= TTL) ends unless renewed; tokens are \
+committed (synchronous_commit=on) in {schema}.fence; a session ended by a server restart or \
+pg_terminate_backend frees the lock at once, and the holder reads the server's close on its idle \
+connection within milliseconds (a connection that dies silently: within 5 s + 2 × the connect \
+timeout, by a check on another connection); another client may hold the lock meanwhile: fence \
+writes; advisory locks are not replicated, so a failover to a standby may grant a held lock again";
+
 /// The advisory lock key of lock `name` under `prefix`.
 ///
 /// The key is the first 8 bytes of the SHA-256 digest of the UTF-8 bytes of `"{prefix}/{name}"`,
@@ -805,17 +816,7 @@ impl LockBackend for PgLock {
         g.expiry_slack = Duration::from_millis(100);
         g.loss_notice = Some(LOSS_NOTICE);
         g.lock_delay = true;
-        g.notes = "one PostgreSQL 14+ server: a lease is a session advisory lock on a holder \
-                   session (up to 1,000 kept-alive leases of one TTL each, renewed together \
-                   once per TTL/3; a lease renewed by hand has its own) that \
-                   idle_session_timeout (= TTL) ends unless renewed; tokens are \
-                   committed (synchronous_commit=on) in {schema}.fence; a session ended by a \
-                   server restart or pg_terminate_backend frees the lock at once, and the \
-                   holder reads the server's close on its idle connection within milliseconds \
-                   (a connection that dies silently: within SESSION_CHECK (5 s) + 2 × connect \
-                   timeout, by a check on another connection); another client may hold the \
-                   lock meanwhile: fence writes; advisory locks are not replicated, so a \
-                   failover to a standby may grant a held lock again";
+        g.notes = NOTES;
         g
     }
 }
@@ -825,6 +826,14 @@ mod tests {
     use sha2::{Digest, Sha256};
 
     use super::*;
+
+    /// The notes users read (`lockkit guarantees`) give the durations in plain words: they must
+    /// follow the constants.
+    #[test]
+    fn notes_name_the_durations_in_force() {
+        assert_eq!(crate::core::SESSION_CHECK, Duration::from_secs(5));
+        assert!(NOTES.contains("within 5 s + 2 × the connect timeout"));
+    }
 
     #[test]
     fn key_is_stable() {

@@ -167,9 +167,9 @@ granted fewer than once per µs on average. A failover to an asynchronously repl
 grant a held lock a second time, and so can a restart that loses the data: a waiter may get the \
 lock while the old holder still reads Held until the client sees the server's new run_id (when its \
 pub/sub connection is back, or at the next keepalive tick) or its next renewal fails. A lock key \
-deleted, expired early or evicted is heard of within LOSS_NOTICE where the server sends keyspace \
+deleted, expired early or evicted is heard of within 200 ms where the server sends keyspace \
 notifications (turned on at connect), else at the next renewal (up to TTL/3 later). Waiters are \
-served in queue order (a waiter that stops looking drops out after WAITER_TTL). Lock-delay: a \
+served in queue order (a waiter that stops looking drops out after 3 s). Lock-delay: a \
 key with TTL + delay beside the lock key, so a holder that lapses keeps the lock from everyone \
 until the delay after its key expired; a release deletes it. Fence counters are never deleted: one \
 small key per lock name ever used.";
@@ -909,5 +909,15 @@ mod tests {
             );
             assert!(fallback_delay(Some(Duration::from_secs(60))) <= MAX_WAIT_POLL);
         }
+    }
+
+    /// The notes users read (`lockkit guarantees`) give the durations in plain words: they must
+    /// follow the constants.
+    #[test]
+    fn notes_name_the_durations_in_force() {
+        assert_eq!(LOSS_NOTICE, Duration::from_millis(200));
+        assert!(NOTES.contains("within 200 ms where"));
+        assert_eq!(WAITER_TTL, Duration::from_secs(3));
+        assert!(NOTES.contains("drops out after 3 s"));
     }
 }

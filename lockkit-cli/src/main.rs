@@ -897,7 +897,7 @@ async fn campaign(
     value: &str,
     sigs: &mut Signals,
 ) -> Result<(Arc<dyn Election>, Leadership), Fail> {
-    lockkit::backend::validate_name(name)?;
+    lockkit::backend::validate_slot_name(lockkit::backend::SlotKind::Election, name)?;
     lockkit::backend::validate_value(value.as_bytes())?;
     let target = Target {
         what: format!("the leadership of election {name:?}"),
@@ -929,7 +929,7 @@ async fn acquire_permit(
     permits: u32,
     sigs: &mut Signals,
 ) -> Result<(Arc<dyn Semaphore>, Permit), Fail> {
-    lockkit::backend::validate_name(name)?;
+    lockkit::backend::validate_slot_name(lockkit::backend::SlotKind::Semaphore, name)?;
     lockkit::backend::validate_permits(permits)?;
     let target = Target {
         what: format!("a permit of semaphore {name:?}"),
@@ -1251,7 +1251,7 @@ async fn leader(
     json: bool,
     sigs: &mut Signals,
 ) -> Result<u8, Fail> {
-    lockkit::backend::validate_name(name)?;
+    lockkit::backend::validate_slot_name(lockkit::backend::SlotKind::Election, name)?;
     refuse_memory(backend)?;
     let interrupted =
         |sig: Signal| Fail::new(signal_status(sig), format!("{sig} while connecting"));

@@ -766,7 +766,24 @@ fn usage_errors_exit_64() {
                 "--",
                 "true",
             ][..],
-            "invalid lock name",
+            "invalid election name",
+        ),
+        (
+            &[
+                "permit",
+                "--backend",
+                url,
+                "--permits",
+                "2",
+                "a/b",
+                "--",
+                "true",
+            ][..],
+            "invalid semaphore name",
+        ),
+        (
+            &["leader", "--backend", url, "a/b"][..],
+            "invalid election name",
         ),
         (
             &[

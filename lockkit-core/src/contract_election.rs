@@ -448,16 +448,31 @@ pub async fn election_bad_input(h: &dyn SlotHarness) {
         "../escape",
         long.as_str(),
     ] {
+        // The error says what the name was for ("invalid election name"), not "lock".
         match a.campaign(name, b"v", once()).await {
-            Err(Error::InvalidName { .. }) => {}
+            Err(Error::InvalidName {
+                what: "election", ..
+            }) => {}
             other => panic!("campaign {name:?}: expected InvalidName, got {other:?}"),
         }
         assert!(
-            matches!(a.leader(name).await, Err(Error::InvalidName { .. })),
+            matches!(
+                a.leader(name).await,
+                Err(Error::InvalidName {
+                    what: "election",
+                    ..
+                })
+            ),
             "leader({name:?})"
         );
         assert!(
-            matches!(a.observe(name).await, Err(Error::InvalidName { .. })),
+            matches!(
+                a.observe(name).await,
+                Err(Error::InvalidName {
+                    what: "election",
+                    ..
+                })
+            ),
             "observe({name:?})"
         );
     }
@@ -717,12 +732,17 @@ pub async fn semaphore_bad_input(h: &dyn SlotHarness) {
     let long = "x".repeat(257);
     for bad in ["", "a/b", "..", "nul\0byte", long.as_str()] {
         match a.acquire_permit(bad, 2, once()).await {
-            Err(Error::InvalidName { .. }) => {}
+            Err(Error::InvalidName {
+                what: "semaphore", ..
+            }) => {}
             other => panic!("name {bad:?}: expected InvalidName, got {other:?}"),
         }
         assert!(matches!(
             a.permit_holders(bad).await,
-            Err(Error::InvalidName { .. })
+            Err(Error::InvalidName {
+                what: "semaphore",
+                ..
+            })
         ));
     }
     match a.acquire_permit(&name, 2, once().ttl(Duration::ZERO)).await {

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use tracing::Instrument;
 
-use crate::backend::validate_name;
+use crate::backend::validate_slot_name;
 use crate::observe::TARGET;
 use crate::slots::{
     SlotBackend, SlotGuarantees, SlotKind, SlotOps, SlotRequest, SlotWatch, WatchEvent,
@@ -338,7 +338,7 @@ impl<B: SlotBackend + ?Sized> Election for B {
     }
 
     async fn leader(&self, name: &str) -> Result<Option<LeaderInfo>> {
-        validate_name(name)?;
+        validate_slot_name(SlotKind::Election, name)?;
         let holders = self.slot_holders(SlotKind::Election, name).await?;
         Ok(holders
             .and_then(|h| h.holders.into_iter().next())
@@ -346,7 +346,7 @@ impl<B: SlotBackend + ?Sized> Election for B {
     }
 
     async fn observe(&self, name: &str) -> Result<Observer> {
-        validate_name(name)?;
+        validate_slot_name(SlotKind::Election, name)?;
         let watch = self.watch_slots(SlotKind::Election, name).await?;
         Ok(Observer::new(name, watch))
     }

@@ -105,9 +105,12 @@ pub enum Error {
         reason: &'static str,
     },
 
-    /// The lock name is empty, too long, or could escape the backend's key namespace.
-    #[error("invalid lock name {name:?}: {reason}")]
+    /// The lock, election or semaphore name is empty, too long, or could escape the backend's
+    /// key namespace.
+    #[error("invalid {what} name {name:?}: {reason}")]
     InvalidName {
+        /// What the name was for: `"lock"`, `"election"` or `"semaphore"`.
+        what: &'static str,
         /// The rejected name (possibly truncated for display).
         name: String,
         /// Why it was rejected.

@@ -107,7 +107,7 @@ pub mod backend {
     // Elections and semaphores.
     pub use crate::slots::{
         SlotBackend, SlotGrant, SlotKind, SlotOps, SlotRequest, SlotWatch, WatchEvent,
-        validate_permits, validate_value,
+        validate_permits, validate_slot_name, validate_value,
     };
     pub use crate::{SlotGuarantees, SlotHolder, SlotHolders};
 

@@ -18,7 +18,7 @@ use tokio::time::Instant;
 
 use crate::backend::{
     LeaseOps, LockBackend, SlotBackend, SlotGrant, SlotGuarantees, SlotHolder, SlotHolders,
-    SlotKind, SlotOps, SlotRequest, SlotWatch, TrackerHandle, WatchEvent, validate_name,
+    SlotKind, SlotOps, SlotRequest, SlotWatch, TrackerHandle, WatchEvent, validate_slot_name,
     wait_deadline,
 };
 use crate::lock_unpoisoned as lock;
@@ -331,7 +331,7 @@ impl Slots {
     }
 
     async fn holders(&self, kind: SlotKind, name: &str) -> Result<Option<SlotHolders>> {
-        validate_name(name)?;
+        validate_slot_name(kind, name)?;
         let key: Key = (kind, name.to_owned());
         let now = Instant::now();
         let mut t = lock(&self.table);
@@ -349,7 +349,7 @@ impl Slots {
     }
 
     async fn watch(&self, kind: SlotKind, name: &str) -> Result<Box<dyn SlotWatch>> {
-        validate_name(name)?;
+        validate_slot_name(kind, name)?;
         let key: Key = (kind, name.to_owned());
         let mut t = lock(&self.table);
         let e = t.entries.entry(key.clone()).or_default();

@@ -326,6 +326,12 @@ pub fn validate_prefix(prefix: &str) -> Result<()> {
 /// # Errors
 /// [`Error::InvalidName`] with the reason.
 pub fn validate_name(name: &str) -> Result<()> {
+    validate_name_of("lock", name)
+}
+
+/// [`validate_name`] for a name of `what` (`"lock"`, `"election"`, `"semaphore"`), which the
+/// error names.
+pub(crate) fn validate_name_of(what: &'static str, name: &str) -> Result<()> {
     let reason = if name.is_empty() {
         Some("name is empty")
     } else if name.len() > MAX_NAME_BYTES {
@@ -342,6 +348,7 @@ pub fn validate_name(name: &str) -> Result<()> {
     match reason {
         None => Ok(()),
         Some(reason) => Err(Error::InvalidName {
+            what,
             name: name.chars().take(64).collect(),
             reason,
         }),
@@ -351,6 +358,16 @@ pub fn validate_name(name: &str) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn name_errors_say_what_the_name_was_for() {
+        let e = validate_name("a/b").unwrap_err().to_string();
+        assert!(e.starts_with("invalid lock name \"a/b\": "), "{e}");
+        let e = crate::backend::validate_slot_name(crate::backend::SlotKind::Semaphore, "a/b")
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("invalid semaphore name \"a/b\": "), "{e}");
+    }
 
     #[test]
     fn names() {

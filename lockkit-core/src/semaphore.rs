@@ -9,10 +9,10 @@ use std::ops::Deref;
 use async_trait::async_trait;
 use tracing::Instrument;
 
-use crate::backend::validate_name;
 use crate::observe::TARGET;
 use crate::slots::{
     SlotBackend, SlotGuarantees, SlotHolders, SlotKind, SlotRequest, grant_checked, outcome,
+    validate_slot_name,
 };
 use crate::{AcquireOptions, Lease, Result};
 
@@ -181,7 +181,7 @@ impl<B: SlotBackend + ?Sized> Semaphore for B {
     }
 
     async fn permit_holders(&self, name: &str) -> Result<Option<SlotHolders>> {
-        validate_name(name)?;
+        validate_slot_name(SlotKind::Semaphore, name)?;
         self.slot_holders(SlotKind::Semaphore, name).await
     }
 

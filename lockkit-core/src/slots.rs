@@ -13,7 +13,6 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
-use crate::backend::validate_name;
 use crate::lock::with_min_validity;
 use crate::{AcquireOptions, Error, FencingToken, Guarantees, Lease, Result};
 
@@ -45,6 +44,23 @@ impl SlotKind {
             Self::Semaphore => "sem",
         }
     }
+
+    /// What users call this kind: `"election"` or `"semaphore"` (in errors).
+    pub fn noun(self) -> &'static str {
+        match self {
+            Self::Election => "election",
+            Self::Semaphore => "semaphore",
+        }
+    }
+}
+
+/// Checks an election's or a semaphore's name: the rules of [`validate_name`](crate::backend::validate_name), with an error
+/// that says which kind of name it was.
+///
+/// # Errors
+/// [`Error::InvalidName`] naming `kind` ("invalid election name …").
+pub fn validate_slot_name(kind: SlotKind, name: &str) -> Result<()> {
+    crate::options::validate_name_of(kind.noun(), name)
 }
 
 /// One request for a slot, validated by the core before the backend sees it.
@@ -53,7 +69,7 @@ impl SlotKind {
 pub struct SlotRequest<'a> {
     /// Election or semaphore.
     pub kind: SlotKind,
-    /// The name ([`validate_name`]d).
+    /// The name (checked by [`validate_slot_name`]).
     pub name: &'a str,
     /// How many slots the name has: 1 for an election, N (1..=[`MAX_PERMITS`]) for a semaphore.
     pub permits: u32,
@@ -77,7 +93,7 @@ impl<'a> SlotRequest<'a> {
     /// # Errors
     /// [`Error::InvalidName`]; [`Error::InvalidConfig`] for a bad `permits` or value.
     pub fn validate(&self) -> Result<()> {
-        validate_name(self.name)?;
+        validate_slot_name(self.kind, self.name)?;
         validate_permits(self.permits)?;
         validate_value(self.value)
     }
@@ -308,8 +324,7 @@ pub trait SlotBackend: Send + Sync + fmt::Debug {
     /// # Cancel safety
     /// Must be cancel safe: dropping it leaves no watch behind.
     async fn watch_slots(&self, kind: SlotKind, name: &str) -> Result<Box<dyn SlotWatch>> {
-        let _ = kind;
-        validate_name(name)?;
+        validate_slot_name(kind, name)?;
         Err(Error::NotSupported {
             operation: "observing an election",
             backend: self.slot_guarantees().lock.backend,

@@ -26,7 +26,7 @@ use etcd_client::{
 };
 use lockkit_core::backend::{
     Backoff, LeaseBackendExt, LockBackend, SlotBackend, SlotGrant, SlotGuarantees, SlotHolder,
-    SlotHolders, SlotKind, SlotOps, SlotRequest, SlotWatch, WatchEvent, validate_name,
+    SlotHolders, SlotKind, SlotOps, SlotRequest, SlotWatch, WatchEvent, validate_slot_name,
     wait_deadline,
 };
 use lockkit_core::{
@@ -719,7 +719,7 @@ impl SlotBackend for EtcdLock {
     /// # Cancel safety
     /// Cancel safe: it only reads.
     async fn slot_holders(&self, kind: SlotKind, name: &str) -> Result<Option<SlotHolders>> {
-        validate_name(name)?;
+        validate_slot_name(kind, name)?;
         let n = Names::new(self, kind, name);
         let txn = Txn::new().and_then([
             TxnOp::get(
@@ -792,7 +792,7 @@ impl SlotBackend for EtcdLock {
     /// # Cancel safety
     /// Cancel safe: a dropped call leaves no watch (the stream is dropped with it).
     async fn watch_slots(&self, kind: SlotKind, name: &str) -> Result<Box<dyn SlotWatch>> {
-        validate_name(name)?;
+        validate_slot_name(kind, name)?;
         let mut w = EtcdWatch {
             lock: self.clone(),
             names: Names::new(self, kind, name),

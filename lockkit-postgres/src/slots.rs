@@ -19,7 +19,7 @@ use async_trait::async_trait;
 use lockkit_core::backend::{
     LeaseOps, LockBackend, SlotBackend, SlotGrant, SlotGuarantees, SlotHolder, SlotHolders,
     SlotKind, SlotOps, SlotRequest, SlotWatch, TrackerHandle, WatchEvent, retry_transient,
-    validate_name, wait_deadline,
+    validate_slot_name, wait_deadline,
 };
 use lockkit_core::{AcquireOptions, Error, FencingToken, Instant, Lease, Result, Wait};
 use sqlx::postgres::{PgListener, PgPoolOptions};
@@ -1235,7 +1235,7 @@ impl SlotBackend for PgLock {
     /// # Cancel safety
     /// Cancel safe: it only reads.
     async fn slot_holders(&self, kind: SlotKind, name: &str) -> Result<Option<SlotHolders>> {
-        validate_name(name)?;
+        validate_slot_name(kind, name)?;
         let n = self.names(kind, name);
         Ok(self
             .read_status(&n)
@@ -1252,7 +1252,7 @@ impl SlotBackend for PgLock {
     /// # Cancel safety
     /// Cancel safe: a dropped call closes the connection it was opening.
     async fn watch_slots(&self, kind: SlotKind, name: &str) -> Result<Box<dyn SlotWatch>> {
-        validate_name(name)?;
+        validate_slot_name(kind, name)?;
         let names = self.names(kind, name);
         let listener = self.listen(&names.channel).await?;
         let mut w = PgWatch {

@@ -33,7 +33,7 @@ use tokio::time::Instant;
 
 use lockkit_core::backend::{
     Backoff, LeaseOps, LockBackend, SlotBackend, SlotGrant, SlotKind, SlotOps, SlotRequest,
-    SlotWatch, TrackerHandle, WatchEvent, retry_transient, validate_name, wait_deadline,
+    SlotWatch, TrackerHandle, WatchEvent, retry_transient, validate_slot_name, wait_deadline,
 };
 use lockkit_core::{
     AcquireOptions, Error, FencingToken, LeaseState, Result, SlotGuarantees, SlotHolder,
@@ -869,7 +869,7 @@ impl SlotBackend for RedisLock {
     /// and leaves a tombstone against a late script of that ID.
     async fn grant_slot(&self, req: SlotRequest<'_>, opts: AcquireOptions) -> Result<SlotGrant> {
         self.slots_supported()?;
-        validate_name(req.name)?;
+        validate_slot_name(req.kind, req.name)?;
         let start = Instant::now();
         let deadline = wait_deadline(opts.wait, start);
         let keys = Arc::new(SlotKeys::new(
@@ -977,7 +977,7 @@ impl SlotBackend for RedisLock {
     /// Cancel safe: it only reads.
     async fn slot_holders(&self, kind: SlotKind, name: &str) -> Result<Option<SlotHolders>> {
         self.slots_supported()?;
-        validate_name(name)?;
+        validate_slot_name(kind, name)?;
         let permits = if kind == SlotKind::Semaphore {
             lockkit_core::MAX_PERMITS
         } else {
@@ -1019,7 +1019,7 @@ impl SlotBackend for RedisLock {
     /// Cancel safe: a dropped call closes its connection.
     async fn watch_slots(&self, kind: SlotKind, name: &str) -> Result<Box<dyn SlotWatch>> {
         self.slots_supported()?;
-        validate_name(name)?;
+        validate_slot_name(kind, name)?;
         let permits = if kind == SlotKind::Semaphore {
             lockkit_core::MAX_PERMITS
         } else {

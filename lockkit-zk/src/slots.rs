@@ -34,8 +34,8 @@ use std::time::Duration;
 
 use lockkit_core::backend::{
     LockBackend, SlotBackend, SlotGrant, SlotGuarantees, SlotHolder, SlotHolders, SlotKind,
-    SlotOps, SlotRequest, SlotWatch, TrackerHandle, WatchEvent, retry_transient, validate_name,
-    wait_deadline,
+    SlotOps, SlotRequest, SlotWatch, TrackerHandle, WatchEvent, retry_transient,
+    validate_slot_name, wait_deadline,
 };
 use lockkit_core::{
     AcquireOptions, Error, FencingToken, Instant, Lease, Result, Wait, async_trait,
@@ -90,7 +90,7 @@ impl ZkLock {
     /// # Cancel safety
     /// Cancel safe (a read).
     pub async fn candidates(&self, name: &str) -> Result<Vec<String>> {
-        validate_name(name)?;
+        validate_slot_name(SlotKind::Election, name)?;
         let dir = self.slot_dir(SlotKind::Election, name);
         self.bounded(async { sorted_children(&*self.control_session().await?, &dir).await })
             .await
@@ -918,7 +918,7 @@ impl SlotBackend for ZkLock {
     /// # Cancel safety
     /// Cancel safe: it only reads.
     async fn slot_holders(&self, kind: SlotKind, name: &str) -> Result<Option<SlotHolders>> {
-        validate_name(name)?;
+        validate_slot_name(kind, name)?;
         let dir = self.slot_dir(kind, name);
         self.bounded(async {
             let session = self.control_session().await?;
@@ -955,7 +955,7 @@ impl SlotBackend for ZkLock {
     /// # Cancel safety
     /// Cancel safe: a dropped call leaves only one-shot watches, which fire once and go.
     async fn watch_slots(&self, kind: SlotKind, name: &str) -> Result<Box<dyn SlotWatch>> {
-        validate_name(name)?;
+        validate_slot_name(kind, name)?;
         if kind != SlotKind::Election {
             return Err(Error::NotSupported {
                 operation: "observing a semaphore",

@@ -5,6 +5,8 @@
 //!   `TRYAGAIN` and `MASTERDOWN`, and in Cluster mode the redirections and states the cluster
 //!   connection's retries did not get past (`ASK`, `MOVED`, `CLUSTERDOWN`: a slot being
 //!   migrated or a failover) → [`Error::Unavailable`] (retryable).
+//! - A reply that is not the Redis protocol (`ErrorKind::Parse`: the URL names an HTTP server or
+//!   another service) → [`Error::Unavailable`] saying that the server does not speak Redis.
 //! - Refused credentials (`AuthenticationFailed`, `WRONGPASS`, `NOAUTH`) → [`Error::Auth`].
 //! - `READONLY` (the URL names a read-only replica, where no lock can be taken) →
 //!   [`Error::Backend`] saying so; not retried, since a replica stays one unless promoted.
@@ -31,6 +33,16 @@ pub(crate) fn from_redis(e: RedisError) -> Error {
         return Error::Auth {
             backend: BACKEND,
             source: e.into(),
+        };
+    }
+    if e.kind() == ErrorKind::Parse {
+        // The reply is not RESP at all: the host and port are those of another service (an HTTP
+        // server, a database), or a proxy that garbles the stream. Unavailable like a closed
+        // port, since that is what it is for lockkit: no Redis answers there.
+        let first = e.to_string().lines().next().unwrap_or_default().to_owned();
+        return Error::Unavailable {
+            backend: BACKEND,
+            source: Box::new(NotRedis(first)),
         };
     }
     if is_transient(&e) {
@@ -65,6 +77,24 @@ pub(crate) fn from_redis(e: RedisError) -> Error {
         source: e.into(),
     }
 }
+
+/// A reply that is not the Redis protocol: the server there is not a Redis server. Holds the
+/// first line of the parser's error (the rest repeats the bytes it did not expect).
+#[derive(Debug)]
+struct NotRedis(String);
+
+impl std::fmt::Display for NotRedis {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the server does not speak the Redis protocol (is the URL's host:port a Redis \
+             server?): its reply did not parse ({})",
+            self.0
+        )
+    }
+}
+
+impl std::error::Error for NotRedis {}
 
 fn is_auth(e: &RedisError) -> bool {
     e.kind() == ErrorKind::AuthenticationFailed || matches!(e.code(), Some("WRONGPASS" | "NOAUTH"))
@@ -124,7 +154,9 @@ mod tests {
         assert!(matches!(from_redis(io), Error::Unavailable { .. }));
         let cfg = RedisError::from((ErrorKind::InvalidClientConfig, "Missing hostname"));
         assert!(matches!(from_redis(cfg), Error::InvalidConfig { .. }));
-        let other = RedisError::from((ErrorKind::Parse, "bad"));
+        let other = RedisError::from((ErrorKind::UnexpectedReturnType, "bad"));
         assert!(matches!(from_redis(other), Error::Backend { .. }));
+        let not_resp = RedisError::from((ErrorKind::Parse, "bad"));
+        assert!(matches!(from_redis(not_resp), Error::Unavailable { .. }));
     }
 }

@@ -187,6 +187,42 @@ async fn unreachable_server_is_unavailable_quickly() {
     fast(start, "connect to a closed port");
 }
 
+/// A URL that names an HTTP server (or any service that is not Redis): `Unavailable`, saying that
+/// the server does not speak Redis (it used to be a `Backend` "Incompatible type - Parse error").
+#[tokio::test]
+async fn http_server_is_unavailable_not_redis() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    let http = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((mut sock, _)) = listener.accept().await {
+            let mut buf = [0u8; 1024];
+            if sock.read(&mut buf).await.unwrap_or(0) > 0 {
+                let _ = sock
+                    .write_all(
+                        b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/html\r\n\
+                          Content-Length: 13\r\n\r\n<html></html>",
+                    )
+                    .await;
+            }
+            held.push(sock);
+        }
+    });
+    let url = format!("redis://127.0.0.1:{port}?connect_timeout_ms=2000");
+    match lockkit::connect(&url).await {
+        Err(e @ Error::Unavailable { .. }) => {
+            let msg = e.to_string();
+            assert!(msg.contains("does not speak the Redis protocol"), "{msg}");
+            assert!(!msg.contains('\n'), "one line: {msg:?}");
+        }
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+    http.abort();
+}
+
 #[tokio::test]
 async fn silent_server_times_out_as_unavailable() {
     // Accepts TCP connections and never answers: the connect timeout must end the wait.

@@ -648,6 +648,12 @@ async fn server_restarted(ctx: &mut Ctx, how: Restart) -> Result<Cell, String> {
     let prefix = ctx.prefix(if how == Restart::Kill { "s4" } else { "s6" });
     let spec = ctx.spec(&prefix);
     let (mut a, ta) = first_holder(&spec, &mut c).await?;
+    if ctx.kind == Kind::Redlock {
+        // A grant needs a majority only: which nodes hold A's key decides what a minority's
+        // SIGKILL does to it.
+        let on = ctx.server.leftovers(&prefix).await.unwrap_or(0);
+        c.note(format!("A's key on {on} of 5 nodes before the SIGKILL"));
+    }
     let t_kill = now_ns();
     match how {
         Restart::Kill => {
@@ -1195,22 +1201,38 @@ const METHOD: &str = "\
 
 Every backend runs on a private server of its own (SIGKILLed, SIGSTOPped and restarted on the \
 same port and data dir); A, B are holder processes (`examples/faults`, `holder` mode) reporting \
-JSON events stamped with CLOCK_REALTIME; times are from the fault to the event.
+JSON events stamped with CLOCK_REALTIME; times are from the fault to the event. The Redis modes \
+of several processes run on private topologies with the settings `scripts/servers.sh` gives \
+them: Sentinel (a master, a replica, three sentinels, quorum 2, `down-after-milliseconds 1000`, \
+`failover-timeout 2000`), Cluster (three masters with a replica each, `cluster-node-timeout \
+2000`), Redlock (five independent nodes, `max_ttl` = the TTL), all without persistence. \
+\"n/a\" marks a scenario that does not apply to a mode: not run, and the cell says why.
 
 1. A holds the lock, B waits; A is SIGKILLed. Re-grant = B's grant − the kill; B's token must be \
    larger; bound TTL + the backend's declared expiry slack + 1.5 s for the loaded host.
 2. A holds and has written, B waits; A is SIGSTOPped until B holds and wrote (≥ 1.5 TTL), then \
    resumed: A's first action sees its lease Lost, and its fenced write is rejected.
 3. As 2, but A's traffic is blackholed in a TCP proxy (sockets stay open): A's loss signal must \
-   fire within one TTL of the cut, before B's grant.
+   fire within one TTL of the cut, before B's grant. Redlock: one proxy per node, all frozen. \
+   Sentinel, Cluster: n/a (the holder learns the master's address from the sentinels or the \
+   cluster, so no proxy sits between it alone and the master).
 4. A holds; the server is SIGKILLed and restarted. Within 2 TTLs A's lease is either still Held \
    (then another process's try-acquire gets Held, A writes and releases) or reported Lost; then B \
-   gets a larger token and a Lost A's write is rejected.
+   gets a larger token and a Lost A's write is rejected. Sentinel: the master is SIGKILLed; once \
+   the sentinels have promoted the replica, the old master comes back (empty) as its replica. \
+   Cluster: the master owning the lock name's slot is SIGKILLed; once its replica is promoted, it \
+   comes back and rejoins as a replica. Redlock: two of the five nodes (a minority) are SIGKILLed \
+   and restarted empty, and vote again one `max_ttl` later (delayed restart); the lock keeps \
+   working, and A's lease survives only if its key is on a majority of the others (a grant needs \
+   a majority, not every node: the figures say on how many nodes it was).
 5. A holds; the server is SIGSTOPped 1.5 TTL: A's loss signal within one TTL; after SIGCONT a new \
-   process gets a larger token and A's write is rejected.
+   process gets a larger token and A's write is rejected. Sentinel: the master is stopped, \
+   Cluster: the slot's master (either may be failed over meanwhile; the figures say). Redlock: \
+   three of five nodes (a majority), and a try-acquire meanwhile must fail as `Unavailable`.
 6. etcd, ZooKeeper: a 3-member cluster / ensemble of its own; the leader is SIGKILLed while A \
    holds; checked as 4. PostgreSQL: a clean restart (`pg_ctl stop -m fast`), checked as 4. \
-   Redis (single): nothing to fail over to.
+   Redis (single): nothing to fail over to. Sentinel: `SENTINEL FAILOVER`; Cluster: `CLUSTER \
+   FAILOVER` on the replica of the slot's master; checked as 4. Redlock: n/a (no replicas).
 7. 8 holders × 250 rounds of acquire → fenced read → 5 ms → fenced write of value + 1 → release; \
    three SIGSTOPs of 1.5–3 TTL, each of a holder that holds the lock at that moment, and one server \
    SIGKILL + restart. Final value = accepted writes; stale writes accepted (an accepted \
@@ -1222,14 +1244,18 @@ JSON events stamped with CLOCK_REALTIME; times are from the fault to the event.
    not count), and no increment may be refused as another lock's. Redis runs without persistence, \
    so its restart forgets the counter: only increments answered after the restart count. \
    RedisFence compares tokens when writing, not reading: should a lapsed holder's set land between \
-   the next holder's get and set, the counter falls short, which is a declared limit.
+   the next holder's get and set, the counter falls short, which is a declared limit. In the \
+   Sentinel, Cluster and Redlock rows the server fault is cell 4's; Sentinel and Cluster fail \
+   over to a replica that may lack the last increments (asynchronous replication), so those \
+   answered before the promotion count as unknown; Redlock has no backend fence in lockkit, so \
+   its cell checks the harness's fence only.
 
 The harness's own fence service stores a token's number only (`FencingToken::get`) and compares \
 numbers within one lock only: each of its keys is written under one lock, so that is all it \
 needs; a resource shared by several locks needs the lock too (as the backends' fences keep).
 
-After every cell: nothing of the cell's locks left on the server (Redis lock keys, etcd keys \
-under the prefix, ZooKeeper ephemerals, PostgreSQL advisory locks), and a fresh try-acquire \
+After every cell: nothing of the cell's locks left on the server (Redis lock keys: on the \
+masters for Sentinel and Cluster, on every node for Redlock; etcd keys under the prefix, ZooKeeper ephemerals, PostgreSQL advisory locks), and a fresh try-acquire \
 succeeds.
 ";
 

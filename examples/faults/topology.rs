@@ -4,8 +4,8 @@
 //! gives them (`start_sentinel`, `start_cluster`, `start_redlock`: no persistence,
 //! `down-after-milliseconds 1000`, `cluster-node-timeout 2000`, Redlock nodes declared fresh),
 //! here in the harness so it can SIGKILL, SIGSTOP and restart single nodes. The sentinels also
-//! know each other from the start (`known-sentinel`, as `tests/suite/redis/sentinel.rs` does),
-//! so a failover needs no seconds of hello messages first.
+//! know each other from the start (`known-sentinel`) and have `failover-timeout 2000`, as in
+//! `tests/suite/redis/sentinel.rs` (servers.sh's 5000 delays a retried election by 10 s).
 //!
 //! What a server fault means in each mode (see `docs/faults.md`): Sentinel, the current master;
 //! Cluster, the master owning the slot of the matrix's lock name; Redlock, a minority (SIGKILL:
@@ -287,7 +287,7 @@ impl Topology {
                 "port {port}\nbind 127.0.0.1\ndir {}\nsentinel myid {}\n\
                  sentinel monitor lockkit 127.0.0.1 {m} 2\n\
                  sentinel down-after-milliseconds lockkit 1000\n\
-                 sentinel failover-timeout lockkit 5000\n\
+                 sentinel failover-timeout lockkit 2000\n\
                  sentinel known-replica lockkit 127.0.0.1 {r}\n",
                 d.display(),
                 ids[i]
@@ -498,7 +498,20 @@ impl Topology {
                             })
                             .collect();
                         let m = self.serving();
-                        named.iter().all(|n| n == &named[0])
+                        // Each sentinel sees the replica linked (else it would not promote it).
+                        let replica_ok = (2..5).all(|s| {
+                            let out = cli(self.nodes[s].port, &["sentinel", "replicas", "lockkit"]);
+                            let f: Vec<&str> = out.lines().map(str::trim).collect();
+                            let value = |k: &str| {
+                                f.iter()
+                                    .position(|l| *l == k)
+                                    .and_then(|i| f.get(i + 1).copied())
+                            };
+                            value("flags") == Some("slave")
+                                && value("master-link-status") == Some("ok")
+                        });
+                        replica_ok
+                            && named.iter().all(|n| n == &named[0])
                             && m.is_some_and(|m| {
                                 cli(self.nodes[m].port, &["role"]).starts_with("master")
                                     && cli(self.nodes[m].port, &["info", "replication"])

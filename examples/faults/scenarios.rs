@@ -645,6 +645,7 @@ enum Restart {
 /// Scenario 4 (and PostgreSQL's 6): Server SIGKILLed (or cleanly restarted) while a lease is held.
 async fn server_restarted(ctx: &mut Ctx, how: Restart) -> Result<Cell, String> {
     let mut c = Checks::default();
+    ctx.server.healthy().await?;
     let prefix = ctx.prefix(if how == Restart::Kill { "s4" } else { "s6" });
     let spec = ctx.spec(&prefix);
     let (mut a, ta) = first_holder(&spec, &mut c).await?;
@@ -687,6 +688,7 @@ async fn server_restarted(ctx: &mut Ctx, how: Restart) -> Result<Cell, String> {
 /// Scenario 5: Server SIGSTOPped past the TTL, then resumed.
 async fn server_paused(ctx: &mut Ctx) -> Result<Cell, String> {
     let mut c = Checks::default();
+    ctx.server.healthy().await?;
     let prefix = ctx.prefix("s5");
     let spec = ctx.spec(&prefix);
     let (mut a, ta) = first_holder(&spec, &mut c).await?;
@@ -728,7 +730,7 @@ async fn server_paused(ctx: &mut Ctx) -> Result<Cell, String> {
         );
     }
     let stopped = secs(t_stop, now_ns());
-    let after = ctx.server.cont().await?;
+    let after = ctx.server.cont();
     let t_cont = now_ns();
     if let Some(mut p) = probe {
         p.finish(Duration::from_secs(10)).await;
@@ -834,6 +836,7 @@ async fn failover(ctx: &mut Ctx) -> Result<Cell, String> {
 /// FAILOVER`; `CLUSTER FAILOVER` on the replica of the slot's master); checked as 4.
 async fn coordinated_failover(ctx: &mut Ctx) -> Result<Cell, String> {
     let mut c = Checks::default();
+    ctx.server.healthy().await?;
     let prefix = ctx.prefix("s6");
     let spec = ctx.spec(&prefix);
     let (mut a, ta) = first_holder(&spec, &mut c).await?;
@@ -991,6 +994,8 @@ async fn stress(ctx: &mut Ctx) -> Result<Cell, String> {
                 signal(pid, "CONT");
             }));
         } else {
+            // A topology first gets ready to fail over (no-op for one server).
+            ctx.server.healthy().await?;
             let t = Instant::now();
             restart.0 = now_ns();
             let what = ctx.server.kill_and_restart().await?;

@@ -508,15 +508,22 @@ impl Server {
         Ok("the server".into())
     }
 
-    /// SIGCONT of what [`Server::stop`] stopped (a topology: then waits until it is healthy);
-    /// says what serves afterwards.
-    pub async fn cont(&mut self) -> Result<String, String> {
+    /// SIGCONT of what [`Server::stop`] stopped; says what serves afterwards (a topology).
+    pub fn cont(&mut self) -> String {
         if let Some(t) = &mut self.topo {
             let idx = std::mem::take(&mut self.paused);
-            return t.cont(&idx).await;
+            return t.cont(&idx);
         }
         self.signal_member(0, "CONT");
-        Ok(String::new())
+        String::new()
+    }
+
+    /// A topology: waits until it can take the next fault (see [`Topology::healthy`]).
+    pub async fn healthy(&self) -> Result<(), String> {
+        match &self.topo {
+            Some(t) => t.healthy().await,
+            None => Ok(()),
+        }
     }
 
     /// SIGKILL, then start again on the same port and data dir, and wait until ready (a

@@ -466,8 +466,10 @@ impl Topology {
     }
 
     /// Every data node up and answering, every replica linked to its master, the lock's
-    /// master known (Sentinel: by all three sentinels alike; Cluster: `cluster_state:ok` on
-    /// every node), within [`RECOVERY`]: the next fault may take the master again.
+    /// master known (Sentinel: by all three sentinels alike, each seeing the replica linked,
+    /// which after a fault happens at its next INFO of the replica, ≤ 10 s; Cluster:
+    /// `cluster_state:ok` on every node), within [`RECOVERY`]: awaited before each server
+    /// fault, so that a master's failure can be failed over.
     pub async fn healthy(&self) -> Result<(), String> {
         let ok = until(RECOVERY, || {
             let data_ok = self.data_nodes().all(|i| {
@@ -576,6 +578,8 @@ impl Topology {
                 )
             }
             Mode::Sentinel | Mode::Cluster => {
+                // A replica the sentinels or the cluster will promote.
+                self.healthy().await?;
                 let m = self.serving().ok_or("no master serves the lock")?;
                 let port = self.nodes[m].port;
                 self.kill(m);
@@ -588,7 +592,7 @@ impl Topology {
                     self.nodes[m].args = args;
                 }
                 self.spawn(m)?;
-                self.healthy().await?;
+                self.ping(m).await?;
                 Ok(format!(
                     "master :{port} SIGKILLed; replica :{} promoted {took:.2} s later; the old \
                      master back as its replica",
@@ -615,52 +619,50 @@ impl Topology {
         Ok((idx, what))
     }
 
-    /// SIGCONT of what [`Topology::stop`] stopped; says which node serves the lock afterwards.
-    pub async fn cont(&mut self, idx: &[usize]) -> Result<String, String> {
+    /// SIGCONT of what [`Topology::stop`] stopped; says which node serves the lock afterwards
+    /// (as the sentinels or the cluster say right then).
+    pub fn cont(&mut self, idx: &[usize]) -> String {
         for &i in idx {
             self.signal(i, "CONT");
         }
-        self.healthy().await?;
-        Ok(match self.serving() {
+        match self.serving() {
             Some(m) if idx.contains(&m) => format!("master :{} again", self.nodes[m].port),
             Some(m) => format!("replica :{} promoted meanwhile", self.nodes[m].port),
             None => "all nodes resumed".into(),
-        })
+        }
     }
 
     /// A coordinated failover (Sentinel: `SENTINEL FAILOVER`; Cluster: `CLUSTER FAILOVER` on the
     /// slot master's replica, which first catches up); `None` for Redlock (no replicas).
     pub async fn failover(&mut self) -> Option<Result<String, String>> {
-        let m = match self.mode {
-            Mode::Redlock => return None,
-            _ => self.serving(),
+        if self.mode == Mode::Redlock {
+            return None;
+        }
+        Some(self.coordinated().await)
+    }
+
+    async fn coordinated(&mut self) -> Result<String, String> {
+        self.healthy().await?;
+        let m = self.serving().ok_or("no master serves the lock")?;
+        let r = self.replica_of(m).ok_or("the master has no replica")?;
+        let (how, out) = match self.mode {
+            Mode::Sentinel => (
+                "SENTINEL FAILOVER",
+                cli(self.nodes[2].port, &["sentinel", "failover", "lockkit"]),
+            ),
+            _ => (
+                "CLUSTER FAILOVER on its replica",
+                cli(self.nodes[r].port, &["cluster", "failover"]),
+            ),
         };
-        Some(
-            async {
-                let m = m.ok_or("no master serves the lock")?;
-                let r = self.replica_of(m).ok_or("the master has no replica")?;
-                let (how, out) = match self.mode {
-                    Mode::Sentinel => (
-                        "SENTINEL FAILOVER",
-                        cli(self.nodes[2].port, &["sentinel", "failover", "lockkit"]),
-                    ),
-                    _ => (
-                        "CLUSTER FAILOVER on its replica",
-                        cli(self.nodes[r].port, &["cluster", "failover"]),
-                    ),
-                };
-                if out.trim() != "OK" {
-                    return Err(format!("{how}: {out:?}"));
-                }
-                let (new, took) = self.promoted(m).await?;
-                self.healthy().await?;
-                Ok(format!(
-                    "{how}: master :{} → :{} in {took:.2} s",
-                    self.nodes[m].port, self.nodes[new].port
-                ))
-            }
-            .await,
-        )
+        if out.trim() != "OK" {
+            return Err(format!("{how}: {out:?}"));
+        }
+        let (new, took) = self.promoted(m).await?;
+        Ok(format!(
+            "{how}: master :{} → :{} in {took:.2} s",
+            self.nodes[m].port, self.nodes[new].port
+        ))
     }
 
     /// Lock keys under `prefix` on the masters (Redlock: on every node).

@@ -28,8 +28,11 @@ pub enum Mode {
 /// `=lock` (`Keys::build` tags the name as `{=lock}`).
 const CLUSTER_TAG: &str = "{=lock}";
 
-/// How long a fault's recovery (a promotion, a replica's resync) may take: 30 s.
-const RECOVERY: Duration = Duration::from_secs(30);
+/// How long a fault's recovery (a promotion, a replica's resync) may take: 60 s. A sentinel
+/// that finds its timer late by over 2 s (a loaded host) enters TILT mode and does nothing for
+/// 30 s; a promotion then takes over 30 s (seen on the shared development machine at load
+/// average 20–45).
+const RECOVERY: Duration = Duration::from_secs(60);
 
 struct Node {
     port: u16,
@@ -550,8 +553,26 @@ impl Topology {
             new.is_some()
         })
         .await;
-        new.map(|n| (n, t.elapsed().as_secs_f64()))
-            .ok_or_else(|| format!("no replica promoted within {RECOVERY:?}"))
+        new.map(|n| (n, t.elapsed().as_secs_f64())).ok_or_else(|| {
+            format!(
+                "no replica promoted within {RECOVERY:?}{}",
+                if self.tilted() {
+                    " (a sentinel entered TILT mode: its timer ran over 2 s late)"
+                } else {
+                    ""
+                }
+            )
+        })
+    }
+
+    /// Whether a sentinel's log says it entered TILT mode.
+    fn tilted(&self) -> bool {
+        (0..self.nodes.len())
+            .filter(|&i| self.nodes[i].sentinel)
+            .any(|i| {
+                std::fs::read_to_string(self.dir.path().join(format!("n{i}.log")))
+                    .is_ok_and(|l| l.contains("+tilt"))
+            })
     }
 
     /// "Server SIGKILL + restart" in this mode; returns what was done, for the figures.

@@ -5,7 +5,8 @@
 # fails. Needs the Debian packages of scripts/install-deps.sh and root (PostgreSQL runs as the
 # `postgres` user).
 #
-#   scripts/faults.sh                         # every backend
+#   scripts/faults.sh                         # every backend: redis, redis-sentinel,
+#                                             # redis-cluster, redlock, etcd, zk, postgres
 #   scripts/faults.sh --backends redis,etcd   # a subset (then docs/faults.md holds only those)
 #   scripts/faults.sh --help                  # TTL, stress size, parallel backends
 set -euo pipefail

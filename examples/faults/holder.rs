@@ -302,9 +302,10 @@ enum Native {
 pub const PG_TABLE: &str = "faults_counter";
 
 /// The key (etcd, Redis), node (ZooKeeper) or row name (PostgreSQL) of the stress counter at
-/// the backend's fence.
+/// the backend's fence. `key` is a hash tag: in Redis Cluster, RedisFence's script writes the
+/// counter and its guard record (`{prefix}:guard:{counter}`), which must share a slot.
 pub fn native_key(key: &str) -> String {
-    format!("/faults-counter-{key}")
+    format!("/faults-counter-{{{key}}}")
 }
 
 impl Native {
@@ -325,7 +326,7 @@ impl Native {
                     .map_err(|e| format!("etcd client: {e}"))
             }
             "zk" => Ok(Native::Zk),
-            "redis" => Ok(Native::Redis),
+            "redis" | "redis+sentinel" | "redis+cluster" => Ok(Native::Redis),
             "postgres" => {
                 // sqlx takes the URL without lockkit's own parameters.
                 let db = args.url.split('?').next().unwrap_or_default().to_owned();

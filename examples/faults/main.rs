@@ -22,6 +22,7 @@ mod holder;
 mod proxy;
 mod scenarios;
 mod servers;
+mod topology;
 
 use clap::{Parser, Subcommand};
 

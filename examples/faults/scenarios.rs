@@ -20,8 +20,13 @@ use crate::servers::{Kind, Server, signal};
 
 #[derive(clap::Args, Debug)]
 pub struct RunArgs {
-    /// Backends to run, comma-separated: redis, etcd, zk, postgres.
-    #[arg(long, default_value = "redis,etcd,zk,postgres", value_delimiter = ',')]
+    /// Backends to run, comma-separated: redis, redis-sentinel, redis-cluster, redlock, etcd,
+    /// zk, postgres.
+    #[arg(
+        long,
+        default_value = "redis,redis-sentinel,redis-cluster,redlock,etcd,zk,postgres",
+        value_delimiter = ','
+    )]
     backends: Vec<String>,
     /// Lease TTL of every holder.
     #[arg(long, value_parser = humantime::parse_duration, default_value = "2s")]
@@ -50,6 +55,8 @@ enum Status {
     Fail,
     /// A limit the guarantee table declares.
     Declared,
+    /// The scenario does not apply to the mode (the cell says why); nothing was run.
+    NotApplicable,
 }
 
 #[derive(Clone, Debug)]
@@ -133,7 +140,18 @@ impl Ctx {
     }
 
     fn url(&self, prefix: &str) -> String {
-        format!("{}?prefix={prefix}", self.server.url())
+        self.url_on(&self.server.url(), prefix)
+    }
+
+    /// `base` with the cell's `prefix` (and, for Redlock, `max_ttl` = the TTL: a node restarted
+    /// empty votes again one TTL later).
+    fn url_on(&self, base: &str, prefix: &str) -> String {
+        if self.kind == Kind::Redlock {
+            let max_ttl = humantime::format_duration(self.ttl);
+            format!("{base}?prefix={prefix}&max_ttl={max_ttl}")
+        } else {
+            format!("{base}?prefix={prefix}")
+        }
     }
 
     fn spec(&self, prefix: &str) -> Spec {
@@ -205,6 +223,15 @@ impl Ctx {
             Ok(Err(e)) => c.check(false, format!("fresh try-acquire afterwards: {e}")),
             Err(_) => c.check(false, "fresh try-acquire afterwards: no answer in 20 s"),
         }
+    }
+}
+
+/// A cell not run, and why.
+fn not_applicable(why: &str) -> Cell {
+    Cell {
+        status: Status::NotApplicable,
+        summary: why.to_owned(),
+        details: vec![format!("not run: {why}")],
     }
 }
 
@@ -407,20 +434,58 @@ async fn holder_partitioned(ctx: &mut Ctx) -> Result<Cell, String> {
     let mut c = Checks::default();
     let prefix = ctx.prefix("s3");
     let spec = ctx.spec(&prefix);
-    let proxy = Proxy::start_local(ctx.server.port()).await;
     let mut spec_a = spec.clone();
-    spec_a.url = format!("{}?prefix={prefix}", ctx.server.url_via(proxy.port));
+    // A's own way to the server(s): one proxy, or one per Redlock node, all frozen at the cut.
+    let proxies = match ctx.kind {
+        Kind::Sentinel => {
+            return Ok(not_applicable(
+                "the holder learns the master's address from the sentinels, so no proxy sits \
+                 between it alone and the master (the master cut off from everyone is cell 5)",
+            ));
+        }
+        Kind::Cluster => {
+            return Ok(not_applicable(
+                "the holder learns the nodes' addresses from the cluster (CLUSTER SLOTS), so no \
+                 proxy sits between it alone and the masters (the slot's master cut off from \
+                 everyone is cell 5)",
+            ));
+        }
+        Kind::Redlock => {
+            let ports = ctx
+                .server
+                .topo
+                .as_ref()
+                .map(|t| t.redlock_ports())
+                .unwrap_or_default();
+            let mut proxies = Vec::new();
+            for p in ports {
+                proxies.push(Proxy::start_local(p).await);
+            }
+            let hosts: Vec<String> = proxies.iter().map(|p| p.endpoint()).collect();
+            spec_a.url = ctx.url_on(&format!("redlock://{}", hosts.join(",")), &prefix);
+            proxies
+        }
+        _ => {
+            let proxy = Proxy::start_local(ctx.server.port()).await;
+            spec_a.url = ctx.url_on(&ctx.server.url_via(proxy.port), &prefix);
+            vec![proxy]
+        }
+    };
     let (mut a, ta) = first_holder(&spec_a, &mut c).await?;
     let mut b = waiter(&spec).await?;
     let t_cut = now_ns();
-    proxy.freeze();
+    for p in &proxies {
+        p.freeze();
+    }
     let lost = a.wait(&["lost"], ctx.ttl + Duration::from_secs(5)).await;
     let eb = acquired(&mut b, "B", ctx.regrant_bound() + Duration::from_secs(20)).await?;
     let regrant = secs(t_cut, eb.t());
     let wb = wrote(&mut b, "B").await?;
     c.check(wb == "accepted", format!("B's write: {wb}"));
     let (state, reason, write) = act(&mut a, "A").await?;
-    proxy.thaw();
+    for p in &proxies {
+        p.thaw();
+    }
     let lost_after = lost.as_ref().map(|l| secs(t_cut, l.t()));
     c.note(format!(
         "A's loss signal {} after the cut (TTL {:?}); B granted {} after the cut; tokens {ta} -> {}; \
@@ -460,7 +525,7 @@ async fn holder_partitioned(ctx: &mut Ctx) -> Result<Cell, String> {
     c.check(r != "Ok", "A's release after losing the lease returned Ok");
     a.finish(Duration::from_secs(10)).await;
     b.finish(Duration::from_secs(10)).await;
-    drop(proxy);
+    drop(proxies);
     ctx.settle(&prefix, &mut c).await;
     Ok(c.cell(format!(
         "Lost {} after cut, before B's grant ({}); write {write}",
@@ -580,12 +645,24 @@ enum Restart {
 /// Scenario 4 (and PostgreSQL's 6): Server SIGKILLed (or cleanly restarted) while a lease is held.
 async fn server_restarted(ctx: &mut Ctx, how: Restart) -> Result<Cell, String> {
     let mut c = Checks::default();
+    ctx.server.healthy().await?;
     let prefix = ctx.prefix(if how == Restart::Kill { "s4" } else { "s6" });
     let spec = ctx.spec(&prefix);
     let (mut a, ta) = first_holder(&spec, &mut c).await?;
+    if ctx.kind == Kind::Redlock {
+        // A grant needs a majority only: which nodes hold A's key decides what a minority's
+        // SIGKILL does to it.
+        let on = ctx.server.leftovers(&prefix).await.unwrap_or(0);
+        c.note(format!("A's key on {on} of 5 nodes before the SIGKILL"));
+    }
     let t_kill = now_ns();
     match how {
-        Restart::Kill => ctx.server.kill_and_restart().await?,
+        Restart::Kill => {
+            let what = ctx.server.kill_and_restart().await?;
+            if !what.is_empty() {
+                c.note(what);
+            }
+        }
         Restart::Clean => ctx.server.clean_restart().await?,
     }
     let down = secs(t_kill, now_ns());
@@ -596,7 +673,12 @@ async fn server_restarted(ctx: &mut Ctx, how: Restart) -> Result<Cell, String> {
     let (outcome, survived) = survived_or_lost(ctx, &mut a, &spec, t_kill, cause, &mut c).await?;
     let tb = regrant_after(ctx, &mut a, &spec, ta, survived, &mut c).await?;
     c.note(format!(
-        "server down and back in {}; tokens {ta} -> {tb} (after)",
+        "server down and back{} in {}; tokens {ta} -> {tb} (after)",
+        if ctx.server.topo.is_some() {
+            " (and healthy again)"
+        } else {
+            ""
+        },
         fmt_s(down)
     ));
     ctx.settle(&prefix, &mut c).await;
@@ -606,20 +688,63 @@ async fn server_restarted(ctx: &mut Ctx, how: Restart) -> Result<Cell, String> {
 /// Scenario 5: Server SIGSTOPped past the TTL, then resumed.
 async fn server_paused(ctx: &mut Ctx) -> Result<Cell, String> {
     let mut c = Checks::default();
+    ctx.server.healthy().await?;
     let prefix = ctx.prefix("s5");
     let spec = ctx.spec(&prefix);
     let (mut a, ta) = first_holder(&spec, &mut c).await?;
     let t_stop = now_ns();
-    ctx.server.stop();
+    let what = ctx.server.stop()?;
+    // Redlock, a majority stopped: a try-acquire meanwhile must fail as Unavailable (the
+    // freeze lasts until it has answered).
+    let mut probe = if ctx.kind == Kind::Redlock {
+        let mut probe_spec = spec.clone();
+        probe_spec.wait = Duration::ZERO;
+        Some(Holder::spawn(&probe_spec)?)
+    } else {
+        None
+    };
     let lost = a.wait(&["lost"], ctx.ttl + Duration::from_secs(5)).await;
     let min_stop = ctx.ttl.mul_f64(1.5).as_secs_f64();
     let stopped = secs(t_stop, now_ns());
     if stopped < min_stop {
         tokio::time::sleep(Duration::from_secs_f64(min_stop - stopped)).await;
     }
+    let mut probe_said = String::new();
+    if let Some(p) = &mut probe {
+        let e = p
+            .wait(
+                &["acquired", "acquire_error", "connect_error"],
+                Duration::from_secs(20),
+            )
+            .await;
+        probe_said = e.map_or("no answer in 20 s".into(), |e| {
+            if e.ev() == "acquired" {
+                "acquired".into()
+            } else {
+                format!("{} {}", e.ev(), e.str("error"))
+            }
+        });
+        c.check(
+            probe_said.ends_with("Unavailable"),
+            format!("try-acquire with a majority stopped: {probe_said}"),
+        );
+    }
     let stopped = secs(t_stop, now_ns());
-    ctx.server.cont();
+    let after = ctx.server.cont();
     let t_cont = now_ns();
+    if let Some(mut p) = probe {
+        p.finish(Duration::from_secs(10)).await;
+    }
+    if ctx.server.topo.is_some() {
+        c.note(format!(
+            "stopped: {what}; after SIGCONT: {after}{}",
+            if probe_said.is_empty() {
+                String::new()
+            } else {
+                format!("; a try-acquire while stopped: {probe_said}")
+            }
+        ));
+    }
     let lost_after = lost.as_ref().map(|l| secs(t_stop, l.t()));
     c.check(
         lost_after.is_some_and(|s| s <= ctx.ttl.as_secs_f64() + 0.25),
@@ -655,8 +780,13 @@ async fn server_paused(ctx: &mut Ctx) -> Result<Cell, String> {
     a.finish(Duration::from_secs(10)).await;
     b.finish(Duration::from_secs(10)).await;
     ctx.settle(&prefix, &mut c).await;
+    let majority = if probe_said.ends_with("Unavailable") {
+        "; try-acquire meanwhile Unavailable"
+    } else {
+        ""
+    };
     Ok(c.cell(format!(
-        "Lost {} after freeze; after resume B granted in {}, A's write {write}",
+        "Lost {} after freeze{majority}; after resume B granted in {}, A's write {write}",
         lost_at(lost.as_ref(), t_stop),
         fmt_s(regrant)
     )))
@@ -694,7 +824,36 @@ async fn failover(ctx: &mut Ctx) -> Result<Cell, String> {
             Ok(cell)
         }
         Kind::Etcd | Kind::Zk => leader_killed(ctx).await,
+        Kind::Redlock => Ok(not_applicable(
+            "Redlock has no replicas to fail over to: its nodes are independent masters (a \
+             minority SIGKILLed is cell 4, a majority stopped cell 5)",
+        )),
+        Kind::Sentinel | Kind::Cluster => coordinated_failover(ctx).await,
     }
+}
+
+/// Scenario 6 for Sentinel and Cluster: a coordinated failover while A holds (`SENTINEL
+/// FAILOVER`; `CLUSTER FAILOVER` on the replica of the slot's master); checked as 4.
+async fn coordinated_failover(ctx: &mut Ctx) -> Result<Cell, String> {
+    let mut c = Checks::default();
+    ctx.server.healthy().await?;
+    let prefix = ctx.prefix("s6");
+    let spec = ctx.spec(&prefix);
+    let (mut a, ta) = first_holder(&spec, &mut c).await?;
+    let t_fail = now_ns();
+    let how = match ctx.server.topo.as_mut() {
+        Some(t) => t.failover().await,
+        None => None,
+    }
+    .ok_or("no failover in this mode")??;
+    c.note(how.clone());
+    let (outcome, survived) =
+        survived_or_lost(ctx, &mut a, &spec, t_fail, "the failover", &mut c).await?;
+    let tb = regrant_after(ctx, &mut a, &spec, ta, survived, &mut c).await?;
+    c.note(format!("tokens {ta} -> {tb} (after)"));
+    ctx.settle(&prefix, &mut c).await;
+    let how = how.split(':').next().unwrap_or_default().to_owned();
+    Ok(c.cell(format!("{how}: {outcome}; token after > before")))
 }
 
 /// Polls the members (every 100 ms, at most `limit`) until one leads.
@@ -835,13 +994,20 @@ async fn stress(ctx: &mut Ctx) -> Result<Cell, String> {
                 signal(pid, "CONT");
             }));
         } else {
+            // A topology first gets ready to fail over (no-op for one server).
+            ctx.server.healthy().await?;
             let t = Instant::now();
             restart.0 = now_ns();
-            ctx.server.kill_and_restart().await?;
+            let what = ctx.server.kill_and_restart().await?;
             restart.1 = now_ns();
             faults.push(format!(
-                "server SIGKILL + restart at {pct} % (back in {})",
-                fmt_s(t.elapsed().as_secs_f64())
+                "server SIGKILL + restart at {pct} % (back in {}{})",
+                fmt_s(t.elapsed().as_secs_f64()),
+                if what.is_empty() {
+                    String::new()
+                } else {
+                    format!(": {what}")
+                }
             ));
         }
     }
@@ -856,6 +1022,9 @@ async fn stress(ctx: &mut Ctx) -> Result<Cell, String> {
     // Increments answered before the SIGKILL are forgotten, those answered while it was down
     // or restarting may have landed on either server.
     let forgets = ctx.kind == Kind::Redis;
+    // Sentinel and Cluster fail over to the replica at the "restart": increments it had not
+    // received yet are gone, the others kept, so those answered before count as unknown.
+    let fails_over = matches!(ctx.kind, Kind::Sentinel | Kind::Cluster);
     let (mut native_forgotten, mut native_unsure) = (0u64, 0u64);
     let mut rejected_by_holders = 0u64;
     for (i, h) in holders.iter_mut().enumerate() {
@@ -878,7 +1047,9 @@ async fn stress(ctx: &mut Ctx) -> Result<Cell, String> {
             let native_t = e.u64("native_t");
             match e.str("native") {
                 "accepted" if forgets && native_t < restart.0 => native_forgotten += 1,
-                "accepted" if forgets && native_t <= restart.1 => native_unsure += 1,
+                "accepted" if (forgets || fails_over) && native_t <= restart.1 => {
+                    native_unsure += 1
+                }
                 "accepted" => native_accepted += 1,
                 "rejected" => native_rejected += 1,
                 "foreign" => native_foreign += 1,
@@ -929,6 +1100,13 @@ async fn stress(ctx: &mut Ctx) -> Result<Cell, String> {
     let native_unknown = native_errors + native_unsure;
     let key = crate::holder::native_key(&spec.key);
     let counter = match ctx.server.native_counter(&key).await {
+        _ if ctx.kind == Kind::Redlock => {
+            c.note(
+                "no backend fence counter: lockkit has no fence for Redlock (RedisFence needs a \
+                 lease of one Redis server, Sentinel or Cluster); the harness's fence alone",
+            );
+            None
+        }
         Ok(v) => Some(v),
         Err(e) => {
             c.check(false, format!("backend counter: {e}"));
@@ -943,10 +1121,18 @@ async fn stress(ctx: &mut Ctx) -> Result<Cell, String> {
             match ctx.kind {
                 Kind::Etcd => "EtcdFence: plain get + fenced put",
                 Kind::Zk => "ZkFence: read + fenced write",
-                Kind::Redis => "RedisFence: get + fenced set",
+                Kind::Redis | Kind::Sentinel | Kind::Cluster | Kind::Redlock => {
+                    "RedisFence: get + fenced set"
+                }
                 Kind::Postgres => "PgFence: SELECT … FOR UPDATE + fenced UPDATE, one transaction",
             },
-            if forgets {
+            if fails_over {
+                format!(
+                    "; the failover may have dropped increments the replica had not received: \
+                     the {native_unsure} accepted before the promotion count as unknown (only \
+                     increments after it are in 'accepted')"
+                )
+            } else if forgets {
                 format!(
                     "; the server restart (no persistence) forgot the {native_forgotten} \
                      increments accepted before it; {native_unsure} accepted while it restarted \
@@ -968,7 +1154,7 @@ async fn stress(ctx: &mut Ctx) -> Result<Cell, String> {
                 "backend counter {v} above accepted {native_accepted} + unknown {native_unknown}"
             ),
         );
-        if v < native_accepted && ctx.kind == Kind::Redis {
+        if v < native_accepted && (forgets || fails_over) {
             // RedisFence compares tokens when writing, not when reading: a holder whose lease
             // lapsed between its get and its set may write before the next holder's first
             // write, and that holder's increment then overwrites it (documented on RedisFence).
@@ -995,7 +1181,13 @@ async fn stress(ctx: &mut Ctx) -> Result<Cell, String> {
                 }
                 std::cmp::Ordering::Less => format!("< {native_accepted} increments"),
             },
-            if forgets { " since the restart" } else { "" }
+            if forgets {
+                " since the restart"
+            } else if fails_over {
+                " since the failover"
+            } else {
+                ""
+            }
         ),
         None => String::new(),
     };
@@ -1014,22 +1206,38 @@ const METHOD: &str = "\
 
 Every backend runs on a private server of its own (SIGKILLed, SIGSTOPped and restarted on the \
 same port and data dir); A, B are holder processes (`examples/faults`, `holder` mode) reporting \
-JSON events stamped with CLOCK_REALTIME; times are from the fault to the event.
+JSON events stamped with CLOCK_REALTIME; times are from the fault to the event. The Redis modes \
+of several processes run on private topologies with the settings `scripts/servers.sh` gives \
+them: Sentinel (a master, a replica, three sentinels, quorum 2, `down-after-milliseconds 1000`, \
+`failover-timeout 2000`), Cluster (three masters with a replica each, `cluster-node-timeout \
+2000`), Redlock (five independent nodes, `max_ttl` = the TTL), all without persistence. \
+\"n/a\" marks a scenario that does not apply to a mode: not run, and the cell says why.
 
 1. A holds the lock, B waits; A is SIGKILLed. Re-grant = B's grant − the kill; B's token must be \
    larger; bound TTL + the backend's declared expiry slack + 1.5 s for the loaded host.
 2. A holds and has written, B waits; A is SIGSTOPped until B holds and wrote (≥ 1.5 TTL), then \
    resumed: A's first action sees its lease Lost, and its fenced write is rejected.
 3. As 2, but A's traffic is blackholed in a TCP proxy (sockets stay open): A's loss signal must \
-   fire within one TTL of the cut, before B's grant.
+   fire within one TTL of the cut, before B's grant. Redlock: one proxy per node, all frozen. \
+   Sentinel, Cluster: n/a (the holder learns the master's address from the sentinels or the \
+   cluster, so no proxy sits between it alone and the master).
 4. A holds; the server is SIGKILLed and restarted. Within 2 TTLs A's lease is either still Held \
    (then another process's try-acquire gets Held, A writes and releases) or reported Lost; then B \
-   gets a larger token and a Lost A's write is rejected.
+   gets a larger token and a Lost A's write is rejected. Sentinel: the master is SIGKILLed; once \
+   the sentinels have promoted the replica, the old master comes back (empty) as its replica. \
+   Cluster: the master owning the lock name's slot is SIGKILLed; once its replica is promoted, it \
+   comes back and rejoins as a replica. Redlock: two of the five nodes (a minority) are SIGKILLed \
+   and restarted empty, and vote again one `max_ttl` later (delayed restart); the lock keeps \
+   working, and A's lease survives only if its key is on a majority of the others (a grant needs \
+   a majority, not every node: the figures say on how many nodes it was).
 5. A holds; the server is SIGSTOPped 1.5 TTL: A's loss signal within one TTL; after SIGCONT a new \
-   process gets a larger token and A's write is rejected.
+   process gets a larger token and A's write is rejected. Sentinel: the master is stopped, \
+   Cluster: the slot's master (either may be failed over meanwhile; the figures say). Redlock: \
+   three of five nodes (a majority), and a try-acquire meanwhile must fail as `Unavailable`.
 6. etcd, ZooKeeper: a 3-member cluster / ensemble of its own; the leader is SIGKILLed while A \
    holds; checked as 4. PostgreSQL: a clean restart (`pg_ctl stop -m fast`), checked as 4. \
-   Redis (single): nothing to fail over to.
+   Redis (single): nothing to fail over to. Sentinel: `SENTINEL FAILOVER`; Cluster: `CLUSTER \
+   FAILOVER` on the replica of the slot's master; checked as 4. Redlock: n/a (no replicas).
 7. 8 holders × 250 rounds of acquire → fenced read → 5 ms → fenced write of value + 1 → release; \
    three SIGSTOPs of 1.5–3 TTL, each of a holder that holds the lock at that moment, and one server \
    SIGKILL + restart. Final value = accepted writes; stale writes accepted (an accepted \
@@ -1041,14 +1249,18 @@ JSON events stamped with CLOCK_REALTIME; times are from the fault to the event.
    not count), and no increment may be refused as another lock's. Redis runs without persistence, \
    so its restart forgets the counter: only increments answered after the restart count. \
    RedisFence compares tokens when writing, not reading: should a lapsed holder's set land between \
-   the next holder's get and set, the counter falls short, which is a declared limit.
+   the next holder's get and set, the counter falls short, which is a declared limit. In the \
+   Sentinel, Cluster and Redlock rows the server fault is cell 4's; Sentinel and Cluster fail \
+   over to a replica that may lack the last increments (asynchronous replication), so those \
+   answered before the promotion count as unknown; Redlock has no backend fence in lockkit, so \
+   its cell checks the harness's fence only.
 
 The harness's own fence service stores a token's number only (`FencingToken::get`) and compares \
 numbers within one lock only: each of its keys is written under one lock, so that is all it \
 needs; a resource shared by several locks needs the lock too (as the backends' fences keep).
 
-After every cell: nothing of the cell's locks left on the server (Redis lock keys, etcd keys \
-under the prefix, ZooKeeper ephemerals, PostgreSQL advisory locks), and a fresh try-acquire \
+After every cell: nothing of the cell's locks left on the server (Redis lock keys: on the \
+masters for Sentinel and Cluster, on every node for Redlock; etcd keys under the prefix, ZooKeeper ephemerals, PostgreSQL advisory locks), and a fresh try-acquire \
 succeeds.
 ";
 
@@ -1110,6 +1322,7 @@ fn mark(s: Status) -> &'static str {
         Status::Pass => "✅",
         Status::Fail => "❌",
         Status::Declared => "⚠️ declared limit:",
+        Status::NotApplicable => "n/a:",
     }
 }
 
@@ -1128,7 +1341,10 @@ pub async fn run(args: RunArgs) -> i32 {
         match Kind::parse(b) {
             Some(k) => kinds.push(k),
             None => {
-                eprintln!("faults: unknown backend {b:?} (redis, etcd, zk, postgres)");
+                eprintln!(
+                    "faults: unknown backend {b:?} (redis, redis-sentinel, redis-cluster, \
+                     redlock, etcd, zk, postgres)"
+                );
                 return 64;
             }
         }
@@ -1194,7 +1410,8 @@ pub async fn run(args: RunArgs) -> i32 {
     }
     let _ = writeln!(
         md,
-        "\n✅ pass · ❌ fail · ⚠️ a limit the guarantee table declares\n\n{METHOD}\n## Figures\n"
+        "\n✅ pass · ❌ fail · ⚠️ a limit the guarantee table declares · n/a: the scenario does not \
+         apply to the mode (not run; the cell says why)\n\n{METHOD}\n## Figures\n"
     );
     for (k, cells) in &rows {
         let _ = writeln!(md, "### {}\n", k.label());

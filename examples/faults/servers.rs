@@ -9,12 +9,17 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::time::Instant;
 
+use crate::topology::{Mode, Topology};
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {
     Redis,
     Etcd,
     Zk,
     Postgres,
+    Sentinel,
+    Cluster,
+    Redlock,
 }
 
 impl Kind {
@@ -24,6 +29,19 @@ impl Kind {
             Kind::Etcd => "etcd (1 member)",
             Kind::Zk => "ZooKeeper (standalone)",
             Kind::Postgres => "PostgreSQL",
+            Kind::Sentinel => "Redis Sentinel (master, replica, 3 sentinels)",
+            Kind::Cluster => "Redis Cluster (3 masters + 3 replicas)",
+            Kind::Redlock => "Redlock (5 nodes)",
+        }
+    }
+
+    /// The mode of several Redis processes this is, if it is one.
+    pub fn topology(self) -> Option<Mode> {
+        match self {
+            Kind::Sentinel => Some(Mode::Sentinel),
+            Kind::Cluster => Some(Mode::Cluster),
+            Kind::Redlock => Some(Mode::Redlock),
+            _ => None,
         }
     }
 
@@ -33,16 +51,21 @@ impl Kind {
             "etcd" => Some(Kind::Etcd),
             "zk" => Some(Kind::Zk),
             "postgres" => Some(Kind::Postgres),
+            "redis-sentinel" => Some(Kind::Sentinel),
+            "redis-cluster" => Some(Kind::Cluster),
+            "redlock" => Some(Kind::Redlock),
             _ => None,
         }
     }
 
     /// How long after a lapsed TTL the server itself may still hold the lock, per the backend's
     /// docs (README fine print): etcd frees up to max(1 s, min TTL) + 0.5 s late, a ZooKeeper
-    /// session expires up to one tick (500 ms here) late, PostgreSQL's idle timeout has ≤ 100 ms.
+    /// session expires up to one tick (500 ms here) late, PostgreSQL's idle timeout has ≤ 100 ms,
+    /// a Redlock waiter polls ([`REDLOCK_EXPIRY_SLACK`](lockkit::redis::REDLOCK_EXPIRY_SLACK)).
     pub fn expiry_slack(self) -> Duration {
         match self {
-            Kind::Redis => Duration::from_millis(200),
+            Kind::Redis | Kind::Sentinel | Kind::Cluster => Duration::from_millis(200),
+            Kind::Redlock => lockkit::redis::REDLOCK_EXPIRY_SLACK,
             Kind::Etcd => Duration::from_millis(1500),
             Kind::Zk => Duration::from_millis(600),
             Kind::Postgres => Duration::from_millis(200),
@@ -144,11 +167,15 @@ struct Member {
     child: Option<Child>,
 }
 
-/// A private instance: one server, or (etcd, ZooKeeper) a 3-member cluster / ensemble.
+/// A private instance: one server, or (etcd, ZooKeeper) a 3-member cluster / ensemble, or a
+/// Redis topology of several processes (Sentinel, Cluster, Redlock: `topo`, no `members`).
 pub struct Server {
     pub kind: Kind,
     members: Vec<Member>,
     dir: tempfile::TempDir,
+    pub topo: Option<Topology>,
+    /// The topology's nodes SIGSTOPped by [`Server::stop`].
+    paused: Vec<usize>,
 }
 
 impl Drop for Server {
@@ -185,7 +212,25 @@ impl Server {
                 child: None,
             })
             .collect();
-        let mut s = Server { kind, members, dir };
+        if let Some(mode) = kind.topology() {
+            let topo = Topology::start(mode).await?;
+            let s = Server {
+                kind,
+                members: Vec::new(),
+                dir,
+                topo: Some(topo),
+                paused: Vec::new(),
+            };
+            s.ready(Duration::from_secs(90)).await?;
+            return Ok(s);
+        }
+        let mut s = Server {
+            kind,
+            members,
+            dir,
+            topo: None,
+            paused: Vec::new(),
+        };
         if kind == Kind::Postgres {
             run("chmod", Command::new("chmod").arg("755").arg(s.dir.path()))?;
             let root = s.pg_root();
@@ -233,6 +278,9 @@ impl Server {
             Kind::Etcd => format!("etcd://{all}"),
             Kind::Zk => format!("zk://{all}"),
             Kind::Postgres => format!("postgres://postgres@{all}/postgres"),
+            Kind::Sentinel | Kind::Cluster | Kind::Redlock => {
+                self.topo.as_ref().map_or_else(String::new, Topology::url)
+            }
         }
     }
 
@@ -358,6 +406,9 @@ impl Server {
                 )?;
                 return Ok(());
             }
+            Kind::Sentinel | Kind::Cluster | Kind::Redlock => {
+                return Err("a Redis topology starts its own processes".into());
+            }
         };
         let log = self.log(i);
         let err = log.try_clone().map_err(|e| e.to_string())?;
@@ -445,21 +496,48 @@ impl Server {
         self.spawn(i)
     }
 
-    /// SIGSTOP of every server process.
-    pub fn stop(&self) {
+    /// SIGSTOP of every server process (a topology: of its master, or a Redlock majority, see
+    /// [`Topology::stop`]); says what was stopped.
+    pub fn stop(&mut self) -> Result<String, String> {
+        if let Some(t) = &mut self.topo {
+            let (idx, what) = t.stop()?;
+            self.paused = idx;
+            return Ok(what);
+        }
         self.signal_member(0, "STOP");
+        Ok("the server".into())
     }
 
-    /// SIGCONT of every server process.
-    pub fn cont(&self) {
+    /// SIGCONT of what [`Server::stop`] stopped; says what serves afterwards (a topology).
+    pub fn cont(&mut self) -> String {
+        if let Some(t) = &mut self.topo {
+            let idx = std::mem::take(&mut self.paused);
+            return t.cont(&idx);
+        }
         self.signal_member(0, "CONT");
+        String::new()
     }
 
-    /// SIGKILL, then start again on the same port and data dir, and wait until ready.
-    pub async fn kill_and_restart(&mut self) -> Result<(), String> {
+    /// A topology: waits until it can take the next fault (see [`Topology::healthy`]).
+    pub async fn healthy(&self) -> Result<(), String> {
+        match &self.topo {
+            Some(t) => t.healthy().await,
+            None => Ok(()),
+        }
+    }
+
+    /// SIGKILL, then start again on the same port and data dir, and wait until ready (a
+    /// topology: see [`Topology::kill_and_restart`]); says what was done, if more than that.
+    pub async fn kill_and_restart(&mut self) -> Result<String, String> {
+        if let Some(t) = &mut self.topo {
+            let what = t.kill_and_restart().await?;
+            self.ready(Duration::from_secs(90)).await?;
+            return Ok(what);
+        }
         self.kill_member(0);
         self.spawn(0)?;
-        self.ready(Duration::from_secs(90)).await
+        self.ready(Duration::from_secs(90)).await?;
+        Ok(String::new())
     }
 
     /// A clean restart (PostgreSQL: `pg_ctl stop -m fast`, then start), for the
@@ -521,6 +599,9 @@ impl Server {
     /// PostgreSQL counts, which are per server; every scenario has the server to itself). Fence
     /// guard records are not locks and not counted.
     pub async fn leftovers(&self, prefix: &str) -> Result<usize, String> {
+        if let Some(t) = &self.topo {
+            return t.leftovers(prefix);
+        }
         let port = self
             .members
             .iter()
@@ -566,6 +647,7 @@ impl Server {
                 .trim()
                 .parse()
                 .map_err(|e| format!("psql: {e}")),
+            Kind::Sentinel | Kind::Cluster | Kind::Redlock => Err("a topology".into()),
         }
     }
 }
@@ -624,6 +706,10 @@ impl Server {
                 "redis-cli GET",
                 Command::new("redis-cli").args(["-p", &self.port().to_string(), "GET", key]),
             )?,
+            Kind::Sentinel | Kind::Cluster | Kind::Redlock => match &self.topo {
+                Some(t) => t.counter(key)?,
+                None => String::new(),
+            },
         };
         let raw = raw.trim();
         if raw.is_empty() {

@@ -337,7 +337,7 @@ impl Connected {
             #[cfg(feature = "redis")]
             Self::Redlock(_) => {
                 return Err(Error::NotSupported {
-                    operation: "elections and semaphores",
+                    operation: "an election or semaphore",
                     backend: "redlock",
                 });
             }

@@ -3,6 +3,7 @@
 //! ```text
 //! cargo run --example fencing                                     # embedded in-memory backend
 //! cargo run --example fencing --features redis -- --backend redis://127.0.0.1:6379
+//! cargo run --example fencing --features redis -- --backend redlock://h1:6379,h2:6379,h3:6379
 //! cargo run --example fencing --features etcd  -- --backend etcd://127.0.0.1:2379
 //! cargo run --example fencing --features zk    -- --backend zk://127.0.0.1:2181     # TTL: max(2 s, server minimum)
 //! ```
@@ -30,7 +31,8 @@ use tokio::time::Instant;
 /// Reproduces the paused-holder failure and shows the fencing token rejecting the stale write.
 #[derive(Parser, Debug)]
 struct Args {
-    /// Lock service URL: memory://, redis://host:port, etcd://host:port, zk://host:port,
+    /// Lock service URL: memory://, redis://host:port (also redis+sentinel://,
+    /// redis+cluster://, redlock://), etcd://host:port, zk://host:port,
     /// postgres://user@host:port/db (network backends need their Cargo feature).
     #[arg(long, default_value = "memory://")]
     backend: String,
@@ -38,7 +40,7 @@ struct Args {
     /// (ZooKeeper: its minSessionTimeout, 4 s with the stock tickTime=2000).
     #[arg(long, value_parser = humantime::parse_duration)]
     ttl: Option<Duration>,
-    /// Lock name.
+    /// Lock name; a random suffix is added, so that each run starts on a fresh lock.
     #[arg(long, default_value = "fencing-demo")]
     name: String,
 }

@@ -159,8 +159,8 @@ pub async fn connect(url: &str) -> Result<Arc<dyn Lock>> {
 /// ```
 ///
 /// # Errors
-/// As [`connect`], and [`Error::NotSupported`] for `redlock://` (every other backend has
-/// elections and semaphores).
+/// As [`connect`], and [`Error::NotSupported`] for `redlock://` and `redis+cluster://` (every
+/// other backend has elections and semaphores).
 pub async fn connect_election(url: &str) -> Result<Arc<dyn Election>> {
     Ok(Connected::open(url).await?.slots()?.election)
 }
@@ -198,6 +198,9 @@ enum Connected {
     Memory(MemoryLock),
     #[cfg(feature = "redis")]
     Redis(lockkit_redis::RedisLock),
+    /// `redis+cluster://`: the same client, without elections and semaphores.
+    #[cfg(feature = "redis")]
+    RedisCluster(lockkit_redis::RedisLock),
     #[cfg(feature = "redis")]
     Redlock(lockkit_redis::RedlockLock),
     #[cfg(feature = "etcd")]
@@ -239,9 +242,17 @@ impl Connected {
                 Ok(Self::Memory(MemoryLock::new()))
             }
             // rediss+sentinel: lockkit-redis's typed NotSupported (no TLS in Sentinel mode yet).
-            "redis" | "rediss" | "redis+sentinel" | "rediss+sentinel" | "redis+cluster" => {
+            "redis" | "rediss" | "redis+sentinel" | "rediss+sentinel" => {
                 #[cfg(feature = "redis")]
                 return Ok(Self::Redis(lockkit_redis::RedisLock::connect(url).await?));
+                #[cfg(not(feature = "redis"))]
+                return Err(feature_off(&scheme, "redis"));
+            }
+            "redis+cluster" => {
+                #[cfg(feature = "redis")]
+                return Ok(Self::RedisCluster(
+                    lockkit_redis::RedisLock::connect(url).await?,
+                ));
                 #[cfg(not(feature = "redis"))]
                 return Err(feature_off(&scheme, "redis"));
             }
@@ -296,7 +307,7 @@ impl Connected {
         match self {
             Self::Memory(b) => Arc::new(b),
             #[cfg(feature = "redis")]
-            Self::Redis(b) => Arc::new(b),
+            Self::Redis(b) | Self::RedisCluster(b) => Arc::new(b),
             #[cfg(feature = "redis")]
             Self::Redlock(b) => Arc::new(b),
             #[cfg(feature = "etcd")]
@@ -309,16 +320,24 @@ impl Connected {
     }
 
     /// The backend's elections and semaphores (every backend but Redlock implements
-    /// `SlotBackend`).
+    /// `SlotBackend`; Redis refuses them in Cluster mode, so say so here, before any campaign,
+    /// and `lockkit guarantees` does not list them).
     fn slots(self) -> Result<Slots> {
         Ok(match self {
             Self::Memory(b) => Slots::of(b),
             #[cfg(feature = "redis")]
             Self::Redis(b) => Slots::of(b),
             #[cfg(feature = "redis")]
+            Self::RedisCluster(_) => {
+                return Err(Error::NotSupported {
+                    operation: "an election or semaphore in Redis Cluster mode",
+                    backend: "redis",
+                });
+            }
+            #[cfg(feature = "redis")]
             Self::Redlock(_) => {
                 return Err(Error::NotSupported {
-                    operation: "elections and semaphores",
+                    operation: "an election or semaphore",
                     backend: "redlock",
                 });
             }

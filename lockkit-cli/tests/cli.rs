@@ -899,6 +899,30 @@ fn guarantees_name_no_code_constants() {
     }
 }
 
+/// `guarantees` on a backend without elections and semaphores (Redis Cluster, Redlock) says so
+/// instead of listing guarantees for them, as `elect` there exits 64.
+#[test]
+fn guarantees_list_no_elections_where_there_are_none() {
+    for var in ["LOCKKIT_REDIS_CLUSTER_URL", "LOCKKIT_REDLOCK_URL"] {
+        let url = server(var);
+        let (code, out, err) = code_of(&["guarantees", "--json", &url]);
+        assert_eq!(code, Some(0), "{var}: {err}");
+        let v: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+        assert!(v["elections"].is_null(), "{var}: {v}");
+        let (code, table, err) = code_of(&["guarantees", &url]);
+        assert_eq!(code, Some(0), "{var}: {err}");
+        assert!(
+            table.contains("elections, semaphores   not supported"),
+            "{var}: {table}"
+        );
+        let name = unique("no-elect");
+        let args = ["elect", "--backend", &url, "--value", "v", "--wait", "0"];
+        let (code, _, err) = code_of(&[&args[..], &[&name, "--", "true"]].concat());
+        assert_eq!(code, Some(64), "{var}: {err}");
+        assert!(err.contains("not supported"), "{var}: {err}");
+    }
+}
+
 /// A background job the command left in its group is ended before `lockkit run` releases and
 /// exits: nothing of the command outlives the lock.
 #[test]

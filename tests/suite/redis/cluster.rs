@@ -262,19 +262,31 @@ async fn names_on_every_master_are_granted_and_renewed_together() {
     }
 }
 
-/// Cluster mode refuses elections and semaphores with a typed error.
+/// Cluster mode refuses elections and semaphores with a typed error: `lockkit::connect_election`
+/// and `connect_semaphore` at connect (as for Redlock, so that `lockkit guarantees` lists none),
+/// a `RedisLock` used as a `SlotBackend` directly at the campaign or acquire.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn elections_are_not_supported_in_cluster_mode() {
     let url = server_url("LOCKKIT_REDIS_CLUSTER_URL");
     let url = with_prefix(&url, &fresh_prefix());
-    let elections = lockkit::connect_election(&url).await.unwrap();
-    let e = elections
+    let Err(e) = lockkit::connect_election(&url).await else {
+        panic!("connect_election on a cluster must be refused");
+    };
+    assert!(matches!(e, Error::NotSupported { .. }), "{e:?}");
+    let Err(e) = lockkit::connect_semaphore(&url).await else {
+        panic!("connect_semaphore on a cluster must be refused");
+    };
+    assert!(matches!(e, Error::NotSupported { .. }), "{e:?}");
+    let direct: std::sync::Arc<dyn lockkit::Election> =
+        std::sync::Arc::new(lockkit::redis::RedisLock::connect(&url).await.unwrap());
+    let e = direct
         .campaign("leader", b"me", AcquireOptions::new().wait(Wait::No))
         .await
         .unwrap_err();
     assert!(matches!(e, Error::NotSupported { .. }), "{e:?}");
-    let semaphores = lockkit::connect_semaphore(&url).await.unwrap();
-    let e = semaphores
+    let direct: std::sync::Arc<dyn lockkit::Semaphore> =
+        std::sync::Arc::new(lockkit::redis::RedisLock::connect(&url).await.unwrap());
+    let e = direct
         .acquire_permit("pool", 2, AcquireOptions::new().wait(Wait::No))
         .await
         .unwrap_err();

@@ -19,4 +19,5 @@ set -a
 set +a
 # The scenarios (issues #11, #14) write their tables and plots here.
 export LOCKBENCH_REPORT="${LOCKBENCH_REPORT:-$PWD/docs/benchmarks.md}"
-cargo bench --bench lockbench --all-features -- "$@"
+# lockbench is a workspace package of its own (benches/lockbench), every backend on by default.
+cargo bench -p lockbench --bench lockbench -- "$@"

@@ -12,6 +12,11 @@
 //! - many leases: 1,000 and 10,000 held leases on one client: time to acquire them, client RSS
 //!   per lease, renewal requests and commands per second from the server's counters.
 //!
+//! With `LOCKKIT_REDIS_CLUSTER_URL` set (`scripts/servers.sh`'s cluster topology), the same
+//! floor done with the redis crate's cluster client and lockkit on `redis+cluster://` join the
+//! uncontended rows, lockkit on the cluster joins the contention rotation, and hand-off runs on
+//! the cluster follow the single node's; the peers run on one node only (issue #13).
+//!
 //! Writes Markdown tables and one SVG plot per scenario to `LOCKBENCH_REPORT` (a path, e.g.
 //! `docs/benchmarks.md`; plots go to `benchmarks/` beside it) when set.
 
@@ -41,14 +46,27 @@ enum Variant {
     Lockkit,
     Rslock,
     RedisLock,
+    /// lockkit on `LOCKKIT_REDIS_CLUSTER_URL` (the peers run on one node only).
+    LockkitCluster,
 }
 
 impl Variant {
+    /// The single-node variants: lockkit and the peers.
     const ALL: [Variant; 3] = [Variant::Lockkit, Variant::Rslock, Variant::RedisLock];
+
+    /// [`Variant::ALL`], then lockkit on the cluster when there is one.
+    fn with_cluster(cluster: bool) -> Vec<Variant> {
+        let mut v = Variant::ALL.to_vec();
+        if cluster {
+            v.push(Variant::LockkitCluster);
+        }
+        v
+    }
 
     fn name(self) -> &'static str {
         match self {
             Variant::Lockkit => "lockkit",
+            Variant::LockkitCluster => "lockkit Cluster",
             Variant::Rslock => "rslock 0.10",
             Variant::RedisLock => "redis-lock 0.5.1",
         }
@@ -69,7 +87,7 @@ impl Variant {
     fn top_level(self, stats: &HashMap<String, u64>, kind: &str) -> u64 {
         let get = |c: &str| stats.get(&format!("{kind}{c}")).copied().unwrap_or(0);
         match self {
-            Variant::Lockkit => get("evalsha") + get("eval"),
+            Variant::Lockkit | Variant::LockkitCluster => get("evalsha") + get("eval"),
             // SET NX PX by the client, release as a script.
             Variant::Rslock | Variant::RedisLock => get("set") + get("evalsha") + get("eval"),
         }
@@ -88,7 +106,9 @@ const TTL: Duration = Duration::from_secs(10);
 impl Client {
     async fn connect(v: Variant, base: &str, prefix: &str) -> Client {
         match v {
-            Variant::Lockkit => Client::Lockkit(lockkit_client(base, prefix).await),
+            Variant::Lockkit | Variant::LockkitCluster => {
+                Client::Lockkit(lockkit_client(base, prefix).await)
+            }
             Variant::Rslock => Client::Rslock(rslock::LockManager::new(vec![base.to_owned()])),
             Variant::RedisLock => {
                 let c = redis027::Client::open(base).expect("redis027 client");
@@ -161,7 +181,64 @@ fn spin(d: Duration) {
     }
 }
 
-async fn commandstats(conn: &mut ConnectionManager) -> HashMap<String, u64> {
+/// Connections to the servers whose `INFO commandstats` count a variant's commands: the single
+/// node, or each master of the cluster (a replica's counts would add the replicated writes).
+struct Admin(Vec<ConnectionManager>);
+
+async fn manager(url: &str) -> ConnectionManager {
+    let client = redis::Client::open(url).expect("redis client");
+    ConnectionManager::new(client)
+        .await
+        .expect("redis connection")
+}
+
+impl Admin {
+    async fn node(url: &str) -> Admin {
+        Admin(vec![manager(url).await])
+    }
+
+    /// The masters among the seed nodes of a `redis+cluster://h:p,h:p` URL.
+    async fn cluster_masters(url: &str) -> Admin {
+        let mut masters = Vec::new();
+        for seed in cluster_seeds(url) {
+            let mut conn = manager(&seed).await;
+            let info: String = redis::cmd("INFO")
+                .arg("replication")
+                .query_async(&mut conn)
+                .await
+                .expect("INFO replication");
+            if info.lines().any(|l| l.trim() == "role:master") {
+                masters.push(conn);
+            }
+        }
+        assert!(!masters.is_empty(), "no master among the cluster's seeds");
+        Admin(masters)
+    }
+}
+
+/// `redis://host:port` of each seed of a `redis+cluster://host:port,host:port` URL (the bench's
+/// URLs from `scripts/servers.sh` carry no credentials or parameters).
+fn cluster_seeds(url: &str) -> Vec<String> {
+    let hosts = url
+        .strip_prefix("redis+cluster://")
+        .expect("a redis+cluster:// URL");
+    let hosts = hosts.split(['/', '?']).next().unwrap_or_default();
+    hosts.split(',').map(|h| format!("redis://{h}")).collect()
+}
+
+/// `INFO commandstats` summed over `admin`'s servers: calls per command and, under `"usec:"`
+/// prefixed keys, the server's time in it.
+async fn commandstats(admin: &mut Admin) -> HashMap<String, u64> {
+    let mut out = HashMap::new();
+    for conn in &mut admin.0 {
+        for (k, n) in node_commandstats(conn).await {
+            *out.entry(k).or_default() += n;
+        }
+    }
+    out
+}
+
+async fn node_commandstats(conn: &mut ConnectionManager) -> HashMap<String, u64> {
     let info: String = redis::cmd("INFO")
         .arg("commandstats")
         .query_async(conn)
@@ -214,7 +291,7 @@ async fn contention_window(
     name: &str,
     cs: Duration,
     length: Duration,
-    admin: &mut ConnectionManager,
+    admin: &mut Admin,
 ) -> Window {
     let stop = Arc::new(AtomicBool::new(false));
     let counts: Vec<Arc<AtomicU64>> = clients.iter().map(|_| Arc::default()).collect();
@@ -289,26 +366,68 @@ fn lock_ref(cont: &[ContentionResult], hand: &[(usize, Vec<HandoffRun>)]) -> cra
     crate::slots::LockRef { handoff, grants16 }
 }
 
-async fn contention(base: &str, admin: &mut ConnectionManager) -> Vec<ContentionResult> {
+/// The single node and, when `LOCKKIT_REDIS_CLUSTER_URL` is set, the cluster: each URL with
+/// the connections that read its servers' counters.
+struct Servers {
+    base: String,
+    admin: Admin,
+    cluster: Option<(String, Admin)>,
+}
+
+impl Servers {
+    async fn from_env() -> Servers {
+        let base = url("LOCKKIT_REDIS_URL");
+        let admin = Admin::node(&base).await;
+        let cluster = match std::env::var("LOCKKIT_REDIS_CLUSTER_URL") {
+            Ok(u) => {
+                let a = Admin::cluster_masters(&u).await;
+                Some((u, a))
+            }
+            Err(_) => None,
+        };
+        Servers {
+            base,
+            admin,
+            cluster,
+        }
+    }
+
+    fn variants(&self) -> Vec<Variant> {
+        Variant::with_cluster(self.cluster.is_some())
+    }
+
+    /// The URL `v` connects to and the counters of its servers.
+    fn of(&mut self, v: Variant) -> (&str, &mut Admin) {
+        match (v, &mut self.cluster) {
+            (Variant::LockkitCluster, Some((u, a))) => (u, a),
+            _ => (&self.base, &mut self.admin),
+        }
+    }
+}
+
+async fn contention(servers: &mut Servers) -> Vec<ContentionResult> {
     let rounds: usize = env_or("LOCKBENCH_ROUNDS", 5);
     let length = Duration::from_millis(env_or("LOCKBENCH_WINDOW_MS", 600));
+    let variants = servers.variants();
     let mut out = Vec::new();
     for clients in [1usize, 4, 16, 64] {
         let prefix = format!("lockbench-{:08x}", rand::random::<u32>());
         let mut pools: HashMap<Variant, Vec<Arc<Client>>> = HashMap::new();
-        for v in Variant::ALL {
+        for &v in &variants {
+            let base = servers.of(v).0.to_owned();
             let mut pool = Vec::new();
             for _ in 0..clients {
-                pool.push(Arc::new(Client::connect(v, base, &prefix).await));
+                pool.push(Arc::new(Client::connect(v, &base, &prefix).await));
             }
             pools.insert(v, pool);
         }
         for cs in [Duration::ZERO, Duration::from_micros(100)] {
             let mut windows: HashMap<Variant, Vec<Window>> = HashMap::new();
             for r in 0..rounds {
-                for k in 0..Variant::ALL.len() {
-                    let v = Variant::ALL[(k + r) % Variant::ALL.len()];
+                for k in 0..variants.len() {
+                    let v = variants[(k + r) % variants.len()];
                     let name = format!("{prefix}-c{clients}-{}", v.name().replace(' ', "-"));
+                    let admin = servers.of(v).1;
                     let w = contention_window(v, &pools[&v], &name, cs, length, admin).await;
                     eprintln!(
                         "contention {clients:>2} clients, cs {cs:?}, {:<17} {:>9.0} grants/s \
@@ -339,12 +458,7 @@ type HandoffRun = (Vec<Duration>, f64);
 
 /// Hand-off latency: `waiters` + 1 lockkit clients take turns; each holds for 2 ms (so that all
 /// others are queued), then releases. Samples release start → next acquire returns.
-async fn handoff(
-    base: &str,
-    waiters: usize,
-    samples: usize,
-    admin: &mut ConnectionManager,
-) -> HandoffRun {
+async fn handoff(base: &str, waiters: usize, samples: usize, admin: &mut Admin) -> HandoffRun {
     let prefix = format!("lockbench-{:08x}", rand::random::<u32>());
     let name = "handoff";
     let released_at = Arc::new(std::sync::Mutex::new(None::<Instant>));
@@ -418,7 +532,7 @@ struct ManyResult {
 
 /// `n` leases held by one client with keepalive (TTL 3 s: a tick every second), then the
 /// server's counters over 4 s.
-async fn many(base: &str, n: usize, admin: &mut ConnectionManager) -> ManyResult {
+async fn many(base: &str, n: usize, admin: &mut Admin) -> ManyResult {
     let prefix = format!("lockbench-{:08x}", rand::random::<u32>());
     let locks = lockkit_client(base, &prefix).await;
     let ttl = Duration::from_secs(3);
@@ -476,6 +590,7 @@ pub async fn run(iters: usize) -> Vec<Row> {
         .expect("redis connection");
     let release = Script::new(RELEASE);
     let floor_key = format!("{prefix}:floor");
+    let cluster_key = format!("{prefix}:cluster-floor");
     let rs_name = format!("{prefix}-rslock");
     let rl_name = format!("{prefix}-redis-lock");
     let locks = lockkit_client(&base, &prefix).await;
@@ -497,30 +612,21 @@ pub async fn run(iters: usize) -> Vec<Row> {
         }
         Err(_) => None,
     };
-    let floor = op(|| {
-        let mut conn = conn.clone();
-        let (release, key) = (&release, &floor_key);
-        async move {
-            let owner = format!("{:032x}", rand::random::<u128>());
-            let set: Option<String> = redis::cmd("SET")
-                .arg(key)
-                .arg(&owner)
-                .arg("NX")
-                .arg("PX")
-                .arg(10_000)
-                .query_async(&mut conn)
+    // The same floor and lockkit on the cluster of `scripts/servers.sh`'s cluster topology:
+    // the redis crate's cluster client sends both commands to the key's master.
+    let cluster = match std::env::var("LOCKKIT_REDIS_CLUSTER_URL") {
+        Ok(u) => {
+            let client = redis::cluster::ClusterClient::new(cluster_seeds(&u))
+                .expect("redis cluster client");
+            let conn = client
+                .get_async_connection()
                 .await
-                .expect("SET");
-            assert!(set.is_some(), "floor lock held");
-            let n: i64 = release
-                .key(key)
-                .arg(&owner)
-                .invoke_async(&mut conn)
-                .await
-                .expect("release");
-            assert_eq!(n, 1);
+                .expect("redis cluster connection");
+            Some((conn, lockkit_client(&u, &prefix).await))
         }
-    });
+        Err(_) => None,
+    };
+    let floor = op(|| floor_cycle(conn.clone(), &release, &floor_key));
     let lockkit = op(|| async {
         let l = locks.acquire("bench", opts.clone()).await.expect("acquire");
         l.release().await.expect("release");
@@ -546,7 +652,54 @@ pub async fn run(iters: usize) -> Vec<Row> {
             }),
         ));
     }
-    interleaved("redis", ops, (iters / 10).max(10), iters).await
+    if let Some((conn, locks)) = &cluster {
+        let (opts, release, key) = (&opts, &release, &cluster_key);
+        ops.push((
+            CLUSTER_FLOOR,
+            op(move || floor_cycle(conn.clone(), release, key)),
+        ));
+        ops.push((
+            "lockkit Cluster acquire + release",
+            op(move || async move {
+                let l = locks.acquire("bench", opts.clone()).await.expect("acquire");
+                l.release().await.expect("release");
+            }),
+        ));
+    }
+    let mut rows = interleaved("redis", ops, (iters / 10).max(10), iters).await;
+    // The cluster's rows are the last two: their own group, ratios to the cluster's floor.
+    let n = rows.len();
+    if cluster.is_some() {
+        for r in &mut rows[n - 2..] {
+            r.backend = "redis-cluster";
+        }
+    }
+    rows
+}
+
+/// The uncontended row of the floor on the cluster.
+const CLUSTER_FLOOR: &str = "Cluster floor: SET NX PX + Lua compare-and-delete (cluster client)";
+
+/// One floor cycle on `conn`: `SET key owner NX PX 10000`, then the compare-and-delete script.
+async fn floor_cycle(mut conn: impl redis::aio::ConnectionLike, release: &Script, key: &str) {
+    let owner = format!("{:032x}", rand::random::<u128>());
+    let set: Option<String> = redis::cmd("SET")
+        .arg(key)
+        .arg(&owner)
+        .arg("NX")
+        .arg("PX")
+        .arg(10_000)
+        .query_async(&mut conn)
+        .await
+        .expect("SET");
+    assert!(set.is_some(), "floor lock held");
+    let n: i64 = release
+        .key(key)
+        .arg(&owner)
+        .invoke_async(&mut conn)
+        .await
+        .expect("release");
+    assert_eq!(n, 1);
 }
 
 /// The issue-#11 scenarios: the report's Redis section; the plots go into `plots`.
@@ -555,38 +708,50 @@ pub async fn scenarios(
     uncontended: &[Row],
     plots: Option<&std::path::Path>,
 ) -> (String, crate::slots::LockRef) {
-    let base = url("LOCKKIT_REDIS_URL");
-    let client = redis::Client::open(base.as_str()).expect("redis client");
-    let mut admin = ConnectionManager::new(client)
-        .await
-        .expect("redis connection");
+    let mut servers = Servers::from_env().await;
     let started = Instant::now();
-    let cont = contention(&base, &mut admin).await;
+    let cont = contention(&mut servers).await;
     let handoff_samples: usize = env_or("LOCKBENCH_HANDOFFS", 300);
     let mut hand = Vec::new();
+    let mut cluster_hand = Vec::new();
     for n in [1usize, 4, 16] {
-        let mut runs = Vec::new();
+        let (mut runs, mut cluster_runs) = (Vec::new(), Vec::new());
         for _ in 0..2 {
-            runs.push(handoff(&base, n, handoff_samples, &mut admin).await);
+            let (base, admin) = servers.of(Variant::Lockkit);
+            runs.push(handoff(base, n, handoff_samples, admin).await);
+            if let Some((base, admin)) = &mut servers.cluster {
+                cluster_runs.push(handoff(base, n, handoff_samples, admin).await);
+            }
         }
-        eprintln!(
-            "handoff N={n}: {:?}",
+        let medians = |runs: &[HandoffRun]| {
             runs.iter()
                 .map(|(l, w)| (l[l.len() / 2], *w))
                 .collect::<Vec<_>>()
+        };
+        eprintln!(
+            "handoff N={n}: {:?}, cluster {:?}",
+            medians(&runs),
+            medians(&cluster_runs)
         );
         hand.push((n, runs));
+        if !cluster_runs.is_empty() {
+            cluster_hand.push((n, cluster_runs));
+        }
     }
+    let base = servers.base.clone();
     let mut manies = Vec::new();
     for n in [1_000usize, 10_000] {
-        let m = many(&base, n, &mut admin).await;
+        let m = many(&base, n, &mut servers.admin).await;
         eprintln!(
             "many {n}: acquire {:?}, {:.0} B/lease, {:.1} requests/s, {:.0} commands/s",
             m.acquire_time, m.rss_per_lease, m.requests_per_s, m.commands_per_s
         );
         manies.push(m);
     }
-    let md = report(uncontended, &cont, &hand, &manies, started.elapsed());
+    let mut md = report(uncontended, &cont, &hand, &manies, started.elapsed());
+    if servers.cluster.is_some() {
+        md.push_str(&cluster_report(uncontended, &cont, &hand, &cluster_hand));
+    }
     let lock_ref = lock_ref(&cont, &hand);
     let Some(dir) = plots else {
         return (md, lock_ref);
@@ -641,9 +806,12 @@ pub async fn scenarios(
 }
 
 fn contention_series(cont: &[ContentionResult]) -> Vec<(String, Vec<(f64, f64)>)> {
+    let cluster = cont
+        .iter()
+        .all(|c| c.windows.contains_key(&Variant::LockkitCluster));
     let mut out = Vec::new();
     for cs in [Duration::ZERO, Duration::from_micros(100)] {
-        for v in Variant::ALL {
+        for v in Variant::with_cluster(cluster) {
             let pts = cont
                 .iter()
                 .filter(|c| c.cs == cs)
@@ -805,6 +973,137 @@ fn report(
     md
 }
 
+/// The Redis Cluster rows: lockkit on the cluster next to the floor on the cluster and, from the
+/// same interleaved run, the single node's floor, lockkit and peers.
+fn cluster_report(
+    uncontended: &[Row],
+    cont: &[ContentionResult],
+    hand: &[(usize, Vec<HandoffRun>)],
+    cluster_hand: &[(usize, Vec<HandoffRun>)],
+) -> String {
+    let mut md = String::new();
+    let find = |backend: &str, what: &str| {
+        uncontended
+            .iter()
+            .find(|r| r.backend == backend && r.what.starts_with(what))
+            .map(|r| r.median.as_secs_f64())
+    };
+    let floor = find("redis", "floor:");
+    let single = find("redis", "lockkit acquire");
+    let cluster_floor = find("redis-cluster", CLUSTER_FLOOR);
+    let ratio = |x: f64, of: Option<f64>| of.map_or("–".to_owned(), |f| format!("{:.2}×", x / f));
+    let _ = writeln!(
+        md,
+        "
+### Redis Cluster (3 masters, each with a replica; `scripts/servers.sh` cluster)
+
+         lockkit on `redis+cluster://` (the three masters as seeds) next to the same floor          done with the redis crate's cluster client (it sends `SET` and the script to the key's          master). The peers run on one node only, so the Cluster rows are compared with the          Cluster floor and with the single node's floor and lockkit, measured interleaved in          the same run.
+"
+    );
+    let _ = writeln!(
+        md,
+        "| sequence | ratio to Cluster floor | ratio to single-node floor | ratio to single-node          lockkit | median | p99 |
+|---|---|---|---|---|---|"
+    );
+    for r in uncontended.iter().filter(|r| r.backend == "redis-cluster") {
+        let m = r.median.as_secs_f64();
+        let _ = writeln!(
+            md,
+            "| {} | **{}** | {} | {} | {:.1} µs | {:.1} µs |",
+            r.what,
+            ratio(m, cluster_floor),
+            ratio(m, floor),
+            ratio(m, single),
+            m * 1e6,
+            r.p99.as_secs_f64() * 1e6
+        );
+    }
+    let _ = writeln!(
+        md,
+        "
+#### Contention: clients on one lock, on the Cluster
+
+Windows interleaved with the          single-node variants above (same rotation). Ratios of medians: to single-node lockkit          and to the best single-node peer. Requests, commands and server µs summed over the          masters' `INFO commandstats`.
+"
+    );
+    let _ = writeln!(
+        md,
+        "| clients | critical section | lockkit Cluster grants/s | ratio to single-node lockkit          | ratio to best single-node peer | fairness | requests per grant | commands per grant          | server µs per grant |
+|---|---|---|---|---|---|---|---|---|"
+    );
+    for c in cont {
+        let Some(ws) = c.windows.get(&Variant::LockkitCluster) else {
+            continue;
+        };
+        let of = |v: Variant, f: fn(&Window) -> f64| -> Vec<f64> {
+            c.windows
+                .get(&v)
+                .map_or(Vec::new(), |w| w.iter().map(f).collect())
+        };
+        let med = |v: Variant| median(&mut of(v, |w| w.grants_per_s));
+        let mut g: Vec<f64> = ws.iter().map(|w| w.grants_per_s).collect();
+        let (lo, hi) = spread(&g);
+        let mine = median(&mut g);
+        let best_peer = med(Variant::Rslock).max(med(Variant::RedisLock));
+        let m = |f: fn(&Window) -> f64| median(&mut of(Variant::LockkitCluster, f));
+        let _ = writeln!(
+            md,
+            "| {} | {} | {mine:.0} ({lo:.0}–{hi:.0}) | **{:.2}×** | {:.2}× | {:.2} | {:.2} | {:.1}              | {:.1} |",
+            c.clients,
+            cs_label(c.cs),
+            mine / med(Variant::Lockkit).max(1e-9),
+            mine / best_peer.max(1e-9),
+            m(|w| w.fairness),
+            m(|w| w.requests_per_grant),
+            m(|w| w.commands_per_grant),
+            m(|w| w.server_us_per_grant),
+        );
+    }
+    let _ = writeln!(
+        md,
+        "
+#### Hand-off on the Cluster: release → the next queued waiter's acquire returns
+
+         Two runs per N, each right after the single-node run of the same N; hand-off messages          = PUBLISH calls per release on the masters.
+"
+    );
+    let _ = writeln!(
+        md,
+        "| queued waiters | median | p99 | ratio of medians to single node | hand-off messages          per release |
+|---|---|---|---|---|"
+    );
+    let median_of = |runs: &[HandoffRun]| {
+        let mut all: Vec<Duration> = runs.iter().flat_map(|(l, _)| l.iter().copied()).collect();
+        all.sort();
+        all.get(all.len() / 2).copied()
+    };
+    for (n, runs) in cluster_hand {
+        let at = |q: usize| {
+            runs.iter()
+                .map(|(l, _)| format!("{:.0} µs", l[(l.len() - 1) * q / 100].as_secs_f64() * 1e6))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let single = hand
+            .iter()
+            .find(|(m, _)| m == n)
+            .and_then(|(_, r)| median_of(r));
+        let ratio = match (median_of(runs), single) {
+            (Some(c), Some(s)) => format!("{:.2}×", c.as_secs_f64() / s.as_secs_f64()),
+            _ => "–".to_owned(),
+        };
+        let wakes: Vec<String> = runs.iter().map(|(_, w)| format!("{w:.2}")).collect();
+        let _ = writeln!(
+            md,
+            "| {n} | {} | {} | {ratio} | {} |",
+            at(50),
+            at(99),
+            wakes.join(", ")
+        );
+    }
+    md
+}
+
 /// A whole acquire + release cycle of a Redis variant as one scenario grant (redis-lock only
 /// runs a closure under its lock, so acquire and release are not apart): for the contention
 /// block of separate processes only.
@@ -827,7 +1126,7 @@ impl scenario::Client for Cycle {
 }
 
 /// `INFO commandstats`: every command the server ran (inside scripts too).
-struct CommandStats(tokio::sync::Mutex<ConnectionManager>);
+struct CommandStats(tokio::sync::Mutex<Admin>);
 
 impl scenario::Counters for CommandStats {
     fn read(&self, _variant: usize) -> scenario::BoxFut<'_, scenario::Counts> {
@@ -849,9 +1148,7 @@ impl scenario::Counters for CommandStats {
 /// Redis for the scenarios' contention block of separate processes (the rest is above).
 pub async fn spec(prefix: &str) -> scenario::Spec {
     let base = url("LOCKKIT_REDIS_URL");
-    let admin = ConnectionManager::new(redis::Client::open(base.as_str()).expect("redis client"))
-        .await
-        .expect("redis connection");
+    let admin = Admin::node(&base).await;
     let variants = Variant::ALL
         .iter()
         .map(|&v| {

@@ -184,7 +184,7 @@
 //! ## Performance
 //! An uncontended acquire + release is two round trips and two Raft writes, like the same steps
 //! done by hand: a transaction that creates the key only if the name is free, and a delete of
-//! that key. `cargo bench --bench lockbench --features etcd -- etcd` (single member on tmpfs,
+//! that key. `cargo bench -p lockbench -- etcd` (single member on tmpfs,
 //! loopback, 2 shared cores, 2000 interleaved rounds, medians of three runs):
 //!
 //! | sequence | median | vs. (a) |

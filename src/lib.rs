@@ -159,8 +159,8 @@ pub async fn connect(url: &str) -> Result<Arc<dyn Lock>> {
 /// ```
 ///
 /// # Errors
-/// As [`connect`], and [`Error::NotSupported`] for `redlock://` (every other backend has
-/// elections and semaphores).
+/// As [`connect`], and [`Error::NotSupported`] for `redlock://` and `redis+cluster://` (every
+/// other backend has elections and semaphores).
 pub async fn connect_election(url: &str) -> Result<Arc<dyn Election>> {
     Ok(Connected::open(url).await?.slots()?.election)
 }
@@ -309,10 +309,18 @@ impl Connected {
     }
 
     /// The backend's elections and semaphores (every backend but Redlock implements
-    /// `SlotBackend`).
+    /// `SlotBackend`; Redis refuses them in Cluster mode).
     fn slots(self) -> Result<Slots> {
         Ok(match self {
             Self::Memory(b) => Slots::of(b),
+            // Refused at every use in Cluster mode (docs/redis-cluster.md): say so at connect.
+            #[cfg(feature = "redis")]
+            Self::Redis(b) if b.mode() == lockkit_redis::RedisMode::Cluster => {
+                return Err(Error::NotSupported {
+                    operation: "elections and semaphores in Redis Cluster mode",
+                    backend: "redis",
+                });
+            }
             #[cfg(feature = "redis")]
             Self::Redis(b) => Slots::of(b),
             #[cfg(feature = "redis")]

@@ -72,7 +72,10 @@ pub(crate) async fn connect(config: &RedisConfig) -> Result<Conn> {
     });
     let conn = match connected.await {
         Ok(Ok(c)) => c,
-        Ok(Err(e)) => return Err(connect_error(e)),
+        Ok(Err(e)) => {
+            let auth = tokio::time::timeout(ct, refused_credentials(&seeds)).await;
+            return Err(auth.ok().flatten().unwrap_or_else(|| connect_error(e)));
+        }
         Err(_) => return Err(timed_out("connecting to the redis cluster", ct)),
     };
     let manager = ConnectionManagerConfig::new()
@@ -82,4 +85,19 @@ pub(crate) async fn connect(config: &RedisConfig) -> Result<Conn> {
         .set_min_delay(Duration::from_millis(50))
         .set_max_delay(Duration::from_secs(1));
     Conn::cluster(conn, seeds, manager).map_err(connect_error)
+}
+
+/// The cluster client reports credentials refused by every seed as an I/O error ("Failed to
+/// create initial connections") carrying the cause only as text. Asks the seeds directly, one
+/// after the other: the first refusal of the credentials is returned ([`Error::Auth`]), so that a
+/// wrong password is not a retryable `Unavailable`.
+async fn refused_credentials(seeds: &[redis::Client]) -> Option<lockkit_core::Error> {
+    for seed in seeds {
+        if let Err(e) = seed.get_multiplexed_async_connection().await {
+            if let e @ lockkit_core::Error::Auth { .. } = connect_error(e) {
+                return Some(e);
+            }
+        }
+    }
+    None
 }

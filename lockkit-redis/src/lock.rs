@@ -378,6 +378,11 @@ impl RedisLock {
             .then_some(LOSS_NOTICE)
     }
 
+    /// How this client reaches Redis: one server, Sentinel or Cluster.
+    pub fn mode(&self) -> RedisMode {
+        self.inner.config.mode()
+    }
+
     /// The key prefix of this client.
     pub fn prefix(&self) -> &str {
         &self.inner.config.prefix

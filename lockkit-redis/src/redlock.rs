@@ -182,7 +182,8 @@ impl RedlockLock {
     /// come back (each node's connection reconnects by itself).
     ///
     /// # Errors
-    /// - [`Error::InvalidConfig`]: a bad config, or unreadable TLS files.
+    /// - [`Error::InvalidConfig`]: a bad config, unreadable TLS files, or two nodes that are one
+    ///   server (the same `run_id`).
     /// - [`Error::Auth`]: a node refused the credentials or the TLS certificate.
     /// - [`Error::Unavailable`]: fewer than a majority of the nodes answered; the message says
     ///   how many.
@@ -199,10 +200,22 @@ impl RedlockLock {
         let mut nodes = Vec::with_capacity(opened.len());
         let mut answered = 0;
         let mut last_down = None;
+        let mut seen: Vec<(String, &str)> = Vec::new();
         for (res, addr) in opened.into_iter().zip(&config.addrs) {
             let (conn, up) = res?;
             match up {
-                Ok(()) => answered += 1,
+                Ok(run_id) => {
+                    answered += 1;
+                    if let Some(id) = run_id {
+                        if let Some((_, first)) = seen.iter().find(|(seen, _)| *seen == id) {
+                            return Err(Error::config(format!(
+                                "the redlock nodes {first} and {addr} are the same Redis server \
+                                 (one run_id): the nodes must be independent"
+                            )));
+                        }
+                        seen.push((id, addr));
+                    }
+                }
                 Err(e) => {
                     tracing::warn!(node = %addr, error = %e, "a redlock node did not answer at connect");
                     last_down = Some(e);
@@ -536,12 +549,14 @@ impl Inner {
     }
 }
 
-/// Builds the client of one node and asks it for a `PING` within the connect timeout: the
-/// node's connection, and whether it answered (`Err` with the transient error if not).
+/// Builds the client of one node and asks it for a `PING` and its `run_id` (`INFO server`)
+/// within the connect timeout: the node's connection, and whether it answered (`Err` with the
+/// transient error if not) with its run ID (`None` if `INFO` is refused, e.g. by an ACL). The
+/// run ID tells one server reached under two names (a DNS alias, a proxy) from two servers.
 ///
 /// # Errors
 /// [`Error::InvalidConfig`] and [`Error::Auth`]: wrong for every attempt, so the connect fails.
-async fn open_node(config: &RedisConfig) -> Result<(Conn, Result<()>)> {
+async fn open_node(config: &RedisConfig) -> Result<(Conn, Result<Option<String>>)> {
     let ct = config.connect_timeout;
     let client = config.client().await?;
     let rt = config.response_timeout;
@@ -552,10 +567,19 @@ async fn open_node(config: &RedisConfig) -> Result<(Conn, Result<()>)> {
         let mut c = client
             .get_multiplexed_async_connection_with_config(&probe)
             .await?;
-        redis::cmd("PING").query_async::<()>(&mut c).await
+        redis::cmd("PING").query_async::<()>(&mut c).await?;
+        let info = redis::cmd("INFO")
+            .arg("server")
+            .query_async::<String>(&mut c)
+            .await;
+        Ok::<_, redis::RedisError>(info.ok().and_then(|i| {
+            i.lines()
+                .find_map(|l| l.strip_prefix("run_id:"))
+                .map(|id| id.trim().to_owned())
+        }))
     });
     let up = match probed.await {
-        Ok(Ok(())) => Ok(()),
+        Ok(Ok(run_id)) => Ok(run_id),
         Ok(Err(e)) => match connect_error(e) {
             e @ (Error::Auth { .. } | Error::InvalidConfig { .. }) => return Err(e),
             e => Err(e),

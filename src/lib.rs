@@ -325,14 +325,6 @@ impl Connected {
     fn slots(self) -> Result<Slots> {
         Ok(match self {
             Self::Memory(b) => Slots::of(b),
-            // Refused at every use in Cluster mode (docs/redis-cluster.md): say so at connect.
-            #[cfg(feature = "redis")]
-            Self::Redis(b) if b.mode() == lockkit_redis::RedisMode::Cluster => {
-                return Err(Error::NotSupported {
-                    operation: "elections and semaphores in Redis Cluster mode",
-                    backend: "redis",
-                });
-            }
             #[cfg(feature = "redis")]
             Self::Redis(b) => Slots::of(b),
             #[cfg(feature = "redis")]

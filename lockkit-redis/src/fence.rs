@@ -62,6 +62,11 @@ return {0, 0, ''}
 /// `SET` bypasses it), and keep the guard records (they are never expired or deleted by
 /// lockkit). Redis persistence decides whether guard records survive a restart.
 ///
+/// In Cluster mode (`redis+cluster://`) a key and its guard record must share a slot: give every
+/// key a hash tag (`{report}:today`, guard record `{prefix}:guard:{report}:today`), the same
+/// tag for all keys of one [`set_all`](Self::set_all); without one the server refuses the
+/// script (`CROSSSLOT`, an [`Error::Backend`]).
+///
 /// ```no_run
 /// use std::time::Duration;
 /// use lockkit_core::LockExt;
@@ -102,16 +107,20 @@ impl RedisFence {
             .as_any()
             .downcast_ref::<RedisLease>()
             .ok_or_else(|| Error::config("RedisFence needs a lease granted by lockkit-redis"))?;
-        // `{prefix}:lock:{name}`.
-        let prefix_len = redis
-            .keys
-            .lock
-            .len()
-            .saturating_sub(redis.name.len() + ":lock:".len());
+        // `{prefix}:lock:{name}`, in Cluster mode `{prefix}:lock:{={name}}` (`Keys::build`).
+        let suffix = if redis.conn.is_cluster() {
+            format!(":lock:{{={}}}", redis.name)
+        } else {
+            format!(":lock:{}", redis.name)
+        };
+        let prefix =
+            redis.keys.lock.strip_suffix(&suffix).ok_or_else(|| {
+                Error::config("RedisFence: the lease's lock key has an unknown form")
+            })?;
         Ok(Self {
             lease: LeaseFence::new(lease),
             conn: redis.conn.clone(),
-            guard_prefix: format!("{}:guard:", &redis.keys.lock[..prefix_len]),
+            guard_prefix: format!("{prefix}:guard:"),
         })
     }
 

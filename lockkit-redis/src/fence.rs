@@ -100,13 +100,19 @@ impl RedisFence {
     /// token), so it may outlive the borrow.
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] if `lease` was not granted by the Redis backend.
+    /// [`Error::InvalidConfig`] if `lease` was not granted by a [`RedisLock`](crate::RedisLock)
+    /// (a [`RedlockLock`](crate::RedlockLock) lease is refused too).
     pub fn from_lease(lease: &Lease) -> Result<Self> {
         let redis = lease
             .ops()
             .as_any()
             .downcast_ref::<RedisLease>()
-            .ok_or_else(|| Error::config("RedisFence needs a lease granted by lockkit-redis"))?;
+            .ok_or_else(|| {
+                Error::config(
+                    "RedisFence needs a lease of a RedisLock (redis://, rediss://, \
+                     redis+sentinel://, redis+cluster://); a Redlock lease has no RedisFence",
+                )
+            })?;
         // `{prefix}:lock:{name}`, in Cluster mode `{prefix}:lock:{={name}}` (`Keys::build`).
         let suffix = if redis.conn.is_cluster() {
             format!(":lock:{{={}}}", redis.name)

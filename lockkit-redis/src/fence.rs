@@ -62,6 +62,11 @@ return {0, 0, ''}
 /// `SET` bypasses it), and keep the guard records (they are never expired or deleted by
 /// lockkit). Redis persistence decides whether guard records survive a restart.
 ///
+/// In Cluster mode (`redis+cluster://`) a key and its guard record must share a slot: give every
+/// key a hash tag (`{report}:today`, guard record `{prefix}:guard:{report}:today`), the same
+/// tag for all keys of one [`set_all`](Self::set_all); without one the server refuses the
+/// script (`CROSSSLOT`, an [`Error::Backend`]).
+///
 /// ```no_run
 /// use std::time::Duration;
 /// use lockkit_core::LockExt;
@@ -95,23 +100,33 @@ impl RedisFence {
     /// token), so it may outlive the borrow.
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] if `lease` was not granted by the Redis backend.
+    /// [`Error::InvalidConfig`] if `lease` was not granted by a [`RedisLock`](crate::RedisLock)
+    /// (a [`RedlockLock`](crate::RedlockLock) lease is refused too).
     pub fn from_lease(lease: &Lease) -> Result<Self> {
         let redis = lease
             .ops()
             .as_any()
             .downcast_ref::<RedisLease>()
-            .ok_or_else(|| Error::config("RedisFence needs a lease granted by lockkit-redis"))?;
-        // `{prefix}:lock:{name}`.
-        let prefix_len = redis
-            .keys
-            .lock
-            .len()
-            .saturating_sub(redis.name.len() + ":lock:".len());
+            .ok_or_else(|| {
+                Error::config(
+                    "RedisFence needs a lease of a RedisLock (redis://, rediss://, \
+                     redis+sentinel://, redis+cluster://); a Redlock lease has no RedisFence",
+                )
+            })?;
+        // `{prefix}:lock:{name}`, in Cluster mode `{prefix}:lock:{={name}}` (`Keys::build`).
+        let suffix = if redis.conn.is_cluster() {
+            format!(":lock:{{={}}}", redis.name)
+        } else {
+            format!(":lock:{}", redis.name)
+        };
+        let prefix =
+            redis.keys.lock.strip_suffix(&suffix).ok_or_else(|| {
+                Error::config("RedisFence: the lease's lock key has an unknown form")
+            })?;
         Ok(Self {
             lease: LeaseFence::new(lease),
             conn: redis.conn.clone(),
-            guard_prefix: format!("{}:guard:", &redis.keys.lock[..prefix_len]),
+            guard_prefix: format!("{prefix}:guard:"),
         })
     }
 

@@ -27,6 +27,34 @@ const NOT_FOR_REDLOCK: &[&str] = &[
     "sentinel_password",
 ];
 
+/// The parameters (and old spellings) each node's `redis://` URL takes from a Redlock URL.
+const FOR_THE_NODES: &[&str] = &[
+    "prefix",
+    "connect_timeout",
+    "connect_timeout_ms",
+    "response_timeout",
+    "response_timeout_ms",
+    "tls_ca",
+    "tls_ca_file",
+    "tls_cert",
+    "tls_key",
+    "tls_server_name",
+    "protocol",
+    "db",
+];
+
+/// The parameters a Redlock URL takes, for the message about an unknown one.
+const KNOWN: &[&str] = &[
+    "prefix",
+    "connect_timeout",
+    "response_timeout",
+    "tls_ca",
+    "tls_cert",
+    "tls_key",
+    "protocol",
+    "max_ttl",
+];
+
 /// N independent Redis masters for [`RedlockLock`](crate::RedlockLock), and the longest TTL
 /// any client of them grants.
 ///
@@ -144,6 +172,13 @@ impl RedlockConfig {
                 )));
             }
         }
+        // An unknown parameter is refused here, against Redlock's own list: each node's
+        // redis:// URL would refuse it too, but naming the single server's parameters (those
+        // refused above among them, `max_ttl` not).
+        for p in FOR_THE_NODES {
+            u.take(p, &[])?;
+        }
+        u.finish("redlock", KNOWN)?;
         // Every node's URL is the same URL with one host and the redis scheme, so that each node
         // takes the parameters exactly as a redis:// URL does.
         let scheme = if u.scheme() == "redlocks" {
@@ -311,6 +346,21 @@ mod tests {
                 other => panic!("{bad:?}: {other:?}"),
             }
         }
+        // A typo is told against Redlock's parameters, not a single server's.
+        match RedlockConfig::from_url("redlock://h1,h2,h3?prefx=a") {
+            Err(Error::InvalidConfig { reason, .. }) => {
+                assert!(reason.contains("unknown redlock URL parameter"), "{reason}");
+                assert!(reason.contains("max_ttl"), "{reason}");
+                assert!(!reason.contains("strict"), "{reason}");
+            }
+            other => panic!("{other:?}"),
+        }
+        // The old spellings still reach the nodes.
+        let old = RedlockConfig::from_url(
+            "redlock://h1,h2,h3?connect_timeout_ms=1500&response_timeout_ms=700",
+        )
+        .unwrap();
+        assert_eq!(old.nodes().len(), 3);
         let mixed = RedlockConfig::new([
             RedisConfig::new("a", 1).prefix("x"),
             RedisConfig::new("b", 1),

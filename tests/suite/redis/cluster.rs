@@ -293,6 +293,37 @@ async fn elections_are_not_supported_in_cluster_mode() {
     assert!(matches!(e, Error::NotSupported { .. }), "{e:?}");
 }
 
+/// `RedisFence` on a cluster: a hash-tagged key and its guard record `{prefix}:guard:{key}`
+/// share a slot, so fenced writes go through, and a stale token is rejected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fenced_writes_with_a_hash_tagged_key() {
+    use lockkit::redis::RedisFence;
+    let prefix = fresh_prefix();
+    let url = with_prefix(&server_url("LOCKKIT_REDIS_CLUSTER_URL"), &prefix);
+    let locks = lockkit::connect(&url).await.unwrap();
+    let name = format!("fence-{prefix}");
+    let a = locks
+        .acquire(&name, opts(Duration::from_secs(2)))
+        .await
+        .unwrap();
+    let fence_a = RedisFence::from_lease(&a).unwrap();
+    assert_eq!(fence_a.guard_key("{r}x"), format!("{prefix}:guard:{{r}}x"));
+    fence_a.set("{r}x", "a").await.expect("a's write");
+    a.release().await.unwrap();
+    let b = locks
+        .acquire(&name, opts(Duration::from_secs(2)))
+        .await
+        .unwrap();
+    RedisFence::from_lease(&b)
+        .unwrap()
+        .set("{r}x", "b")
+        .await
+        .expect("b's write");
+    let stale = fence_a.set("{r}x", "a again").await.unwrap_err();
+    assert!(matches!(stale, Error::StaleToken { .. }), "{stale:?}");
+    b.release().await.unwrap();
+}
+
 /// The slot of a held lock moves to another master (`SETSLOT … IMPORTING/MIGRATING`, `MIGRATE`
 /// of all its keys, `SETSLOT … NODE`): nobody else gets the lock meanwhile (refused as held, or
 /// `TRYAGAIN` while the slot is half moved), the holder keeps it (its renewal after the move

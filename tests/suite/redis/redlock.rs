@@ -314,3 +314,23 @@ async fn elections_and_semaphores_are_not_supported() {
         .await;
     assert!(matches!(ttl_too_long, Err(Error::InvalidConfig { .. })));
 }
+
+/// `RedisFence` refuses a Redlock lease with a message that says so (not "needs a lease granted
+/// by lockkit-redis", which Redlock is).
+#[tokio::test]
+async fn redis_fence_refuses_a_redlock_lease_saying_why() {
+    let url = url_of(&shared_hosts(), &fresh_prefix(), "");
+    let lease = lockkit::connect(&url)
+        .await
+        .expect("connect")
+        .try_acquire("fenced", Duration::from_secs(5))
+        .await
+        .expect("acquire");
+    match lockkit::redis::RedisFence::from_lease(&lease) {
+        Err(Error::InvalidConfig { reason, .. }) => {
+            assert!(reason.contains("Redlock"), "{reason}")
+        }
+        other => panic!("{other:?}"),
+    }
+    lease.release().await.expect("release");
+}

@@ -1279,7 +1279,10 @@ async fn run_backend(kind: Kind, fence: Arc<Fence>, args: &RunArgs) -> Vec<Cell>
     let t = Instant::now();
     let server = match Server::start(kind).await {
         Ok(s) => s,
-        Err(e) => return vec![failed(format!("server did not start: {e}")); SCENARIOS.len()],
+        Err(e) => {
+            eprintln!("faults: {kind:?} server did not start: {e}");
+            return vec![failed(format!("server did not start: {e}")); SCENARIOS.len()];
+        }
     };
     eprintln!(
         "faults: {kind:?} server up in {:.1} s",

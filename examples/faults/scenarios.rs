@@ -439,14 +439,17 @@ async fn holder_partitioned(ctx: &mut Ctx) -> Result<Cell, String> {
     let proxies = match ctx.kind {
         Kind::Sentinel => {
             return Ok(not_applicable(
-                "the holder learns the master's address from the sentinels, so no proxy sits \
-                 between it alone and the master (the master cut off from everyone is cell 5)",
+                "the holder learns the master's address from the sentinels, so a proxy in its URL \
+                 cuts only the sentinels; cutting its own connections on a proxy in front of the \
+                 master that every client uses is not built here (the master cut off from \
+                 everyone is cell 5)",
             ));
         }
         Kind::Cluster => {
             return Ok(not_applicable(
-                "the holder learns the nodes' addresses from the cluster (CLUSTER SLOTS), so no \
-                 proxy sits between it alone and the masters (the slot's master cut off from \
+                "the holder learns the nodes' addresses from the cluster (CLUSTER SLOTS), so a \
+                 proxy in its URL cuts only the seeds; proxies the nodes announce, with only the \
+                 holder's connections cut, are not built here (the slot's master cut off from \
                  everyone is cell 5)",
             ));
         }
@@ -1220,7 +1223,8 @@ them: Sentinel (a master, a replica, three sentinels, quorum 2, `down-after-mill
 3. As 2, but A's traffic is blackholed in a TCP proxy (sockets stay open): A's loss signal must \
    fire within one TTL of the cut, before B's grant. Redlock: one proxy per node, all frozen. \
    Sentinel, Cluster: n/a (the holder learns the master's address from the sentinels or the \
-   cluster, so no proxy sits between it alone and the master).
+   cluster, so a proxy in its URL cuts only those; cutting only its connections on a proxy every \
+   client goes through is not built here).
 4. A holds; the server is SIGKILLed and restarted. Within 2 TTLs A's lease is either still Held \
    (then another process's try-acquire gets Held, A writes and releases) or reported Lost; then B \
    gets a larger token and a Lost A's write is rejected. Sentinel: the master is SIGKILLed; once \
@@ -1279,7 +1283,10 @@ async fn run_backend(kind: Kind, fence: Arc<Fence>, args: &RunArgs) -> Vec<Cell>
     let t = Instant::now();
     let server = match Server::start(kind).await {
         Ok(s) => s,
-        Err(e) => return vec![failed(format!("server did not start: {e}")); SCENARIOS.len()],
+        Err(e) => {
+            eprintln!("faults: {kind:?} server did not start: {e}");
+            return vec![failed(format!("server did not start: {e}")); SCENARIOS.len()];
+        }
     };
     eprintln!(
         "faults: {kind:?} server up in {:.1} s",

@@ -28,10 +28,10 @@ pub enum Mode {
 /// `=lock` (`Keys::build` tags the name as `{=lock}`).
 const CLUSTER_TAG: &str = "{=lock}";
 
-/// How long a fault's recovery (a promotion, a replica's resync) may take: 60 s. A sentinel
-/// that finds its timer late by over 2 s (a loaded host) enters TILT mode and does nothing for
-/// 30 s; a promotion then takes over 30 s (seen on the shared development machine at load
-/// average 20–45).
+/// How long a fault's recovery (a promotion, a replica's resync) may take: 60 s. A promotion
+/// once took over 30 s on the shared development machine (load average 20–45); the likely
+/// cause, not confirmed (the logs were gone): a sentinel whose timer runs over 2 s late enters
+/// TILT mode and does nothing for 30 s. A missed promotion now says whether one did.
 const RECOVERY: Duration = Duration::from_secs(60);
 
 struct Node {

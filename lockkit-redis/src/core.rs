@@ -5,6 +5,8 @@
 //! but the connection and error helpers, so no two modules import each other.
 
 use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::{LazyLock, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -531,6 +533,86 @@ pub(crate) async fn cancel_attempt<K: Cleanup>(
 /// A fresh waiter ID: a random 128-bit value in hex (also the owner value of its grant).
 pub(crate) fn new_id() -> String {
     format!("{:032x}", rand::random::<u128>())
+}
+
+/// A subscription of this client to its hand-off channel, under way (the hub's `ensure`).
+pub(crate) type Subscribing = Pin<Box<dyn Future<Output = Result<()>> + Send>>;
+
+/// What ended one sleep of a waiter ([`Subscription::sleep`]).
+pub(crate) enum Woken {
+    /// A release handed the lock (or slot) to the waiter: its token.
+    Handed(u64),
+    /// Time to look at the lock again.
+    Look,
+    /// The acquire's deadline has passed.
+    Deadline,
+}
+
+/// The hand-off subscription of one waiting acquire (of a lock or of a slot), and the sleeps
+/// between its looks at the lock.
+pub(crate) struct Subscription {
+    running: Option<Subscribing>,
+    /// No new subscription is started before this (after one failed).
+    next: Instant,
+}
+
+impl Subscription {
+    /// For an acquire that started at `start`.
+    pub(crate) fn new(start: Instant) -> Self {
+        Self {
+            running: None,
+            next: start,
+        }
+    }
+
+    /// One sleep of a waiter between two looks. [`Woken::Deadline`] at once if `deadline` has
+    /// passed. Else, unless the waiter is `queued` (its client's channel is subscribed), starts
+    /// `subscribe()` if none is under way and no failure holds it back, then sleeps until
+    /// `handed` yields a token, `poll` passes, the deadline, or the subscription ends: then
+    /// [`Woken::Look`] (a subscribed waiter looks again at once, queued this time; after a failure
+    /// the next subscription waits `retry_after(error)`).
+    ///
+    /// Cancel safe: a dropped sleep keeps the subscription under way for the next one.
+    pub(crate) async fn sleep(
+        &mut self,
+        queued: bool,
+        subscribe: impl FnOnce() -> Subscribing,
+        handed: impl Future<Output = Option<u64>>,
+        poll: Duration,
+        deadline: Option<Instant>,
+        retry_after: impl FnOnce(&Error) -> Duration,
+    ) -> Woken {
+        let now = Instant::now();
+        if deadline.is_some_and(|d| now >= d) {
+            return Woken::Deadline;
+        }
+        if !queued && self.running.is_none() && now >= self.next {
+            self.running = Some(subscribe());
+        }
+        let running = async {
+            match &mut self.running {
+                Some(f) => f.await,
+                None => std::future::pending().await,
+            }
+        };
+        let until = async {
+            match deadline {
+                Some(d) => tokio::time::sleep_until(d).await,
+                None => std::future::pending().await,
+            }
+        };
+        let subscribed = tokio::select! {
+            s = running => s,
+            t = handed => return t.map_or(Woken::Look, Woken::Handed),
+            _ = tokio::time::sleep(poll) => return Woken::Look,
+            _ = until => return Woken::Deadline,
+        };
+        self.running = None;
+        if let Err(e) = subscribed {
+            self.next = Instant::now() + retry_after(&e);
+        }
+        Woken::Look
+    }
 }
 
 /// The guard of one acquire call on the server (a lock's, an election's or a semaphore's): its

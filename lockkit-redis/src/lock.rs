@@ -1,7 +1,6 @@
 //! [`RedisLock`]: the [`Lock`] implementation.
 
 use std::fmt;
-use std::pin::Pin;
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
@@ -22,8 +21,8 @@ use lockkit_core::{
 use crate::config::{RedisConfig, RedisMode, connect_error};
 use crate::conn::Conn;
 use crate::core::{
-    Call, Keys, RedisLease, Registration, SERVE_LUA, cancel_once, compare_and_pexpire, delay_px,
-    ttl_millis,
+    Call, Keys, RedisLease, Registration, SERVE_LUA, Subscribing, Subscription, Woken, cancel_once,
+    compare_and_pexpire, delay_px, ttl_millis,
 };
 use crate::error::{BACKEND, bad_reply, from_redis, timed_out};
 use crate::renewer::Renewer;
@@ -638,36 +637,47 @@ pub(crate) fn fallback_delay(pttl: Option<Duration>) -> Duration {
     }
 }
 
-pub(crate) async fn handed(route: &mut Option<Waiting>) -> Option<u64> {
+async fn handed(route: &mut Option<Waiting>) -> Option<u64> {
     match route {
         Some(w) => w.handed().await,
         None => std::future::pending().await,
     }
 }
 
-pub(crate) type Subscribing = Pin<Box<dyn Future<Output = Result<()>> + Send>>;
-
-pub(crate) async fn subscribed(f: &mut Option<Subscribing>) -> Result<()> {
-    match f {
-        Some(f) => f.await,
-        None => std::future::pending().await,
-    }
-}
-
-/// What ended a waiter's sleep.
-enum Woken {
-    Subscribed(Result<()>),
-    /// A release handed the lock to the waiter: its token.
-    Handed(u64),
-    Look,
-    Deadline,
-}
-
-pub(crate) async fn until(deadline: Option<Instant>) {
-    match deadline {
-        Some(d) => tokio::time::sleep_until(d).await,
-        None => std::future::pending().await,
-    }
+/// One sleep of a lock's or slot's waiter between two looks ([`Subscription::sleep`]) on `hub`:
+/// woken by a hand-off on `route`, after `poll`, or at `deadline`. A SUBSCRIBE that fails is
+/// tried again after [`MAX_WAIT_POLL`] if the error is transient, else after
+/// [`REFUSED_SUBSCRIBE_RETRY`] (and the hub is told of the refusal).
+pub(crate) async fn wait_turn(
+    subscription: &mut Subscription,
+    hub: &Arc<Hub>,
+    route: &mut Option<Waiting>,
+    poll: Duration,
+    deadline: Option<Instant>,
+) -> Woken {
+    let subscribe = || -> Subscribing {
+        let hub = hub.clone();
+        Box::pin(async move { hub.ensure().await })
+    };
+    let retry_after = |e: &Error| {
+        if e.is_retryable() {
+            MAX_WAIT_POLL
+        } else {
+            hub.refused(e);
+            REFUSED_SUBSCRIBE_RETRY
+        }
+    };
+    let queued = route.is_some();
+    subscription
+        .sleep(
+            queued,
+            subscribe,
+            handed(route),
+            poll,
+            deadline,
+            retry_after,
+        )
+        .await
 }
 
 #[async_trait]
@@ -711,10 +721,9 @@ impl LockBackend for RedisLock {
         // The hand-off route of the current waiter ID, registered before the attempt that
         // queues, so that no hand-off is missed.
         let mut route: Option<Waiting> = None;
-        // A SUBSCRIBE in progress: it goes on across sleeps, so that a slow or dead pub/sub
+        // A SUBSCRIBE in progress goes on across sleeps, so that a slow or dead pub/sub
         // connection never delays a look at the lock.
-        let mut subscribing: Option<Subscribing> = None;
-        let mut next_subscribe = start;
+        let mut subscription = Subscription::new(start);
         loop {
             if opts.wait != Wait::No {
                 let me = call.me();
@@ -753,44 +762,18 @@ impl LockBackend for RedisLock {
                     name: name.to_owned(),
                 });
             }
-            let now = Instant::now();
-            if deadline.is_some_and(|d| now >= d) {
-                call.clean_up_now().await;
-                return Err(timeout());
-            }
-            if route.is_none() && subscribing.is_none() && now >= next_subscribe {
-                let hub = hub.clone();
-                subscribing = Some(Box::pin(async move { hub.ensure().await }));
-            }
             let mut poll = fallback_delay(pttl);
             if route.is_some() && !in_delay {
                 // A handed-over lease counts from our last look: keep it recent (during a
                 // lock-delay there is no holder to hand it over).
                 poll = poll.min(opts.ttl / 4);
             }
-            let woken = tokio::select! {
-                s = subscribed(&mut subscribing) => Woken::Subscribed(s),
-                t = handed(&mut route) => t.map_or(Woken::Look, Woken::Handed),
-                _ = tokio::time::sleep(poll) => Woken::Look,
-                _ = until(deadline) => Woken::Deadline,
-            };
+            let woken = wait_turn(&mut subscription, hub, &mut route, poll, deadline).await;
             match woken {
                 Woken::Look => {}
                 Woken::Deadline => {
                     call.clean_up_now().await;
                     return Err(timeout());
-                }
-                // Subscribed: look again at once, queued this time.
-                Woken::Subscribed(Ok(())) => subscribing = None,
-                Woken::Subscribed(Err(e)) => {
-                    subscribing = None;
-                    next_subscribe = Instant::now()
-                        + if e.is_retryable() {
-                            MAX_WAIT_POLL
-                        } else {
-                            hub.refused(&e);
-                            REFUSED_SUBSCRIBE_RETRY
-                        };
                 }
                 Woken::Handed(token) => {
                     let me = call.me();

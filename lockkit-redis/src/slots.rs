@@ -43,13 +43,11 @@ use lockkit_core::{
 use crate::conn::Conn;
 use crate::core::ttl_millis;
 use crate::core::{
-    Call, Cleanup, Keys, RedisLease, Registration, cancel_horizon, compare_and_pexpire, holds,
+    Call, Cleanup, Keys, RedisLease, Registration, Subscription, Woken, cancel_horizon,
+    compare_and_pexpire, holds,
 };
 use crate::error::{BACKEND, bad_reply, from_redis};
-use crate::lock::{
-    MAX_WAIT_POLL, REFUSED_SUBSCRIBE_RETRY, RedisLock, Subscribing, WAITER_TTL, fallback_delay,
-    handed, subscribed, until,
-};
+use crate::lock::{RedisLock, WAITER_TTL, fallback_delay, wait_turn};
 use crate::waiters::Waiting;
 
 /// The longest an election observer goes without reading the slots itself, when no event
@@ -838,12 +836,6 @@ impl SlotOps for RedisSlotLease {
     }
 }
 
-enum Woken {
-    Subscribed(Result<()>),
-    Look,
-    Deadline,
-}
-
 const NOTES: &str = "efficiency elections and semaphores on one Redis server: each slot is a \
 lock key of a derived name (elect/N, sem/N/k), with the lock's tokens, batched renewal, loss \
 notices and FIFO hand-off. Observers read a pub/sub channel (at-most-once): Missed after a \
@@ -856,7 +848,7 @@ impl SlotBackend for RedisLock {
     /// name's queue. A release hands the slot to the first live waiter and tells only that
     /// waiter's client (as the lock); the waiter then confirms with the same script (which
     /// finds the slot holding its ID, sets its TTL from now, and reports the slot). Waiters
-    /// look again at least every [`MAX_WAIT_POLL`]; the first in line also just after the
+    /// look again at least every [`MAX_WAIT_POLL`](crate::MAX_WAIT_POLL); the first in line also just after the
     /// shortest holder `PTTL` (an expiry is announced by nobody), so one waiter wakes per
     /// expiry.
     ///
@@ -885,8 +877,7 @@ impl SlotBackend for RedisLock {
         let call = Call::new(self.conn().clone(), keys.clone(), opts.ttl);
         let hub = self.hub();
         let mut route: Option<Waiting> = None;
-        let mut subscribing: Option<Subscribing> = None;
-        let mut next_subscribe = start;
+        let mut subscription = Subscription::new(start);
         loop {
             if opts.wait != Wait::No {
                 let me = call.me();
@@ -929,41 +920,13 @@ impl SlotBackend for RedisLock {
                     name: req.name.to_owned(),
                 });
             }
-            let now = Instant::now();
-            if deadline.is_some_and(|d| now >= d) {
-                call.clean_up_now().await;
-                return Err(timeout());
-            }
-            if route.is_none() && subscribing.is_none() && now >= next_subscribe {
-                let hub = hub.clone();
-                subscribing = Some(Box::pin(async move { hub.ensure().await }));
-            }
             // The first in line looks just after the shortest holder TTL; the others keep
             // their place alive and are handed a slot by whoever frees it.
             let poll = fallback_delay(if first || route.is_none() { pttl } else { None });
-            let woken = tokio::select! {
-                s = subscribed(&mut subscribing) => Woken::Subscribed(s),
-                _ = handed(&mut route) => Woken::Look,
-                _ = tokio::time::sleep(poll) => Woken::Look,
-                _ = until(deadline) => Woken::Deadline,
-            };
-            match woken {
-                Woken::Look => {}
-                Woken::Deadline => {
-                    call.clean_up_now().await;
-                    return Err(timeout());
-                }
-                Woken::Subscribed(Ok(())) => subscribing = None,
-                Woken::Subscribed(Err(e)) => {
-                    subscribing = None;
-                    next_subscribe = Instant::now()
-                        + if e.is_retryable() {
-                            MAX_WAIT_POLL
-                        } else {
-                            hub.refused(&e);
-                            REFUSED_SUBSCRIBE_RETRY
-                        };
-                }
+            let woken = wait_turn(&mut subscription, hub, &mut route, poll, deadline).await;
+            if let Woken::Deadline = woken {
+                call.clean_up_now().await;
+                return Err(timeout());
             }
         }
     }

@@ -121,3 +121,46 @@ impl Drop for Pending {
         }
     }
 }
+
+/// How a waiter's wait on the node just ahead of it in line ended ([`wait_ahead`]).
+pub(crate) enum Ahead {
+    /// The node changed, or the session's state did (`event` says which): look again.
+    Changed(zk::WatchedEvent),
+    /// The node was gone between the listing and the watch: look again.
+    Gone,
+    /// The acquire's deadline passed.
+    Deadline,
+}
+
+/// Watches only `ahead`, the node just ahead of ours in container `dir` (FIFO: a release wakes
+/// exactly one waiter), and waits for it to change until `deadline`, holding what `waiting()`
+/// returns (a gauge) while it sleeps. The watch is set with `session`'s retries until
+/// `io_deadline`.
+///
+/// # Errors
+/// ZooKeeper's error from setting the watch.
+pub(crate) async fn wait_ahead<W>(
+    session: &Session,
+    dir: &str,
+    ahead: &str,
+    io_deadline: Option<Instant>,
+    deadline: Option<Instant>,
+    waiting: impl FnOnce() -> W,
+) -> std::result::Result<Ahead, zk::Error> {
+    let pred = format!("{dir}/{ahead}");
+    let (stat, watcher) = session
+        .retry_loss(io_deadline, || session.client.check_and_watch_stat(&pred))
+        .await?;
+    if stat.is_none() {
+        return Ok(Ahead::Gone);
+    }
+    let _waiting = waiting();
+    let event = watcher.changed();
+    Ok(match deadline {
+        Some(d) => match tokio::time::timeout_at(d, event).await {
+            Ok(e) => Ahead::Changed(e),
+            Err(_) => Ahead::Deadline,
+        },
+        None => Ahead::Changed(event.await),
+    })
+}

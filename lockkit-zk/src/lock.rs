@@ -18,7 +18,9 @@ use tokio::sync::watch;
 use zookeeper_client as zk;
 
 use crate::config::{CONTROL_SESSION_TTL, ZkConfig, encode_name};
-use crate::core::{Created, Granted, Pending, Target, in_line, own_id, sorted_children};
+use crate::core::{
+    Ahead, Created, Granted, Pending, Target, in_line, own_id, sorted_children, wait_ahead,
+};
 use crate::error::{BACKEND, connection_lost, from_zk, unavailable};
 use crate::lease::ZkLease;
 use crate::session::{Session, shared_acls};
@@ -499,31 +501,30 @@ impl ZkLock {
                     name: name.to_owned(),
                 });
             }
-            // Watch only the node just ahead of ours: a release wakes exactly one waiter.
-            let pred = format!("{dir}/{}", queue[pos - 1].1);
-            let (stat, watcher) = session
-                .retry_loss(io_deadline, || session.client.check_and_watch_stat(&pred))
-                .await
-                .map_err(|e| self.fail(e, name, start, opts))?;
-            if stat.is_none() {
-                continue; // gone between the listing and the watch: look again
-            }
-            let _waiting = WaitingGauge::new(&self.inner.stats);
-            let timeout = async {
-                match deadline {
-                    Some(d) => tokio::time::sleep_until(d).await,
-                    None => std::future::pending().await,
-                }
-            };
-            tokio::select! {
-                event = watcher.changed() => {
+            let stats = &self.inner.stats;
+            match wait_ahead(
+                &session,
+                dir,
+                queue[pos - 1].1,
+                io_deadline,
+                deadline,
+                || WaitingGauge::new(stats),
+            )
+            .await
+            .map_err(|e| self.fail(e, name, start, opts))?
+            {
+                Ahead::Changed(event) => {
                     if event.event_type != zk::EventType::Session {
-                        self.inner.stats.send_modify(|s| s.wakeups += 1);
+                        stats.send_modify(|s| s.wakeups += 1);
                     }
                 }
-                _ = timeout => {
+                Ahead::Gone => {}
+                Ahead::Deadline => {
                     pending.delete_now().await;
-                    return Err(Error::Timeout { name: name.to_owned(), waited: start.elapsed() });
+                    return Err(Error::Timeout {
+                        name: name.to_owned(),
+                        waited: start.elapsed(),
+                    });
                 }
             }
         }

@@ -43,7 +43,9 @@ use lockkit_core::{
 use zookeeper_client as zk;
 
 use crate::config::encode_name;
-use crate::core::{OWN_LEN, Pending, Target, in_line, own_id, sequence_of, sorted_children};
+use crate::core::{
+    Ahead, OWN_LEN, Pending, Target, in_line, own_id, sequence_of, sorted_children, wait_ahead,
+};
 use crate::error::{BACKEND, from_zk, unavailable};
 use crate::lease::{ZkLease, watch_own_node};
 use crate::lock::ZkLock;
@@ -192,15 +194,17 @@ impl ZkLock {
                     });
                 }
                 // FIFO: watch only the node just ahead of ours, as the lock's waiters do.
-                let pred = format!("{dir}/{}", queue[pos - 1].1);
-                let (stat, watcher) = session
-                    .retry_loss(io_deadline, || session.client.check_and_watch_stat(&pred))
-                    .await
-                    .map_err(fail)?;
-                if stat.is_none() {
-                    continue;
-                }
-                if !wait_for(watcher.changed(), deadline).await {
+                let woken = wait_ahead(
+                    &session,
+                    dir,
+                    queue[pos - 1].1,
+                    io_deadline,
+                    deadline,
+                    || (),
+                )
+                .await
+                .map_err(fail)?;
+                if let Ahead::Deadline = woken {
                     pending.delete_now().await;
                     return Err(self.timeout(name, start));
                 }

@@ -13,6 +13,13 @@ use super::{PrivateRedis, await_exists, exists};
 use crate::common::proxy::Proxy;
 use crate::common::{fresh_prefix, with_prefix};
 
+/// A private Redis server of this test's own, and its URL with a fresh key prefix.
+async fn private_server() -> (PrivateRedis, String) {
+    let server = PrivateRedis::start(None).await;
+    let url = with_prefix(&server.url(), &fresh_prefix());
+    (server, url)
+}
+
 fn opts(ttl_ms: u64, wait: Wait) -> AcquireOptions {
     AcquireOptions::new()
         .ttl(Duration::from_millis(ttl_ms))
@@ -26,6 +33,20 @@ fn stat(info: &str, command: &str) -> u64 {
         .and_then(|rest| rest.split(',').next())
         .and_then(|n| n.parse().ok())
         .unwrap_or(0)
+}
+
+/// The commands a lock runs (those of its scripts among them) that ran between two
+/// `INFO commandstats` answers, with how often, in a fixed order; those that did not run are left
+/// out.
+fn ran_between(before: &str, after: &str) -> Vec<(&'static str, u64)> {
+    [
+        "evalsha", "exists", "set", "incr", "get", "zpopmin", "del", "time", "publish", "zrange",
+        "zrem", "zadd", "pexpire", "pttl", "getdel",
+    ]
+    .into_iter()
+    .map(|c| (c, stat(after, c) - stat(before, c)))
+    .filter(|(_, n)| *n > 0)
+    .collect()
 }
 
 async fn info(conn: &mut redis::aio::MultiplexedConnection) -> String {
@@ -60,8 +81,7 @@ async fn await_queue(conn: &mut redis::aio::MultiplexedConnection, key: &str, n:
 /// waiter concerned, and no waiter retries the acquire script on a release.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn waiters_are_handed_the_lock_in_queue_order_one_message_each() {
-    let server = PrivateRedis::start(None).await;
-    let url = with_prefix(&server.url(), &fresh_prefix());
+    let (server, url) = private_server().await;
     let holder = RedisLock::connect(&url).await.expect("connect");
     let name = "fifo";
     let queue = holder.queue_key(name);
@@ -206,8 +226,7 @@ async fn dead_waiter_does_not_block_the_queue_past_its_ttl() {
 /// marked lost alone (soon, not at its deadline), while the others of the same batch stay held.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batch_renewal_failing_for_one_lease_marks_only_that_one_lost() {
-    let server = PrivateRedis::start(None).await;
-    let url = with_prefix(&server.url(), &fresh_prefix());
+    let (server, url) = private_server().await;
     let locks = RedisLock::connect(&url).await.expect("connect");
     let mut conn = server.raw().await;
     let ttl = Duration::from_millis(1_500);
@@ -261,8 +280,7 @@ async fn batch_renewal_failing_for_one_lease_marks_only_that_one_lost() {
 /// alike.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn uncontended_acquire_and_release_run_seven_commands() {
-    let server = PrivateRedis::start(None).await;
-    let url = with_prefix(&server.url(), &fresh_prefix());
+    let (server, url) = private_server().await;
     let locks = RedisLock::connect(&url).await.expect("connect");
     let mut conn = server.raw().await;
     let name = "six";
@@ -280,14 +298,7 @@ async fn uncontended_acquire_and_release_run_seven_commands() {
             .expect("acquire");
         lease.release().await.expect("release");
         let after = info(&mut conn).await;
-        let ran: Vec<(&str, u64)> = [
-            "evalsha", "exists", "set", "incr", "get", "zpopmin", "del", "time", "publish",
-            "zrange", "zrem", "zadd", "pexpire", "pttl", "getdel",
-        ]
-        .into_iter()
-        .map(|c| (c, stat(&after, c) - stat(&before, c)))
-        .filter(|(_, n)| *n > 0)
-        .collect();
+        let ran = ran_between(&before, &after);
         assert_eq!(
             ran,
             [
@@ -309,8 +320,7 @@ async fn uncontended_acquire_and_release_run_seven_commands() {
 /// (empty) server; it used to end with `Unavailable` about 3 s into the outage.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forever_waiter_survives_a_server_outage() {
-    let mut server = PrivateRedis::start(None).await;
-    let url = with_prefix(&server.url(), &fresh_prefix());
+    let (mut server, url) = private_server().await;
     let holder = RedisLock::connect(&url).await.expect("connect");
     let waiter = RedisLock::connect(&url).await.expect("connect");
     let name = "outage";
@@ -351,8 +361,7 @@ async fn forever_waiter_survives_a_server_outage() {
 /// `SET PX`, the lock-delay key's `DEL` and one `PUBLISH`; the waiter sends nothing to take it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hand_off_runs_eight_commands() {
-    let server = PrivateRedis::start(None).await;
-    let url = with_prefix(&server.url(), &fresh_prefix());
+    let (server, url) = private_server().await;
     let holder = RedisLock::connect(&url).await.expect("connect");
     let waiter = Arc::new(RedisLock::connect(&url).await.expect("connect"));
     let mut conn = server.raw().await;
@@ -379,14 +388,7 @@ async fn a_hand_off_runs_eight_commands() {
             .expect("handed the lock");
         let after = info(&mut conn).await;
         handed.release().await.expect("release");
-        let ran: Vec<(&str, u64)> = [
-            "evalsha", "exists", "set", "incr", "get", "zpopmin", "del", "time", "publish",
-            "zrange", "zrem", "zadd", "pexpire", "pttl", "getdel",
-        ]
-        .into_iter()
-        .map(|c| (c, stat(&after, c) - stat(&before, c)))
-        .filter(|(_, n)| *n > 0)
-        .collect();
+        let ran = ran_between(&before, &after);
         if ran.first() != Some(&("evalsha", 1)) {
             continue; // the waiter looked meanwhile
         }

@@ -43,7 +43,7 @@ const RETRIES: u32 = 6;
 /// [`Error::Unavailable`](lockkit_core::Error::Unavailable) when no seed answers in time (or the
 /// cluster is down), [`Error::Auth`](lockkit_core::Error::Auth) for refused credentials,
 /// [`Error::InvalidConfig`](lockkit_core::Error::InvalidConfig) for a node address the redis
-/// crate refuses.
+/// crate refuses, or a seed that is not a cluster node ("cluster support disabled").
 ///
 /// # Cancel safety
 /// Cancel safe: dropping the future closes what it opened.
@@ -72,6 +72,12 @@ pub(crate) async fn connect(config: &RedisConfig) -> Result<Conn> {
     });
     let conn = match connected.await {
         Ok(Ok(c)) => c,
+        Ok(Err(e)) if e.to_string().contains("cluster support disabled") => {
+            return Err(lockkit_core::Error::config(
+                "the server is not a Redis Cluster node (cluster support disabled): connect \
+                 with redis://host:port, or redis+sentinel:// for a Sentinel-managed server",
+            ));
+        }
         Ok(Err(e)) => {
             let auth = tokio::time::timeout(ct, refused_credentials(&seeds)).await;
             return Err(auth.ok().flatten().unwrap_or_else(|| connect_error(e)));

@@ -41,7 +41,7 @@ pub(crate) struct Facts {
 ///
 /// # Errors
 /// [`Error::InvalidConfig`] with `strict` when the server may evict lock keys or its policy
-/// cannot be read; [`Error::Unavailable`] (and others) when `INFO` fails for another reason
+/// cannot be read, and when the server is a Redis Cluster node (`redis_mode:cluster`); [`Error::Unavailable`] (and others) when `INFO` fails for another reason
 /// than being refused.
 pub(crate) async fn inspect(conn: &Conn, strict: bool, mode: Notifications) -> Result<Facts> {
     let config = conn
@@ -85,6 +85,14 @@ pub(crate) async fn inspect(conn: &Conn, strict: bool, mode: Notifications) -> R
         }
     };
     let run_id = match conn.query::<String>(redis::cmd("INFO").arg("server")).await {
+        // A cluster node takes only keys of the slots it owns: every lock script would fail
+        // with CROSSSLOT or MOVED. Say which URL to use instead.
+        Ok(info) if info_field(&info, "redis_mode") == Some("cluster") => {
+            return Err(Error::config(
+                "the server is a Redis Cluster node: connect with \
+                 redis+cluster://host:port[,host:port...]",
+            ));
+        }
         Ok(info) => info_field(&info, "run_id").map(str::to_owned),
         Err(e) => {
             tracing::warn!(error = %e,

@@ -572,3 +572,29 @@ async fn bad_cluster_urls_and_an_unreachable_seed() {
     .unwrap_err();
     assert!(matches!(e, Error::Unavailable { .. }), "{e:?}");
 }
+
+/// The wrong mode's URL is a configuration error that names the right scheme: `redis://` at a
+/// cluster node (every script would fail with CROSSSLOT or MOVED), `redis+cluster://` at a
+/// single server ("cluster support disabled").
+#[tokio::test]
+async fn the_wrong_modes_url_says_which_scheme_to_use() {
+    let seed = seed_ports(&server_url("LOCKKIT_REDIS_CLUSTER_URL"))[0];
+    let e = lockkit::connect(&format!("redis://127.0.0.1:{seed}"))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::InvalidConfig { .. }), "{e:?}");
+    assert!(e.to_string().contains("redis+cluster://"), "{e}");
+    let single = server_url("LOCKKIT_REDIS_URL");
+    let hostport = single
+        .strip_prefix("redis://")
+        .expect("a redis:// URL")
+        .rsplit('@')
+        .next()
+        .expect("host:port")
+        .trim_end_matches('/');
+    let e = lockkit::connect(&format!("redis+cluster://{hostport}"))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::InvalidConfig { .. }), "{e:?}");
+    assert!(e.to_string().contains("redis://"), "{e}");
+}

@@ -438,7 +438,11 @@ impl RedisLock {
             let queue = route.filter(|w| w.id() == st.me).is_some();
             (st.me.clone(), queue)
         };
-        let channel = if queue { self.inner.hub.channel() } else { "" };
+        let channel = if queue {
+            self.inner.hub.channel_for(keys).unwrap_or_default()
+        } else {
+            String::new()
+        };
         let sent = Instant::now();
         let reply: (i64, i64, String) = match self
             .inner
@@ -453,7 +457,7 @@ impl RedisLock {
                     .arg(&keys.waiter_prefix)
                     .arg(&me)
                     .arg(ttl_millis(ttl))
-                    .arg(channel)
+                    .arg(&channel)
                     .arg(ttl_millis(WAITER_TTL))
                     .arg(delay_px(ttl, delay)),
             )
@@ -714,7 +718,7 @@ impl LockBackend for RedisLock {
             if opts.wait != Wait::No {
                 let me = call.me();
                 if route.as_ref().is_none_or(|r| r.is_dead() || r.id() != me) {
-                    route = hub.register(&me);
+                    route = hub.register_for(&me, &keys);
                 }
             }
             let attempt = retry_transient(&opts, deadline, || {
@@ -755,7 +759,8 @@ impl LockBackend for RedisLock {
             }
             if route.is_none() && subscribing.is_none() && now >= next_subscribe {
                 let hub = hub.clone();
-                subscribing = Some(Box::pin(async move { hub.ensure().await }));
+                let keys = keys.clone();
+                subscribing = Some(Box::pin(async move { hub.ensure_for(&keys).await }));
             }
             let mut poll = fallback_delay(pttl);
             if route.is_some() && !in_delay {

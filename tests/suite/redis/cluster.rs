@@ -262,6 +262,76 @@ async fn names_on_every_master_are_granted_and_renewed_together() {
     }
 }
 
+/// The `calls=` of `cmdstat_COMMAND` in `INFO commandstats` of the node on `port` (0 if the
+/// command never ran there; commands that scripts run are counted too).
+fn calls(port: u16, command: &str) -> u64 {
+    let line = format!("cmdstat_{command}:calls=");
+    cli(port, &["info", "commandstats"])
+        .lines()
+        .find_map(|l| l.strip_prefix(line.as_str()))
+        .and_then(|rest| rest.split(',').next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// A hand-off stays on the lock's shard: while a waiter waits, the master of the lock's slot
+/// has the waiter's client subscribed to a shard channel in that slot (`PUBSUB SHARDCHANNELS`,
+/// `SHARDNUMSUB`); the release `SPUBLISH`es the hand-off there, no node of the cluster counts
+/// a `PUBLISH` (which the cluster bus would carry to every node), and the waiter gets the lock
+/// with a larger token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hand_offs_are_spublished_on_the_locks_shard() {
+    let url = server_url("LOCKKIT_REDIS_CLUSTER_URL");
+    let seed = seed_ports(&url)[0];
+    let prefix = fresh_prefix();
+    let locks = RedisLock::connect(&with_prefix(&url, &prefix))
+        .await
+        .unwrap();
+    let other = RedisLock::connect(&with_prefix(&url, &prefix))
+        .await
+        .unwrap();
+    let ttl = Duration::from_secs(30);
+    let a = locks.acquire("handed", opts(ttl)).await.unwrap();
+    let slot = slot_of(seed, &locks.lock_key("handed"));
+    let master = owner(seed, slot);
+    let everyone: Vec<u16> = nodes(seed).iter().map(|n| n.port).collect();
+    assert_eq!(everyone.len(), 6, "three masters and three replicas");
+    let queue = other.queue_key("handed");
+    let waiting = tokio::spawn({
+        let other = other.clone();
+        async move { other.acquire("handed", opts(ttl)).await }
+    });
+    let pattern = format!("{prefix}:client:*");
+    until(
+        "the waiter queued with its shard channel",
+        Duration::from_secs(10),
+        || {
+            cli(master.port, &["zcard", &queue]) == "1"
+                && !cli(master.port, &["pubsub", "shardchannels", &pattern]).is_empty()
+        },
+    )
+    .await;
+    let channels = cli(master.port, &["pubsub", "shardchannels", &pattern]);
+    let channels: Vec<&str> = channels.lines().collect();
+    assert_eq!(channels.len(), 1, "{channels:?}");
+    assert_eq!(slot_of(seed, channels[0]), slot, "{}", channels[0]);
+    assert_eq!(
+        cli(master.port, &["pubsub", "shardnumsub", channels[0]]),
+        format!("{}\n1", channels[0])
+    );
+    // Classic pub/sub is not used for it.
+    assert_eq!(cli(master.port, &["pubsub", "channels", &pattern]), "");
+    let published: Vec<u64> = everyone.iter().map(|&p| calls(p, "publish")).collect();
+    let spublished = calls(master.port, "spublish");
+    let token = a.token();
+    a.release().await.unwrap();
+    let b = waiting.await.unwrap().unwrap();
+    assert!(b.token() > token);
+    assert!(calls(master.port, "spublish") > spublished);
+    let after: Vec<u64> = everyone.iter().map(|&p| calls(p, "publish")).collect();
+    assert_eq!(after, published, "PUBLISH calls on {everyone:?}");
+    b.release().await.unwrap();
+}
+
 /// Cluster mode refuses elections and semaphores with a typed error.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn elections_are_not_supported_in_cluster_mode() {

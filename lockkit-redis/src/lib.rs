@@ -293,6 +293,7 @@
 //! | `P:cancelled:ID` | tombstone of a cancelled acquire (see *Cancel safety*), expires |
 //! | `P:guard:K` | for a key `K` written through [`RedisFence`]: the lock guarding it and the highest token that wrote it, no expiry |
 //! | channel `P:client:CID` | hand-off messages for the waiters of one [`RedisLock`] |
+//! | shard channel `P:client:{T}:CID` | in Cluster mode, hand-off messages for the waiters of one [`RedisLock`] in hash slot `T`'s slot (`SPUBLISH`; see *Cluster*) |
 //! | `P:lock:elect/N`, `P:lock:sem/N/K` (and their `fence`/`queue` keys) | an election's leadership, a semaphore's permit `K`: lock keys of derived names (see *Elections and semaphores*) |
 //! | `P:slots:elect/N`, `P:slots:sem/N` | an election's or semaphore's N in force, its holders' values and its waiters' values |
 //! | channel `P:events:elect/N`, `P:events:sem/N` | every grant, hand-off, proclaim and release of the election or semaphore, with its token |

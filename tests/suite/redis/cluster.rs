@@ -6,7 +6,7 @@
 use std::process::Command;
 use std::time::Duration;
 
-use lockkit::redis::RedisLock;
+use lockkit::redis::{NotReplicated, RedisLock};
 use lockkit::{AcquireOptions, Error, LeaseState, Lock, LockExt, LossReason, MemoryFence, Wait};
 use tokio::time::Instant;
 
@@ -579,6 +579,125 @@ async fn master_killed_before_replicating_loses_the_lease_and_tokens_still_incre
     b.release().await.unwrap();
 }
 
+fn not_replicated(e: &Error) -> Option<&NotReplicated> {
+    match e {
+        Error::Unavailable { source, .. } => source.downcast_ref::<NotReplicated>(),
+        _ => None,
+    }
+}
+
+/// Replication-confirmed grants on the shared cluster (every master has a replica): grants on
+/// all three masters are confirmed (`WAIT` on each name's slot master) and handed out, a
+/// hand-off to a waiter too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replication_confirmed_grants_on_every_master() {
+    let url = server_url("LOCKKIT_REDIS_CLUSTER_URL");
+    let seed = seed_ports(&url)[0];
+    let prefix = fresh_prefix();
+    let confirmed = format!(
+        "{}&min_replicas=1&replica_timeout=500ms",
+        with_prefix(&url, &prefix)
+    );
+    let locks = RedisLock::connect(&confirmed).await.unwrap();
+    let other = RedisLock::connect(&confirmed).await.unwrap();
+    let ttl = Duration::from_secs(10);
+    let mut masters = std::collections::BTreeSet::new();
+    for i in 0..12 {
+        let name = format!("r{i}");
+        masters.insert(owner(seed, slot_of(seed, &locks.lock_key(&name))).id);
+        let l = locks
+            .acquire(&name, AcquireOptions::new().ttl(ttl).wait(Wait::No))
+            .await
+            .unwrap_or_else(|e| panic!("{name}: {e:?}"));
+        l.release().await.unwrap();
+    }
+    assert_eq!(
+        masters.len(),
+        3,
+        "12 names should land on all three masters"
+    );
+    let a = locks.acquire("handed", opts(ttl)).await.unwrap();
+    let waiting = tokio::spawn({
+        let other = other.clone();
+        async move { other.acquire("handed", opts(ttl)).await }
+    });
+    let queue = other.queue_key("handed");
+    let master = owner(seed, slot_of(seed, &queue));
+    until("the waiter queued", Duration::from_secs(10), || {
+        cli(master.port, &["zcard", &queue]) == "1"
+    })
+    .await;
+    a.release().await.unwrap();
+    let b = waiting.await.unwrap().unwrap();
+    b.release().await.unwrap();
+}
+
+/// With the replica of a lock's slot master stopped (SIGSTOP: connected, but acknowledging
+/// nothing), a replication-confirmed grant is refused with `NotReplicated` (1 wanted, 0
+/// acknowledged) and given back: the master holds no lock key; names on the other masters are
+/// still granted; once the replica runs again, the name is granted too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_replica_refuses_replication_confirmed_grants_of_its_slot() {
+    let mut cluster = PrivateCluster::start(true).await;
+    let seed = cluster.ports[0];
+    let prefix = fresh_prefix();
+    // Every replica synced before the first confirmed grant.
+    until("every replica's link up", Duration::from_secs(20), || {
+        nodes(seed).iter().filter(|n| !n.master).count() == 3
+            && nodes(seed)
+                .iter()
+                .filter(|n| !n.master)
+                .all(|n| cli(n.port, &["info", "replication"]).contains("master_link_status:up"))
+    })
+    .await;
+    // Generous for a loaded machine; a stopped replica acknowledges nothing however long.
+    let url = format!("{}&min_replicas=1&replica_timeout=1s", cluster.url(&prefix));
+    let locks = RedisLock::connect(&url).await.unwrap();
+    let no_wait = || {
+        AcquireOptions::new()
+            .ttl(Duration::from_secs(10))
+            .wait(Wait::No)
+    };
+    let first = locks.acquire("job", no_wait()).await.unwrap();
+    first.release().await.unwrap();
+    let key = locks.lock_key("job");
+    let slot = slot_of(seed, &key);
+    let master = owner(seed, slot);
+    let replica = nodes(seed)
+        .into_iter()
+        .find(|n| n.of.as_deref() == Some(master.id.as_str()))
+        .expect("a replica of the master");
+    // A name on another master.
+    let elsewhere = (0..64)
+        .map(|i| format!("other{i}"))
+        .find(|n| owner(seed, slot_of(seed, &locks.lock_key(n))).id != master.id)
+        .expect("a name on another master");
+    cluster.proc(replica.port).signal("STOP");
+    let e = locks.acquire("job", no_wait()).await.unwrap_err();
+    let n = not_replicated(&e).unwrap_or_else(|| panic!("not a NotReplicated error: {e:?}"));
+    assert_eq!((n.wanted, n.acknowledged), (1, 0));
+    assert_eq!(n.timeout, Duration::from_secs(1));
+    assert_eq!(cli(master.port, &["exists", &key]), "0", "given back");
+    let l = locks.acquire(&elsewhere, no_wait()).await.unwrap();
+    l.release().await.unwrap();
+    cluster.proc(replica.port).signal("CONT");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let again = loop {
+        match locks.acquire("job", no_wait()).await {
+            Ok(l) => break l,
+            Err(e) if not_replicated(&e).is_some() && Instant::now() < deadline => {
+                // The replica is catching up: wait for its link, then try again.
+                until("the replica's link", Duration::from_secs(10), || {
+                    cli(replica.port, &["info", "replication"]).contains("master_link_status:up")
+                })
+                .await;
+            }
+            Err(e) => panic!("after the replica resumed: {e:?}"),
+        }
+    };
+    again.release().await.unwrap();
+}
+
 /// Bad cluster URLs are typed errors through the facade too, and a cluster URL pointing at no
 /// server fails fast with Unavailable.
 #[tokio::test]
@@ -586,7 +705,7 @@ async fn bad_cluster_urls_and_an_unreachable_seed() {
     for bad in [
         "redis+cluster://",
         "redis+cluster://127.0.0.1:1/3",
-        "redis+cluster://127.0.0.1:1?min_replicas=1",
+        "redis+cluster://127.0.0.1:1?min_replicas=1&replica_timeout=1h",
     ] {
         let e = lockkit::connect(bad).await.unwrap_err();
         assert!(matches!(e, Error::InvalidConfig { .. }), "{bad}: {e:?}");

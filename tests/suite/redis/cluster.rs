@@ -453,6 +453,90 @@ async fn a_held_locks_slot_migrates_and_the_holder_keeps_it() {
     b.release().await.unwrap();
 }
 
+/// A waiter subscribed to its shard channel on the slot's master while the slot migrates to
+/// another master: the old master takes the subscription back (`SUNSUBSCRIBE`), the waiter
+/// subscribes again on the new one (`PUBSUB SHARDCHANNELS` there), and the release's hand-off
+/// is `SPUBLISH`ed there and reaches it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiters_shard_channel_follows_its_slot_to_the_new_master() {
+    let cluster = PrivateCluster::start(false).await;
+    let seed = cluster.ports[0];
+    let prefix = fresh_prefix();
+    let locks = RedisLock::connect(&cluster.url(&prefix)).await.unwrap();
+    let other = RedisLock::connect(&cluster.url(&prefix)).await.unwrap();
+    let ttl = Duration::from_secs(10);
+    let a = locks.acquire("moving", opts(ttl)).await.unwrap();
+    let key = locks.lock_key("moving");
+    let slot = slot_of(seed, &key);
+    let src = owner(seed, slot);
+    let dst = nodes(seed)
+        .into_iter()
+        .find(|n| n.master && n.id != src.id)
+        .unwrap();
+    let waiting = tokio::spawn({
+        let other = other.clone();
+        async move { other.acquire("moving", opts(Duration::from_secs(30))).await }
+    });
+    let pattern = format!("{prefix}:client:*");
+    until(
+        "the waiter subscribed on the old master",
+        Duration::from_secs(10),
+        || {
+            cli(src.port, &["zcard", &other.queue_key("moving")]) == "1"
+                && !cli(src.port, &["pubsub", "shardchannels", &pattern]).is_empty()
+        },
+    )
+    .await;
+    let s = slot.to_string();
+    assert_eq!(
+        cli(dst.port, &["cluster", "setslot", &s, "importing", &src.id]),
+        "OK"
+    );
+    assert_eq!(
+        cli(src.port, &["cluster", "setslot", &s, "migrating", &dst.id]),
+        "OK"
+    );
+    let keys: Vec<String> = cli(src.port, &["cluster", "getkeysinslot", &s, "100"])
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    let mut migrate: Vec<String> = [
+        "migrate",
+        "127.0.0.1",
+        &dst.port.to_string(),
+        "",
+        "0",
+        "5000",
+        "keys",
+    ]
+    .iter()
+    .map(|a| (*a).to_owned())
+    .collect();
+    migrate.extend(keys.iter().cloned());
+    let args: Vec<&str> = migrate.iter().map(String::as_str).collect();
+    assert_eq!(cli(src.port, &args), "OK");
+    for n in nodes(seed).iter().filter(|n| n.master) {
+        assert_eq!(
+            cli(n.port, &["cluster", "setslot", &s, "node", &dst.id]),
+            "OK"
+        );
+    }
+    until(
+        "the waiter subscribed on the new master",
+        Duration::from_secs(10),
+        || !cli(dst.port, &["pubsub", "shardchannels", &pattern]).is_empty(),
+    )
+    .await;
+    assert_eq!(cli(src.port, &["pubsub", "shardchannels", &pattern]), "");
+    let spublished = calls(dst.port, "spublish");
+    let token = a.token();
+    a.release().await.unwrap();
+    let b = waiting.await.unwrap().unwrap();
+    assert!(b.token() > token);
+    assert!(calls(dst.port, "spublish") > spublished);
+    b.release().await.unwrap();
+}
+
 /// A coordinated failover (`CLUSTER FAILOVER` on the replica, which first catches up): the new
 /// master has the lock key, the holder's renewal (after `MOVED`) proves it, the lease stays
 /// Held, and the next grant has a larger token.

@@ -11,12 +11,11 @@
 use std::time::Duration;
 
 use redis::aio::ConnectionManagerConfig;
-use redis::cluster::ClusterClientBuilder;
 
 use lockkit_core::Result;
 
 use crate::config::{RedisConfig, connect_error};
-use crate::conn::Conn;
+use crate::conn::{Conn, cluster_builder};
 use crate::error::timed_out;
 
 /// [`Guarantees::notes`](lockkit_core::Guarantees::notes) in Cluster mode.
@@ -28,13 +27,10 @@ that had not received the lock key grants a held lock again; the old holder find
 renewal (within TTL/3), which fails on the new master, and is Lost unless its key is there. A lock \
 held while its slot migrates stays held (the scripts follow ASK and MOVED; MIGRATE moves the keys \
 with their TTLs). No keyspace notifications in this mode: a deleted or evicted lock key is heard \
-of at the next renewal. Waiters are served in queue order; hand-offs are PUBLISHed, which a cluster \
-sends to every node. Elections and semaphores are not supported in this mode (NotSupported).";
-
-/// How often the cluster connection retries a command whose node failed or redirected it
-/// (each after a slot-map refresh and a wait of 20 ms up to 500 ms, all within the response
-/// timeout): 6.
-const RETRIES: u32 = 6;
+of at the next renewal. Waiters are served in queue order; hand-offs are SPUBLISHed on the \
+waiter's channel in the lock's slot (sharded pub/sub: they stay on that slot's shard). With \
+min_replicas, a grant is confirmed by WAIT on the slot's master (given back with fewer \
+acknowledgements). Elections and semaphores are not supported in this mode (NotSupported).";
 
 /// Connects to the cluster of `config`'s seed nodes: builds the slot map and sends one
 /// `PING`, within the connect timeout.
@@ -57,12 +53,7 @@ pub(crate) async fn connect(config: &RedisConfig) -> Result<Conn> {
         .map(redis::Client::open)
         .collect::<redis::RedisResult<Vec<_>>>()
         .map_err(connect_error)?;
-    let client = ClusterClientBuilder::new(nodes)
-        .connection_timeout(ct)
-        .response_timeout(rt)
-        .retries(RETRIES)
-        .min_retry_wait(20)
-        .max_retry_wait(500)
+    let client = cluster_builder(nodes.clone(), ct, rt)
         .build()
         .map_err(connect_error)?;
     let connected = tokio::time::timeout(ct, async {
@@ -90,7 +81,7 @@ pub(crate) async fn connect(config: &RedisConfig) -> Result<Conn> {
         .set_number_of_retries(2)
         .set_min_delay(Duration::from_millis(50))
         .set_max_delay(Duration::from_secs(1));
-    Conn::cluster(conn, seeds, manager).map_err(connect_error)
+    Conn::cluster(conn, seeds, manager, nodes, (ct, rt)).map_err(connect_error)
 }
 
 /// The cluster client reports credentials refused by every seed as an I/O error ("Failed to

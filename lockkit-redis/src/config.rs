@@ -437,15 +437,7 @@ impl RedisConfig {
             Some(_) => return Err(Error::config("protocol must be resp2 or resp3")),
         };
         let strict = u.take_bool("strict")?;
-        let min_replicas = match u.take("min_replicas", &[])? {
-            None => 0,
-            Some(n) => n
-                .parse::<u32>()
-                .ok()
-                .filter(|_| n.bytes().all(|b| b.is_ascii_digit()))
-                .ok_or_else(|| Error::config("min_replicas must be a whole number"))?,
-        };
-        let replica_timeout = u.take_duration("replica_timeout", None)?;
+        let (min_replicas, replica_timeout) = take_replicas(&mut u)?;
         let sentinel_username = u.take("sentinel_username", &[])?;
         let sentinel_password = u.take("sentinel_password", &[])?;
         if !sentinel && (sentinel_username.is_some() || sentinel_password.is_some()) {
@@ -814,14 +806,27 @@ impl RedisConfig {
     }
 }
 
+/// The `min_replicas` and `replica_timeout` parameters of a URL (checked further by
+/// [`RedisConfig::validate`]).
+fn take_replicas(u: &mut BackendUrl) -> Result<(u32, Option<Duration>)> {
+    let min_replicas = match u.take("min_replicas", &[])? {
+        None => 0,
+        Some(n) => n
+            .parse::<u32>()
+            .ok()
+            .filter(|_| n.bytes().all(|b| b.is_ascii_digit()))
+            .ok_or_else(|| Error::config("min_replicas must be a whole number"))?,
+    };
+    Ok((min_replicas, u.take_duration("replica_timeout", None)?))
+}
+
 /// Redis Cluster ([`RedisMode::Cluster`]).
 impl RedisConfig {
     /// A Redis Cluster reached through the seed nodes `nodes` (host, port; any nodes of the
     /// cluster, the rest are learned from it): [`RedisMode::Cluster`]. Credentials with
     /// [`username`](Self::username) and [`password`](Self::password) (the same on every node).
     /// Not supported in this mode (refused by [`validate`](Self::validate)): TLS, a database
-    /// other than 0 (a cluster has only database 0), [`min_replicas`](Self::min_replicas), and
-    /// a prefix with `{` or `}` (it would change the keys' hash tag).
+    /// other than 0 (a cluster has only database 0), and a prefix with `{` or `}` (it would change the keys' hash tag).
     ///
     /// ```
     /// use lockkit_redis::{RedisConfig, RedisMode};
@@ -850,8 +855,7 @@ impl RedisConfig {
     }
 
     /// `redis+cluster://[[user]:password@]host[:port][,host[:port]…][/0][?param=value&…]`: the
-    /// parameters of `redis://` (see [`from_url`](Self::from_url)) but the TLS ones,
-    /// `min_replicas` and `replica_timeout`.
+    /// parameters of `redis://` (see [`from_url`](Self::from_url)) but the TLS ones.
     fn from_cluster_url(mut u: BackendUrl) -> Result<Self> {
         if u.fragment().is_some() {
             return Err(Error::config("a redis+cluster URL takes no #fragment"));
@@ -886,13 +890,7 @@ impl RedisConfig {
                 ));
             }
         };
-        for p in ["min_replicas", "replica_timeout"] {
-            if u.take(p, &[])?.is_some() {
-                return Err(Error::config(format!(
-                    "{p} is not supported in Cluster mode by the redis backend yet"
-                )));
-            }
-        }
+        let (min_replicas, replica_timeout) = take_replicas(&mut u)?;
         u.finish(
             "redis+cluster",
             &[
@@ -902,6 +900,8 @@ impl RedisConfig {
                 "protocol",
                 "strict",
                 "notifications",
+                "min_replicas",
+                "replica_timeout",
             ],
         )?;
         let mut cfg = Self::cluster(hosts.into_iter().map(|h| (h.host, h.port)));
@@ -920,6 +920,8 @@ impl RedisConfig {
         cfg.response_timeout = response_timeout.unwrap_or(DEFAULT_RESPONSE_TIMEOUT);
         cfg.strict = strict.unwrap_or(false);
         cfg.notifications = notifications;
+        cfg.min_replicas = min_replicas;
+        cfg.replica_timeout = replica_timeout.unwrap_or(DEFAULT_REPLICA_TIMEOUT);
         cfg.validate()?;
         Ok(cfg)
     }
@@ -937,8 +939,6 @@ impl RedisConfig {
             "TLS is not supported in Cluster mode by the redis backend yet"
         } else if self.redis.db() != 0 {
             "a Redis Cluster has only database 0"
-        } else if self.min_replicas > 0 {
-            "min_replicas is not supported in Cluster mode by the redis backend yet"
         } else if self.prefix.contains(['{', '}']) {
             "in Cluster mode the key prefix may not contain '{' or '}' (the keys' hash tag)"
         } else {
@@ -1233,8 +1233,8 @@ mod tests {
             "redis+cluster://:hunter2@n1:70000",
             "redis+cluster://:hunter2@n1?tls_ca=ca.pem",
             "redis+cluster://:hunter2@n1#insecure",
-            "redis+cluster://:hunter2@n1?min_replicas=1",
-            "redis+cluster://:hunter2@n1?replica_timeout=1ms",
+            "redis+cluster://:hunter2@n1?min_replicas=1&replica_timeout=2s",
+            "redis+cluster://:hunter2@n1?min_replicas=x",
             "redis+cluster://:hunter2@n1?notifications=set",
             "redis+cluster://:hunter2@n1?prefix=a%7Bb",
             "redis+cluster://:hunter2@n1?prefix=a:b",
@@ -1260,11 +1260,17 @@ mod tests {
                 .validate()
                 .is_err()
         );
+        let c = RedisConfig::from_url("redis+cluster://n1?min_replicas=1&replica_timeout=250ms")
+            .unwrap();
+        assert_eq!(
+            (c.get_min_replicas(), c.get_replica_timeout()),
+            (1, Duration::from_millis(250))
+        );
         assert!(
             RedisConfig::cluster([("n1", 7000)])
                 .min_replicas(1)
                 .validate()
-                .is_err()
+                .is_ok()
         );
         assert!(
             RedisConfig::cluster([("n1", 7000)])

@@ -16,17 +16,20 @@
 //!
 //! In Cluster mode ([`Conn::cluster`]) commands and scripts go through the redis crate's
 //! cluster connection ([`redis::cluster_async`]), which routes each to the master of its first
-//! key's slot and follows `MOVED` and `ASK` redirections (refreshing its slot map on `MOVED`);
-//! the pub/sub connection goes to one seed node after the other (a `PUBLISH` reaches every node
-//! of a cluster).
+//! key's slot and follows `MOVED` and `ASK` redirections (refreshing its slot map on `MOVED`).
+//! Hand-offs use sharded pub/sub on cluster connections of their own (`shard.rs`,
+//! [`Conn::cluster_client`]); a replication-confirmed grant sends its script and `WAIT` on a
+//! second cluster connection, `WAIT` routed to the master of the grant's slot.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::{ClusterClient, ClusterClientBuilder};
 use redis::cluster_async::ClusterConnection;
-use redis::{Cmd, FromRedisValue, RedisResult, ScriptInvocation};
+use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
+use redis::{Cmd, ConnectionInfo, FromRedisValue, PushInfo, RedisResult, ScriptInvocation};
 use tokio::sync::watch;
 
 use lockkit_core::backend::Backoff;
@@ -36,6 +39,27 @@ use crate::sentinel::Discovery;
 /// How long one discovery keeps asking the sentinels for a master before it gives up (the next
 /// failed command starts another): 30 s.
 const DISCOVERY_PERSISTENCE: Duration = Duration::from_secs(30);
+
+/// How often a cluster connection retries a command whose node failed or redirected it
+/// (each after a slot-map refresh and a wait of 20 ms up to 500 ms, all within the response
+/// timeout): 6.
+const CLUSTER_RETRIES: u32 = 6;
+
+/// The builder of a cluster client for the seed nodes `nodes`, with connect timeout `ct` and
+/// response timeout `rt` (each command's retries, after `MOVED`, `ASK` or a failed node, fit
+/// within `rt`).
+pub(crate) fn cluster_builder(
+    nodes: Vec<ConnectionInfo>,
+    ct: Duration,
+    rt: Duration,
+) -> ClusterClientBuilder {
+    ClusterClientBuilder::new(nodes)
+        .connection_timeout(ct)
+        .response_timeout(rt)
+        .retries(CLUSTER_RETRIES)
+        .min_retry_wait(20)
+        .max_retry_wait(500)
+}
 
 /// Cheap to clone: clones share the current connection.
 #[derive(Clone)]
@@ -61,6 +85,13 @@ struct Cluster {
     seeds: Vec<redis::Client>,
     /// The seed the next pub/sub connection goes to.
     next: AtomicUsize,
+    /// The seed nodes and timeouts, for the cluster clients of sharded pub/sub and of
+    /// replication-confirmed grants.
+    nodes: Vec<ConnectionInfo>,
+    timeouts: (Duration, Duration),
+    /// The connection for replication-confirmed grants (`WAIT` blocks its connection to the
+    /// node), opened on first use.
+    side: tokio::sync::Mutex<Option<ClusterConnection>>,
 }
 
 struct Current {
@@ -107,12 +138,14 @@ impl Conn {
         this
     }
 
-    /// Wraps a connected cluster connection; `seeds` (at least one) are the seed nodes'
-    /// clients, for pub/sub.
+    /// Wraps a connected cluster connection of a client for the seed nodes `nodes` (connect
+    /// and response timeouts `timeouts`); `seeds` (at least one) are the seed nodes' clients.
     pub(crate) fn cluster(
         conn: ClusterConnection,
         seeds: Vec<redis::Client>,
         config: ConnectionManagerConfig,
+        nodes: Vec<ConnectionInfo>,
+        timeouts: (Duration, Duration),
     ) -> redis::RedisResult<Self> {
         let first = seeds.first().cloned().ok_or_else(|| {
             redis::RedisError::from((redis::ErrorKind::InvalidClientConfig, "no seed node"))
@@ -137,6 +170,9 @@ impl Conn {
                     conn,
                     seeds,
                     next: AtomicUsize::new(0),
+                    nodes,
+                    timeouts,
+                    side: tokio::sync::Mutex::new(None),
                 }),
             }),
         })
@@ -145,6 +181,24 @@ impl Conn {
     /// Whether this is a Cluster connection.
     pub(crate) fn is_cluster(&self) -> bool {
         self.inner.cluster.is_some()
+    }
+
+    /// In Cluster mode, a new cluster client for the seed nodes, with this connection's
+    /// timeouts; with `push`, speaking RESP3 and sending its push messages (pub/sub) there.
+    /// `None` in the other modes.
+    pub(crate) fn cluster_client(
+        &self,
+        push: Option<tokio::sync::mpsc::UnboundedSender<PushInfo>>,
+    ) -> Option<RedisResult<ClusterClient>> {
+        let c = self.inner.cluster.as_ref()?;
+        let (ct, rt) = c.timeouts;
+        let mut b = cluster_builder(c.nodes.clone(), ct, rt);
+        if let Some(tx) = push {
+            b = b
+                .use_protocol(redis::ProtocolVersion::RESP3)
+                .push_sender(tx);
+        }
+        Some(b.build())
     }
 
     fn lock(&self) -> MutexGuard<'_, Current> {
@@ -222,7 +276,8 @@ impl Conn {
 
     /// Runs `script` and then `wait` on the confirmation connection, one after the other: the
     /// `WAIT` of a replication-confirmed grant covers the script's write (and everything the
-    /// master applied before it).
+    /// master applied before it). In Cluster mode `key` is the script's first key: `WAIT` goes
+    /// to the master of its slot, which ran the script.
     ///
     /// # Errors
     /// The redis client's error.
@@ -232,14 +287,11 @@ impl Conn {
     pub(crate) async fn invoke_then<T: FromRedisValue, U: FromRedisValue>(
         &self,
         script: &ScriptInvocation<'_>,
+        key: &str,
         wait: &Cmd,
     ) -> RedisResult<(T, U)> {
-        if self.is_cluster() {
-            // Refused by the config's validation; a WAIT would not follow the script's node.
-            return Err(redis::RedisError::from((
-                redis::ErrorKind::InvalidClientConfig,
-                "replication-confirmed grants are not supported in Cluster mode",
-            )));
+        if let Some(c) = &self.inner.cluster {
+            return Self::cluster_invoke_then(c, self, script, key, wait).await;
         }
         let (generation, mut side) = {
             let mut cur = self.lock();
@@ -274,6 +326,53 @@ impl Conn {
             self.maybe_failed_over(e);
         }
         r
+    }
+
+    /// [`invoke_then`](Self::invoke_then) in Cluster mode, on the cluster's confirmation
+    /// connection (opened on first use, bounded by the connect timeout): the script goes to
+    /// the master of its keys' slot, and `WAIT` to the master of `key`'s slot, the same node
+    /// unless the slot moved in between (then `WAIT` asks the new master, which did not take
+    /// this connection's write: it answers at once with its replicas' count, and the grant's
+    /// next renewal on the new master tells whether it is held there).
+    async fn cluster_invoke_then<T: FromRedisValue, U: FromRedisValue>(
+        c: &Cluster,
+        conn: &Conn,
+        script: &ScriptInvocation<'_>,
+        key: &str,
+        wait: &Cmd,
+    ) -> RedisResult<(T, U)> {
+        let mut side = {
+            let mut slot = c.side.lock().await;
+            match &*slot {
+                Some(s) => s.clone(),
+                None => {
+                    let client = conn.cluster_client(None).ok_or_else(|| {
+                        redis::RedisError::from((
+                            redis::ErrorKind::InvalidClientConfig,
+                            "not a cluster",
+                        ))
+                    })??;
+                    let (ct, _) = c.timeouts;
+                    let s = match tokio::time::timeout(ct, client.get_async_connection()).await {
+                        Ok(r) => r?,
+                        Err(_) => {
+                            return Err(redis::RedisError::from(std::io::Error::new(
+                                std::io::ErrorKind::TimedOut,
+                                "connecting the confirmation connection",
+                            )));
+                        }
+                    };
+                    *slot = Some(s.clone());
+                    s
+                }
+            }
+        };
+        let t = script.invoke_async(&mut side).await?;
+        let route = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(
+            redis::cluster_routing::Route::with_key(key, SlotAddr::Master),
+        ));
+        let v = side.route_command(wait.clone(), route).await?;
+        Ok((t, redis::from_redis_value(v)?))
     }
 
     /// In Sentinel mode, starts a discovery of the master after an error that a failover

@@ -139,7 +139,9 @@ return 0
 /// becomes the waiter's ID with its TTL (and the delay key its ID with TTL + delay, if it asked
 /// for a delay; else the delay key is deleted), the counter is bumped, and
 /// `"ID TOKEN"` is `PUBLISH`ed on that waiter's client channel only (a `pcall`: an ACL without
-/// channel permission still hands over; the waiter then finds its ID by polling). Returns the
+/// channel permission still hands over; the waiter then finds its ID by polling); a channel
+/// that starts with `:` (Cluster mode: the client's channel in the lock's slot, `shard.rs`) is
+/// `SPUBLISH`ed without the `:`, and stays on the slot's shard. Returns the
 /// new holder's ID, or `false` if no other waiter is live. With `me` (a waiter's own acquire),
 /// the queue is only looked at up to `me`, which is removed: then the caller takes the lock.
 pub(crate) const SERVE_LUA: &str = r"
@@ -192,7 +194,12 @@ local function serve(me)
       else
         redis.call('DEL', KEYS[4])
       end
-      redis.pcall('PUBLISH', ch, h .. ' ' .. string.format('%d', t))
+      local msg = h .. ' ' .. string.format('%d', t)
+      if string.sub(ch, 1, 1) == ':' then
+        redis.pcall('SPUBLISH', string.sub(ch, 2), msg)
+      else
+        redis.pcall('PUBLISH', ch, msg)
+      end
       return h
     end
   end

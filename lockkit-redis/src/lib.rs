@@ -239,24 +239,31 @@
 //! - **Renewal**: one script may only touch one slot, so the batched renewal groups leases by
 //!   hash tag (one call per lock name, each call up to [`RENEW_BATCH`] leases of that name), all
 //!   calls in flight together.
-//! - **Waiters**: the hand-off queue as on one server; the hand-off `PUBLISH` goes to the
-//!   client's channel, which a cluster delivers to every node, so the client's pub/sub
-//!   connection may be on any node (one seed after the other, when one fails).
+//! - **Waiters**: the hand-off queue as on one server; the hand-off goes by sharded pub/sub
+//!   (<https://redis.io/docs/latest/develop/interact/pubsub/#sharded-pubsub>): the release
+//!   script `SPUBLISH`es it on the waiter's client channel *in the lock's hash slot*
+//!   (`P:client:{T}:ID`, `T` a tag that hashes to that slot), so it stays on the slot's shard
+//!   instead of crossing the cluster bus to every node as a `PUBLISH` would. A client
+//!   subscribes (`SSUBSCRIBE`, on a RESP3 cluster connection of its own) to its channel of
+//!   each slot it waits in, at most 256 slots at once (idle ones are dropped first; beyond
+//!   that its waiters poll), and again after the slot moved or a node's connection dropped;
+//!   a message lost meanwhile is covered by the waiters' timer.
 //! - **Failover**: a master's replica is promoted by the cluster. A lease whose key reached
 //!   the replica stays held (its next renewal, after `MOVED`, proves it there); one whose key
 //!   did not is [`Lost`](lockkit_core::LeaseState::Lost)
 //!   ([`NotHeldOnServer`](lockkit_core::LossReason::NotHeldOnServer)) at its next renewal
 //!   (within TTL/3), while a new acquire may already have the lock on the new master with a
 //!   larger token (the `TIME` floor): the same efficiency-lock limit as Sentinel's.
-//! - **Not supported yet**: TLS, `min_replicas`, keyspace notifications (loss notice: none;
+//! - **Not supported yet**: TLS, keyspace notifications (loss notice: none;
 //!   a deleted key is found at the next renewal), elections and semaphores
 //!   ([`NotSupported`](lockkit_core::Error::NotSupported)), the eviction check at connect.
 //!
 //! ## Replication-confirmed grants
-//! `min_replicas=N&replica_timeout=100ms` (or [`RedisConfig::min_replicas`], on `redis://`
-//! and `redis+sentinel://`): every grant (of a lock, a leadership or a permit) is followed by
+//! `min_replicas=N&replica_timeout=100ms` (or [`RedisConfig::min_replicas`], on `redis://`,
+//! `redis+sentinel://` and `redis+cluster://`): every grant (of a lock, a leadership or a permit) is followed by
 //! `WAIT N timeout`
-//! (<https://redis.io/docs/latest/commands/wait/>) on a connection of its own; with fewer than
+//! (<https://redis.io/docs/latest/commands/wait/>) on a connection of its own (in Cluster
+//! mode sent to the master of the lock's slot, where the grant was made); with fewer than
 //! `N` acknowledgements the grant is given back (the next waiter gets it) and the attempt fails
 //! with [`Error::Unavailable`](lockkit_core::Error::Unavailable) whose source is a
 //! [`NotReplicated`] (retried while the acquire may wait; a deadline that cuts a retry ends in
@@ -286,6 +293,7 @@
 //! | `P:cancelled:ID` | tombstone of a cancelled acquire (see *Cancel safety*), expires |
 //! | `P:guard:K` | for a key `K` written through [`RedisFence`]: the lock guarding it and the highest token that wrote it, no expiry |
 //! | channel `P:client:CID` | hand-off messages for the waiters of one [`RedisLock`] |
+//! | shard channel `P:client:{T}:CID` | in Cluster mode, hand-off messages for the waiters of one [`RedisLock`] in hash slot `T`'s slot (`SPUBLISH`; see *Cluster*) |
 //! | `P:lock:elect/N`, `P:lock:sem/N/K` (and their `fence`/`queue` keys) | an election's leadership, a semaphore's permit `K`: lock keys of derived names (see *Elections and semaphores*) |
 //! | `P:slots:elect/N`, `P:slots:sem/N` | an election's or semaphore's N in force, its holders' values and its waiters' values |
 //! | channel `P:events:elect/N`, `P:events:sem/N` | every grant, hand-off, proclaim and release of the election or semaphore, with its token |
@@ -365,6 +373,7 @@ mod renewer;
 mod replicas;
 mod sentinel;
 mod server;
+mod shard;
 mod slots;
 mod waiters;
 mod watch;

@@ -442,7 +442,11 @@ impl RedisLock {
             let queue = route.filter(|w| w.id() == st.me).is_some();
             (st.me.clone(), queue)
         };
-        let channel = if queue { self.inner.hub.channel() } else { "" };
+        let channel = if queue {
+            self.inner.hub.channel_for(keys).unwrap_or_default()
+        } else {
+            String::new()
+        };
         let sent = Instant::now();
         let reply: (i64, i64, String) = match self
             .inner
@@ -457,7 +461,7 @@ impl RedisLock {
                     .arg(&keys.waiter_prefix)
                     .arg(&me)
                     .arg(ttl_millis(ttl))
-                    .arg(channel)
+                    .arg(&channel)
                     .arg(ttl_millis(WAITER_TTL))
                     .arg(delay_px(ttl, delay)),
             )
@@ -644,20 +648,27 @@ async fn handed(route: &mut Option<Waiting>) -> Option<u64> {
     }
 }
 
-/// One sleep of a lock's or slot's waiter between two looks ([`Subscription::sleep`]) on `hub`:
+/// One sleep of a lock's or slot's waiter between two looks ([`Subscription::sleep`]) on `hub`
+/// (subscribed for the slot of the lock `keys`, in Cluster mode; slots pass `None`):
 /// woken by a hand-off on `route`, after `poll`, or at `deadline`. A SUBSCRIBE that fails is
 /// tried again after [`MAX_WAIT_POLL`] if the error is transient, else after
 /// [`REFUSED_SUBSCRIBE_RETRY`] (and the hub is told of the refusal).
 pub(crate) async fn wait_turn(
     subscription: &mut Subscription,
     hub: &Arc<Hub>,
+    keys: Option<&Keys>,
     route: &mut Option<Waiting>,
     poll: Duration,
     deadline: Option<Instant>,
 ) -> Woken {
     let subscribe = || -> Subscribing {
-        let hub = hub.clone();
-        Box::pin(async move { hub.ensure().await })
+        let (hub, keys) = (hub.clone(), keys.cloned());
+        Box::pin(async move {
+            match keys {
+                Some(keys) => hub.ensure_for(&keys).await,
+                None => hub.ensure().await,
+            }
+        })
     };
     let retry_after = |e: &Error| {
         if e.is_retryable() {
@@ -728,7 +739,7 @@ impl LockBackend for RedisLock {
             if opts.wait != Wait::No {
                 let me = call.me();
                 if route.as_ref().is_none_or(|r| r.is_dead() || r.id() != me) {
-                    route = hub.register(&me);
+                    route = hub.register_for(&me, &keys);
                 }
             }
             let attempt = retry_transient(&opts, deadline, || {
@@ -768,7 +779,15 @@ impl LockBackend for RedisLock {
                 // lock-delay there is no holder to hand it over).
                 poll = poll.min(opts.ttl / 4);
             }
-            let woken = wait_turn(&mut subscription, hub, &mut route, poll, deadline).await;
+            let woken = wait_turn(
+                &mut subscription,
+                hub,
+                Some(&keys),
+                &mut route,
+                poll,
+                deadline,
+            )
+            .await;
             match woken {
                 Woken::Look => {}
                 Woken::Deadline => {

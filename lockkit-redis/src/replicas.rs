@@ -89,6 +89,7 @@ pub(crate) async fn confirm(
                 .arg(owner)
                 .arg(ttl_millis(ttl))
                 .arg(delay_px(ttl, delay)),
+            &keys.lock,
             &wait,
         )
         .await

@@ -923,7 +923,7 @@ impl SlotBackend for RedisLock {
             // The first in line looks just after the shortest holder TTL; the others keep
             // their place alive and are handed a slot by whoever frees it.
             let poll = fallback_delay(if first || route.is_none() { pttl } else { None });
-            let woken = wait_turn(&mut subscription, hub, &mut route, poll, deadline).await;
+            let woken = wait_turn(&mut subscription, hub, None, &mut route, poll, deadline).await;
             if let Woken::Deadline = woken {
                 call.clean_up_now().await;
                 return Err(timeout());

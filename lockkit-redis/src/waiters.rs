@@ -17,6 +17,9 @@
 //! `PSUBSCRIBE`, see `watch.rs`). Where the server sends them, the connection is opened at
 //! connect and kept up: when it drops it is opened again (with backoff), and once per keepalive
 //! tick a `PING` checks that it still answers (a silent connection is dropped and replaced).
+//!
+//! In Cluster mode hand-offs take sharded channels instead, one per hash slot (`shard.rs`); the
+//! `*_for` methods pick the mode's channel.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -33,7 +36,9 @@ use lockkit_core::backend::Backoff;
 use lockkit_core::{Error, Result};
 
 use crate::conn::Conn;
+use crate::core::Keys;
 use crate::error::{from_redis, timed_out};
+use crate::shard::{Shards, slot_of};
 use crate::watch::Watch;
 
 #[derive(Default)]
@@ -75,6 +80,8 @@ pub(crate) struct Hub {
     warned_pattern: AtomicBool,
     /// A [`tick`](Self::tick) is running.
     ticking: AtomicBool,
+    /// The sharded hand-off channels, in Cluster mode.
+    shards: Option<Arc<Shards>>,
     me: Weak<Hub>,
 }
 
@@ -108,6 +115,8 @@ pub(crate) struct Waiting {
     id: String,
     seq: u64,
     rx: Option<oneshot::Receiver<u64>>,
+    /// A route of the sharded channels (Cluster mode).
+    sharded: bool,
 }
 
 impl fmt::Debug for Waiting {
@@ -147,6 +156,10 @@ impl Waiting {
 
 impl Drop for Waiting {
     fn drop(&mut self) {
+        if let Some(s) = self.sharded.then_some(self.hub.shards.as_ref()).flatten() {
+            s.unregister(&self.id, self.seq);
+            return;
+        }
         let mut st = lock(&self.hub.state);
         if st.routes.get(&self.id).is_some_and(|r| r.0 == self.seq) {
             st.routes.remove(&self.id);
@@ -162,9 +175,13 @@ impl Hub {
         timeout: Duration,
         watch: Arc<Watch>,
     ) -> Arc<Self> {
+        let id = format!("{:032x}", rand::random::<u128>());
+        let shards = conn
+            .is_cluster()
+            .then(|| Shards::new(conn.clone(), prefix, &id, connect_timeout, timeout));
         Arc::new_cyclic(|me| Self {
             conn,
-            channel: format!("{prefix}:client:{:032x}", rand::random::<u128>()),
+            channel: format!("{prefix}:client:{id}"),
             connect_timeout,
             timeout,
             warned: AtomicBool::new(false),
@@ -174,6 +191,7 @@ impl Hub {
             keep: AtomicBool::new(false),
             warned_pattern: AtomicBool::new(false),
             ticking: AtomicBool::new(false),
+            shards,
             me: me.clone(),
         })
     }
@@ -287,6 +305,48 @@ impl Hub {
         &self.channel
     }
 
+    /// The hand-off channel of a waiter for the lock of `keys`, as the acquire script stores it:
+    /// the client's channel, or in Cluster mode `:` and the client's channel in the keys' slot
+    /// (`SPUBLISH`ed; a classic channel never starts with `:`, which no prefix holds). `None`
+    /// if there is none (then the waiter polls).
+    pub(crate) fn channel_for(&self, keys: &Keys) -> Option<String> {
+        match &self.shards {
+            Some(s) => s.channel(slot_of(&keys.lock)).map(|c| format!(":{c}")),
+            None => Some(self.channel.clone()),
+        }
+    }
+
+    /// [`register`](Self::register) for the lock of `keys`: in Cluster mode a route on the
+    /// keys' slot's channel, if that is subscribed now.
+    pub(crate) fn register_for(self: &Arc<Self>, id: &str, keys: &Keys) -> Option<Waiting> {
+        let Some(shards) = &self.shards else {
+            return self.register(id);
+        };
+        let (seq, rx) = shards.register(id, slot_of(&keys.lock))?;
+        Some(Waiting {
+            hub: self.clone(),
+            id: id.to_owned(),
+            seq,
+            rx: Some(rx),
+            sharded: true,
+        })
+    }
+
+    /// [`ensure`](Self::ensure) for the lock of `keys`: in Cluster mode subscribes to the
+    /// client's channel in the keys' slot.
+    ///
+    /// # Errors
+    /// As [`ensure`](Self::ensure), or [`Shards::ensure`].
+    ///
+    /// # Cancel safety
+    /// Cancel safe, as those.
+    pub(crate) async fn ensure_for(self: &Arc<Self>, keys: &Keys) -> Result<()> {
+        match &self.shards {
+            Some(s) => s.ensure(slot_of(&keys.lock)).await,
+            None => self.ensure().await,
+        }
+    }
+
     /// A route for waiter `id`, if the client's channel is subscribed now (else `None`: a waiter
     /// must not join a queue while no hand-off message could reach it). Registered before the
     /// acquire attempt that joins the queue, so no hand-off is missed.
@@ -302,6 +362,7 @@ impl Hub {
             id: id.to_owned(),
             seq,
             rx: Some(rx),
+            sharded: false,
         })
     }
 

@@ -6,7 +6,7 @@
 use std::process::Command;
 use std::time::Duration;
 
-use lockkit::redis::RedisLock;
+use lockkit::redis::{NotReplicated, RedisLock};
 use lockkit::{AcquireOptions, Error, LeaseState, Lock, LockExt, LossReason, MemoryFence, Wait};
 use tokio::time::Instant;
 
@@ -262,6 +262,76 @@ async fn names_on_every_master_are_granted_and_renewed_together() {
     }
 }
 
+/// The `calls=` of `cmdstat_COMMAND` in `INFO commandstats` of the node on `port` (0 if the
+/// command never ran there; commands that scripts run are counted too).
+fn calls(port: u16, command: &str) -> u64 {
+    let line = format!("cmdstat_{command}:calls=");
+    cli(port, &["info", "commandstats"])
+        .lines()
+        .find_map(|l| l.strip_prefix(line.as_str()))
+        .and_then(|rest| rest.split(',').next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// A hand-off stays on the lock's shard: while a waiter waits, the master of the lock's slot
+/// has the waiter's client subscribed to a shard channel in that slot (`PUBSUB SHARDCHANNELS`,
+/// `SHARDNUMSUB`); the release `SPUBLISH`es the hand-off there, no node of the cluster counts
+/// a `PUBLISH` (which the cluster bus would carry to every node), and the waiter gets the lock
+/// with a larger token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hand_offs_are_spublished_on_the_locks_shard() {
+    let url = server_url("LOCKKIT_REDIS_CLUSTER_URL");
+    let seed = seed_ports(&url)[0];
+    let prefix = fresh_prefix();
+    let locks = RedisLock::connect(&with_prefix(&url, &prefix))
+        .await
+        .unwrap();
+    let other = RedisLock::connect(&with_prefix(&url, &prefix))
+        .await
+        .unwrap();
+    let ttl = Duration::from_secs(30);
+    let a = locks.acquire("handed", opts(ttl)).await.unwrap();
+    let slot = slot_of(seed, &locks.lock_key("handed"));
+    let master = owner(seed, slot);
+    let everyone: Vec<u16> = nodes(seed).iter().map(|n| n.port).collect();
+    assert_eq!(everyone.len(), 6, "three masters and three replicas");
+    let queue = other.queue_key("handed");
+    let waiting = tokio::spawn({
+        let other = other.clone();
+        async move { other.acquire("handed", opts(ttl)).await }
+    });
+    let pattern = format!("{prefix}:client:*");
+    until(
+        "the waiter queued with its shard channel",
+        Duration::from_secs(10),
+        || {
+            cli(master.port, &["zcard", &queue]) == "1"
+                && !cli(master.port, &["pubsub", "shardchannels", &pattern]).is_empty()
+        },
+    )
+    .await;
+    let channels = cli(master.port, &["pubsub", "shardchannels", &pattern]);
+    let channels: Vec<&str> = channels.lines().collect();
+    assert_eq!(channels.len(), 1, "{channels:?}");
+    assert_eq!(slot_of(seed, channels[0]), slot, "{}", channels[0]);
+    assert_eq!(
+        cli(master.port, &["pubsub", "shardnumsub", channels[0]]),
+        format!("{}\n1", channels[0])
+    );
+    // Classic pub/sub is not used for it.
+    assert_eq!(cli(master.port, &["pubsub", "channels", &pattern]), "");
+    let published: Vec<u64> = everyone.iter().map(|&p| calls(p, "publish")).collect();
+    let spublished = calls(master.port, "spublish");
+    let token = a.token();
+    a.release().await.unwrap();
+    let b = waiting.await.unwrap().unwrap();
+    assert!(b.token() > token);
+    assert!(calls(master.port, "spublish") > spublished);
+    let after: Vec<u64> = everyone.iter().map(|&p| calls(p, "publish")).collect();
+    assert_eq!(after, published, "PUBLISH calls on {everyone:?}");
+    b.release().await.unwrap();
+}
+
 /// Cluster mode refuses elections and semaphores with a typed error: `lockkit::connect_election`
 /// and `connect_semaphore` at connect (as for Redlock, so that `lockkit guarantees` lists none),
 /// a `RedisLock` used as a `SlotBackend` directly at the campaign or acquire.
@@ -426,6 +496,90 @@ async fn a_held_locks_slot_migrates_and_the_holder_keeps_it() {
     b.release().await.unwrap();
 }
 
+/// A waiter subscribed to its shard channel on the slot's master while the slot migrates to
+/// another master: the old master takes the subscription back (`SUNSUBSCRIBE`), the waiter
+/// subscribes again on the new one (`PUBSUB SHARDCHANNELS` there), and the release's hand-off
+/// is `SPUBLISH`ed there and reaches it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiters_shard_channel_follows_its_slot_to_the_new_master() {
+    let cluster = PrivateCluster::start(false).await;
+    let seed = cluster.ports[0];
+    let prefix = fresh_prefix();
+    let locks = RedisLock::connect(&cluster.url(&prefix)).await.unwrap();
+    let other = RedisLock::connect(&cluster.url(&prefix)).await.unwrap();
+    let ttl = Duration::from_secs(10);
+    let a = locks.acquire("moving", opts(ttl)).await.unwrap();
+    let key = locks.lock_key("moving");
+    let slot = slot_of(seed, &key);
+    let src = owner(seed, slot);
+    let dst = nodes(seed)
+        .into_iter()
+        .find(|n| n.master && n.id != src.id)
+        .unwrap();
+    let waiting = tokio::spawn({
+        let other = other.clone();
+        async move { other.acquire("moving", opts(Duration::from_secs(30))).await }
+    });
+    let pattern = format!("{prefix}:client:*");
+    until(
+        "the waiter subscribed on the old master",
+        Duration::from_secs(10),
+        || {
+            cli(src.port, &["zcard", &other.queue_key("moving")]) == "1"
+                && !cli(src.port, &["pubsub", "shardchannels", &pattern]).is_empty()
+        },
+    )
+    .await;
+    let s = slot.to_string();
+    assert_eq!(
+        cli(dst.port, &["cluster", "setslot", &s, "importing", &src.id]),
+        "OK"
+    );
+    assert_eq!(
+        cli(src.port, &["cluster", "setslot", &s, "migrating", &dst.id]),
+        "OK"
+    );
+    let keys: Vec<String> = cli(src.port, &["cluster", "getkeysinslot", &s, "100"])
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    let mut migrate: Vec<String> = [
+        "migrate",
+        "127.0.0.1",
+        &dst.port.to_string(),
+        "",
+        "0",
+        "5000",
+        "keys",
+    ]
+    .iter()
+    .map(|a| (*a).to_owned())
+    .collect();
+    migrate.extend(keys.iter().cloned());
+    let args: Vec<&str> = migrate.iter().map(String::as_str).collect();
+    assert_eq!(cli(src.port, &args), "OK");
+    for n in nodes(seed).iter().filter(|n| n.master) {
+        assert_eq!(
+            cli(n.port, &["cluster", "setslot", &s, "node", &dst.id]),
+            "OK"
+        );
+    }
+    until(
+        "the waiter subscribed on the new master",
+        Duration::from_secs(10),
+        || !cli(dst.port, &["pubsub", "shardchannels", &pattern]).is_empty(),
+    )
+    .await;
+    assert_eq!(cli(src.port, &["pubsub", "shardchannels", &pattern]), "");
+    let spublished = calls(dst.port, "spublish");
+    let token = a.token();
+    a.release().await.unwrap();
+    let b = waiting.await.unwrap().unwrap();
+    assert!(b.token() > token);
+    assert!(calls(dst.port, "spublish") > spublished);
+    b.release().await.unwrap();
+}
+
 /// A coordinated failover (`CLUSTER FAILOVER` on the replica, which first catches up): the new
 /// master has the lock key, the holder's renewal (after `MOVED`) proves it, the lease stays
 /// Held, and the next grant has a larger token.
@@ -552,6 +706,125 @@ async fn master_killed_before_replicating_loses_the_lease_and_tokens_still_incre
     b.release().await.unwrap();
 }
 
+fn not_replicated(e: &Error) -> Option<&NotReplicated> {
+    match e {
+        Error::Unavailable { source, .. } => source.downcast_ref::<NotReplicated>(),
+        _ => None,
+    }
+}
+
+/// Replication-confirmed grants on the shared cluster (every master has a replica): grants on
+/// all three masters are confirmed (`WAIT` on each name's slot master) and handed out, a
+/// hand-off to a waiter too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replication_confirmed_grants_on_every_master() {
+    let url = server_url("LOCKKIT_REDIS_CLUSTER_URL");
+    let seed = seed_ports(&url)[0];
+    let prefix = fresh_prefix();
+    let confirmed = format!(
+        "{}&min_replicas=1&replica_timeout=500ms",
+        with_prefix(&url, &prefix)
+    );
+    let locks = RedisLock::connect(&confirmed).await.unwrap();
+    let other = RedisLock::connect(&confirmed).await.unwrap();
+    let ttl = Duration::from_secs(10);
+    let mut masters = std::collections::BTreeSet::new();
+    for i in 0..12 {
+        let name = format!("r{i}");
+        masters.insert(owner(seed, slot_of(seed, &locks.lock_key(&name))).id);
+        let l = locks
+            .acquire(&name, AcquireOptions::new().ttl(ttl).wait(Wait::No))
+            .await
+            .unwrap_or_else(|e| panic!("{name}: {e:?}"));
+        l.release().await.unwrap();
+    }
+    assert_eq!(
+        masters.len(),
+        3,
+        "12 names should land on all three masters"
+    );
+    let a = locks.acquire("handed", opts(ttl)).await.unwrap();
+    let waiting = tokio::spawn({
+        let other = other.clone();
+        async move { other.acquire("handed", opts(ttl)).await }
+    });
+    let queue = other.queue_key("handed");
+    let master = owner(seed, slot_of(seed, &queue));
+    until("the waiter queued", Duration::from_secs(10), || {
+        cli(master.port, &["zcard", &queue]) == "1"
+    })
+    .await;
+    a.release().await.unwrap();
+    let b = waiting.await.unwrap().unwrap();
+    b.release().await.unwrap();
+}
+
+/// With the replica of a lock's slot master stopped (SIGSTOP: connected, but acknowledging
+/// nothing), a replication-confirmed grant is refused with `NotReplicated` (1 wanted, 0
+/// acknowledged) and given back: the master holds no lock key; names on the other masters are
+/// still granted; once the replica runs again, the name is granted too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_replica_refuses_replication_confirmed_grants_of_its_slot() {
+    let mut cluster = PrivateCluster::start(true).await;
+    let seed = cluster.ports[0];
+    let prefix = fresh_prefix();
+    // Every replica synced before the first confirmed grant.
+    until("every replica's link up", Duration::from_secs(20), || {
+        nodes(seed).iter().filter(|n| !n.master).count() == 3
+            && nodes(seed)
+                .iter()
+                .filter(|n| !n.master)
+                .all(|n| cli(n.port, &["info", "replication"]).contains("master_link_status:up"))
+    })
+    .await;
+    // Generous for a loaded machine; a stopped replica acknowledges nothing however long.
+    let url = format!("{}&min_replicas=1&replica_timeout=1s", cluster.url(&prefix));
+    let locks = RedisLock::connect(&url).await.unwrap();
+    let no_wait = || {
+        AcquireOptions::new()
+            .ttl(Duration::from_secs(10))
+            .wait(Wait::No)
+    };
+    let first = locks.acquire("job", no_wait()).await.unwrap();
+    first.release().await.unwrap();
+    let key = locks.lock_key("job");
+    let slot = slot_of(seed, &key);
+    let master = owner(seed, slot);
+    let replica = nodes(seed)
+        .into_iter()
+        .find(|n| n.of.as_deref() == Some(master.id.as_str()))
+        .expect("a replica of the master");
+    // A name on another master.
+    let elsewhere = (0..64)
+        .map(|i| format!("other{i}"))
+        .find(|n| owner(seed, slot_of(seed, &locks.lock_key(n))).id != master.id)
+        .expect("a name on another master");
+    cluster.proc(replica.port).signal("STOP");
+    let e = locks.acquire("job", no_wait()).await.unwrap_err();
+    let n = not_replicated(&e).unwrap_or_else(|| panic!("not a NotReplicated error: {e:?}"));
+    assert_eq!((n.wanted, n.acknowledged), (1, 0));
+    assert_eq!(n.timeout, Duration::from_secs(1));
+    assert_eq!(cli(master.port, &["exists", &key]), "0", "given back");
+    let l = locks.acquire(&elsewhere, no_wait()).await.unwrap();
+    l.release().await.unwrap();
+    cluster.proc(replica.port).signal("CONT");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let again = loop {
+        match locks.acquire("job", no_wait()).await {
+            Ok(l) => break l,
+            Err(e) if not_replicated(&e).is_some() && Instant::now() < deadline => {
+                // The replica is catching up: wait for its link, then try again.
+                until("the replica's link", Duration::from_secs(10), || {
+                    cli(replica.port, &["info", "replication"]).contains("master_link_status:up")
+                })
+                .await;
+            }
+            Err(e) => panic!("after the replica resumed: {e:?}"),
+        }
+    };
+    again.release().await.unwrap();
+}
+
 /// Bad cluster URLs are typed errors through the facade too, and a cluster URL pointing at no
 /// server fails fast with Unavailable.
 #[tokio::test]
@@ -559,7 +832,7 @@ async fn bad_cluster_urls_and_an_unreachable_seed() {
     for bad in [
         "redis+cluster://",
         "redis+cluster://127.0.0.1:1/3",
-        "redis+cluster://127.0.0.1:1?min_replicas=1",
+        "redis+cluster://127.0.0.1:1?min_replicas=1&replica_timeout=1h",
     ] {
         let e = lockkit::connect(bad).await.unwrap_err();
         assert!(matches!(e, Error::InvalidConfig { .. }), "{bad}: {e:?}");

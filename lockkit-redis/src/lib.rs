@@ -97,14 +97,14 @@
 //!   or eviction 0.3–5 ms measured on loopback, an early expiry at the server's next expiry
 //!   cycle, up to ~100 ms), not only at the next renewal (up to TTL/3 later): the waiters' pub/sub
 //!   connection also `SUBSCRIBE`s to the keyspace channel of each lock key held through this
-//!   client for [`WATCH_AFTER`] (50 ms) or longer (`__keyspace@DB__:P:lock:NAME`,
+//!   client for [`WATCH_AFTER`] (25 ms) or longer (`__keyspace@DB__:P:lock:NAME`,
 //!   <https://redis.io/docs/latest/develop/use/keyspace-notifications/>; all due keys in one
-//!   `SUBSCRIBE` per 50 ms, then one `MGET` that finds a loss from before the subscription),
-//!   so a key's events reach only its holder's client, and a lease released within 50 ms costs
+//!   `SUBSCRIBE` per 25 ms, then one `MGET` that finds a loss from before the subscription),
+//!   so a key's events reach only its holder's client, and a lease released within 25 ms costs
 //!   the server nothing for its notice. A `del`, `expired` or `evicted` event for a key held
 //!   through this client costs one `GET`: if the key is no longer the lease's, the lease is
 //!   lost ([`NotHeldOnServer`](lockkit_core::LossReason::NotHeldOnServer)). A loss in a lease's
-//!   first 50–100 ms is heard when its subscription is checked: at most 100 ms plus two round
+//!   first 25–50 ms is heard when its subscription is checked: at most 50 ms plus two round
 //!   trips after the grant. Connecting reads
 //!   `notify-keyspace-events` and adds what is missing of `Kgxe` with `CONFIG SET` (keeping
 //!   the flags already set); where `CONFIG` is renamed or refused (managed services) a warning

@@ -17,13 +17,13 @@
 //!   before its script is sent, so its `del` is never taken for a loss; an event that arrives
 //!   late (a delete before our grant) finds the key ours and changes nothing.
 //! - **Subscribed late, checked once**: a task per client subscribes, once per
-//!   [`WATCH_AFTER`] (50 ms), the keys of the leases granted before the previous tick and still
-//!   held (one `SUBSCRIBE` for all of them), so a lease is subscribed between 50 and 100 ms
+//!   [`WATCH_AFTER`] (25 ms), the keys of the leases granted before the previous tick and still
+//!   held (one `SUBSCRIBE` for all of them), so a lease is subscribed between 25 and 50 ms
 //!   after its grant, and one released sooner (the common short critical section) costs
 //!   nothing on the server. When the `SUBSCRIBE` is confirmed, one `MGET` of the new keys
 //!   checks that each still holds its lease's owner value: a loss before the subscription
 //!   (which no event told us of) is found there. So a loss is heard at most 2 ×
-//!   [`WATCH_AFTER`] (100 ms) plus two round trips after the grant, or within a message's
+//!   [`WATCH_AFTER`] (50 ms) plus two round trips after the grant, or within a message's
 //!   delivery once subscribed (for an expiry: the server's expiry cycle, up to ~100 ms) —
 //!   within [`LOSS_NOTICE`] either way. Pub/sub delivery is at-most-once: while the
 //!   connection is down holders hear only at their next renewal, as without notifications;
@@ -74,16 +74,16 @@ use crate::server::info_field;
 /// expiry cycle (10 times a second at the default `hz`) or when the key is next touched: up to
 /// about 100 ms after the expiry (38–98 ms measured). A loss in a lease's first moments, before
 /// its subscription, is found by the `GET` that follows the subscription: at most
-/// 2 × [`WATCH_AFTER`] (100 ms) after the grant, plus two round trips. Declared as
+/// 2 × [`WATCH_AFTER`] (50 ms) after the grant, plus two round trips. Declared as
 /// [`Guarantees::loss_notice`](lockkit_core::Guarantees::loss_notice).
 pub const LOSS_NOTICE: Duration = Duration::from_millis(200);
 
-/// How long a lease is held before its client subscribes to its key's keyspace channel: 50 ms.
+/// How long a lease is held before its client subscribes to its key's keyspace channel: 25 ms.
 /// The client subscribes the leases of one [`RedisLock`](crate::RedisLock) together, once per
 /// `WATCH_AFTER` (one `SUBSCRIBE` and one `MGET` for all of them), those granted at least one
-/// such tick earlier: between 50 and 100 ms after the grant. A lease released sooner costs no
+/// such tick earlier: between 25 and 50 ms after the grant. A lease released sooner costs no
 /// subscription at all. See [`LOSS_NOTICE`].
-pub const WATCH_AFTER: Duration = Duration::from_millis(50);
+pub const WATCH_AFTER: Duration = Duration::from_millis(25);
 
 /// The keyspace events that may end a lease: `DEL` (and `UNLINK`), expiry, eviction.
 const LOSSES: [&str; 4] = ["del", "unlink", "expired", "evicted"];

@@ -154,7 +154,10 @@ async fn a_deleted_or_expired_lock_key_is_heard_within_milliseconds() {
         let took = heard(&lease, at, sent).await;
         if i % 4 >= 2 {
             // Reported by the server's expiry cycle (10 times a second), within LOSS_NOTICE.
-            assert!(took < LOSS_NOTICE, "early expiry heard after {took:?}");
+            assert!(
+                took < LOSS_NOTICE,
+                "early expiry heard after {took:?} (subscribed before: {subscribed})"
+            );
             expired.push(took);
         } else if subscribed {
             assert!(took < DELETE_HEARD, "DEL heard after {took:?}");

@@ -96,12 +96,16 @@
 //!   step, a stray `PEXPIRE`) or evicted is heard of within [`LOSS_NOTICE`] (200 ms; a deletion
 //!   or eviction 0.3–5 ms measured on loopback, an early expiry at the server's next expiry
 //!   cycle, up to ~100 ms), not only at the next renewal (up to TTL/3 later): the waiters' pub/sub
-//!   connection also `PSUBSCRIBE`s to the keyspace channels of the prefix's lock keys
-//!   (`__keyspace@DB__:P:lock:*`,
-//!   <https://redis.io/docs/latest/develop/use/keyspace-notifications/>), and a `del`,
-//!   `expired` or `evicted` event for a key held through this client costs one `GET`: if the
-//!   key is no longer the lease's, the lease is lost
-//!   ([`NotHeldOnServer`](lockkit_core::LossReason::NotHeldOnServer)). Connecting reads
+//!   connection also `SUBSCRIBE`s to the keyspace channel of each lock key held through this
+//!   client for [`WATCH_AFTER`] (25 ms) or longer (`__keyspace@DB__:P:lock:NAME`,
+//!   <https://redis.io/docs/latest/develop/use/keyspace-notifications/>; all due keys in one
+//!   `SUBSCRIBE` per 25 ms, then one `MGET` that finds a loss from before the subscription),
+//!   so a key's events reach only its holder's client, and a lease released within 25 ms costs
+//!   the server nothing for its notice. A `del`, `expired` or `evicted` event for a key held
+//!   through this client costs one `GET`: if the key is no longer the lease's, the lease is
+//!   lost ([`NotHeldOnServer`](lockkit_core::LossReason::NotHeldOnServer)). A loss in a lease's
+//!   first 25–50 ms is heard when its subscription is checked: at most 50 ms plus two round
+//!   trips after the grant. Connecting reads
 //!   `notify-keyspace-events` and adds what is missing of `Kgxe` with `CONFIG SET` (keeping
 //!   the flags already set); where `CONFIG` is renamed or refused (managed services) a warning
 //!   is logged, holders hear at their next renewal, and
@@ -130,9 +134,9 @@
 //!   `run_id` is lost too: which run granted it cannot be told cheaply, and stopping early is
 //!   the safe side.
 //! - **ACL users** need the commands `EVAL`, `EVALSHA`, `SCRIPT`, `PING`, `SUBSCRIBE`,
-//!   `PSUBSCRIBE` and `INFO` (and `CONFIG` for the checks above; without it they fall back as
-//!   described), and the keys and channels under the prefix (and the channel pattern
-//!   `__keyspace@DB__:P:lock:*`)
+//!   `UNSUBSCRIBE`, `GET`, `MGET` and `INFO` (and `CONFIG` for the checks above; without it
+//!   they fall back as described), and the keys and channels under the prefix (and the
+//!   channels `__keyspace@DB__:P:lock:*`)
 //!   (<https://redis.io/docs/latest/operate/oss_and_stack/management/security/acl/>). Without
 //!   channel permission (Redis 7's default `acl-pubsub-default resetchannels`) locks still work:
 //!   the hand-off `PUBLISH` is best effort, and waiters poll about once a second (a warning is
@@ -390,7 +394,7 @@ pub use redlock_config::{DEFAULT_REDLOCK_MAX_TTL, MAX_REDLOCK_NODES, RedlockConf
 pub use renewer::BATCH as RENEW_BATCH;
 pub use replicas::NotReplicated;
 pub use slots::MAX_OBSERVE_POLL;
-pub use watch::LOSS_NOTICE;
+pub use watch::{LOSS_NOTICE, WATCH_AFTER};
 
 /// The redis crate this backend is built on, for users who need its types.
 #[doc(no_inline)]

@@ -365,7 +365,7 @@ impl RedisLock {
     /// early, evicted): [`LOSS_NOTICE`] (200 ms) where the server sends keyspace notifications
     /// (`notify-keyspace-events` with `Kgxe`, found or turned on at connect) and this client may
     /// subscribe to them; `None` otherwise (`CONFIG` renamed or refused, an ACL without the
-    /// channel pattern): then a holder hears at its next renewal (the keepalive renews every
+    /// lock keys' keyspace channels): then a holder hears at its next renewal (the keepalive renews every
     /// TTL/3) or [`check`](lockkit_core::Lease::check). Also
     /// [`Guarantees::loss_notice`]. While the pub/sub connection is down (until it is
     /// reopened, with backoff) holders hear at their next renewal too.

@@ -13,10 +13,11 @@
 //! at the lock on a bounded, jittered timer (see `lock.rs`): a waiter that was handed the lock
 //! finds its own ID in the lock key.
 //!
-//! The same connection carries the keyspace notifications of the prefix's lock keys (a
-//! `PSUBSCRIBE`, see `watch.rs`). Where the server sends them, the connection is opened at
-//! connect and kept up: when it drops it is opened again (with backoff), and once per keepalive
-//! tick a `PING` checks that it still answers (a silent connection is dropped and replaced).
+//! The same connection carries the keyspace notifications of the keys of leases held through
+//! the client (a `SUBSCRIBE` of each key held longer than `WATCH_AFTER`, see `watch.rs`). Where
+//! the server sends them, the connection is opened at connect and kept up: when it drops it is
+//! opened again (with backoff), and once per keepalive tick a `PING` checks that it still
+//! answers (a silent connection is dropped and replaced).
 //!
 //! In Cluster mode hand-offs take sharded channels instead, one per hash slot (`shard.rs`); the
 //! `*_for` methods pick the mode's channel.
@@ -76,8 +77,8 @@ pub(crate) struct Hub {
     /// Keep the connection up (reopen it when it drops): set while the server sends keyspace
     /// notifications.
     keep: AtomicBool,
-    /// Whether a refused PSUBSCRIBE was logged at warn level already.
-    warned_pattern: AtomicBool,
+    /// Whether a refused SUBSCRIBE to a keyspace channel was logged at warn level already.
+    warned_keyspace: AtomicBool,
     /// A [`tick`](Self::tick) is running.
     ticking: AtomicBool,
     /// The sharded hand-off channels, in Cluster mode.
@@ -189,7 +190,7 @@ impl Hub {
             ops: tokio::sync::Mutex::new(()),
             watch,
             keep: AtomicBool::new(false),
-            warned_pattern: AtomicBool::new(false),
+            warned_keyspace: AtomicBool::new(false),
             ticking: AtomicBool::new(false),
             shards,
             me: me.clone(),
@@ -392,15 +393,20 @@ impl Hub {
             Ok(Err(e)) => return Err(from_redis(e)),
             Err(_) => return Err(timed_out("SUBSCRIBE", self.timeout)),
         }
-        // The lock keys' keyspace events; without them (an ACL without permission for the
-        // pattern) hand-offs still work and holders hear of losses at their next renewal.
-        match tokio::time::timeout(self.timeout, sink.psubscribe(self.watch.pattern())).await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => {
-                self.watch.disable_notifications();
-                self.pattern_refused(&from_redis(e));
+        // May this client subscribe to the lock keys' keyspace channels? Without them (an ACL
+        // without permission for the channels) hand-offs still work and holders hear of
+        // losses at their next renewal.
+        let keyspace = self.watch.notifications();
+        if keyspace {
+            let probe = self.watch.probe_channel();
+            match tokio::time::timeout(self.timeout, sink.subscribe(probe)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    self.watch.disable_notifications();
+                    self.keyspace_refused(&from_redis(e));
+                }
+                Err(_) => return Err(timed_out("SUBSCRIBE", self.timeout)),
             }
-            Err(_) => return Err(timed_out("PSUBSCRIBE", self.timeout)),
         }
         let mut st = lock(&self.state);
         st.generation += 1;
@@ -412,7 +418,7 @@ impl Hub {
                 let Ok(payload) = msg.get_payload::<String>() else {
                     continue;
                 };
-                if msg.from_pattern() {
+                if hub.watch.is_keyspace(msg.get_channel_name()) {
                     hub.watch.on_event(msg.get_channel_name(), &payload);
                     continue;
                 }
@@ -435,6 +441,9 @@ impl Hub {
         });
         if let Some(old) = st.reader.replace(reader.abort_handle()) {
             old.abort();
+        }
+        if keyspace {
+            self.watch.connected(generation, sink.clone(), self.timeout);
         }
         st.conn = Some((generation, sink));
         st.routes.clear();
@@ -477,13 +486,13 @@ impl Hub {
     }
 
     /// Logs, once per hub at warn level (then at debug), that the server refused the
-    /// PSUBSCRIBE to the lock keys' keyspace channels.
-    fn pattern_refused(&self, e: &Error) {
-        if self.warned_pattern.swap(true, Ordering::Relaxed) || !self.watch.notifications() {
-            tracing::debug!(error = %e, "PSUBSCRIBE to the lock keys' keyspace events refused");
+    /// SUBSCRIBE to the lock keys' keyspace channels.
+    fn keyspace_refused(&self, e: &Error) {
+        if self.warned_keyspace.swap(true, Ordering::Relaxed) {
+            tracing::debug!(error = %e, "SUBSCRIBE to the lock keys' keyspace channels refused");
         } else {
             tracing::warn!(error = %e,
-                "the redis server refused PSUBSCRIBE to the lock keys' keyspace channels (an \
+                "the redis server refused SUBSCRIBE to the lock keys' keyspace channels (an \
                  ACL without channel permission?): holders hear of a lost lock key only at \
                  their next renewal (within TTL/3)");
         }
@@ -513,6 +522,7 @@ impl Hub {
                 h.abort();
             }
         }
+        self.watch.disconnected(generation);
         if self.keep.load(Ordering::Relaxed) {
             self.spawn_reconnect();
         }

@@ -2,18 +2,33 @@
 //! that a holder hears within milliseconds that the server ended its lease behind its back.
 //!
 //! - **Key deleted, expired or evicted**: the waiters' pub/sub connection (`waiters.rs`) also
-//!   `PSUBSCRIBE`s to the keyspace channels of the prefix's lock keys,
-//!   `__keyspace@DB__:P:lock:*` (<https://redis.io/docs/latest/develop/use/keyspace-notifications/>;
-//!   the server must have `notify-keyspace-events` `Kgxe`, see `server.rs`). A `del`, `expired`
-//!   or `evicted` event for the key of a lease held here costs one map look-up and one `GET`:
-//!   if the key no longer holds the lease's owner value, the lease is
-//!   [`Lost`](lockkit_core::LeaseState::Lost) with
-//!   [`NotHeldOnServer`](LossReason::NotHeldOnServer). Every other event (a renewal's `expire`,
-//!   a key nobody here holds) is one look-up and nothing else. A lease's own release takes it
-//!   out of the map before its script is sent, so its `del` is never taken for a loss; an event
-//!   that arrives late (a delete before our grant) finds the key ours and changes nothing.
-//!   Pub/sub delivery is at-most-once: while the connection is down (until it is resubscribed)
-//!   holders hear only at their next renewal, as without notifications.
+//!   `SUBSCRIBE`s to the keyspace channel of each lock key held here for [`WATCH_AFTER`] or
+//!   longer, `__keyspace@DB__:P:lock:NAME`
+//!   (<https://redis.io/docs/latest/develop/use/keyspace-notifications/>; the server must have
+//!   `notify-keyspace-events` `Kgxe`, see `server.rs`), and `UNSUBSCRIBE`s when no lease here
+//!   holds it any more. A key's events reach only the client that holds it: the server's cost
+//!   per grant does not grow with the number of clients (a `PSUBSCRIBE` of every client to
+//!   `P:lock:*`, as before, sent every grant's `expire` and every release's `del` to every
+//!   client). A `del`, `expired` or `evicted` event for the key of a lease held here costs one
+//!   map look-up and one `GET`: if the key no longer holds the lease's owner value, the lease
+//!   is [`Lost`](lockkit_core::LeaseState::Lost) with
+//!   [`NotHeldOnServer`](LossReason::NotHeldOnServer). Every other event (a renewal's
+//!   `expire`) is one look-up and nothing else. A lease's own release takes it out of the map
+//!   before its script is sent, so its `del` is never taken for a loss; an event that arrives
+//!   late (a delete before our grant) finds the key ours and changes nothing.
+//! - **Subscribed late, checked once**: a task per client subscribes, once per
+//!   [`WATCH_AFTER`] (25 ms), the keys of the leases granted before the previous tick and still
+//!   held (one `SUBSCRIBE` for all of them), so a lease is subscribed between 25 and 50 ms
+//!   after its grant, and one released sooner (the common short critical section) costs
+//!   nothing on the server. When the `SUBSCRIBE` is confirmed, one `MGET` of the new keys
+//!   checks that each still holds its lease's owner value: a loss before the subscription
+//!   (which no event told us of) is found there. So a loss is heard at most 2 ×
+//!   [`WATCH_AFTER`] (50 ms) plus two round trips after the grant, or within a message's
+//!   delivery once subscribed (for an expiry: the server's expiry cycle, up to ~100 ms) —
+//!   within [`LOSS_NOTICE`] either way. Pub/sub delivery is at-most-once: while the
+//!   connection is down holders hear only at their next renewal, as without notifications;
+//!   when it is back every key held is subscribed at once and checked the same way (after the
+//!   `run_id` check below, so that a restart is told as one).
 //! - **Server restart**: the server's `run_id` (`INFO server`) is read at connect, when the
 //!   pub/sub connection comes back after a drop, and once per keepalive tick. A new `run_id`
 //!   means the server restarted: every lease held here is
@@ -33,11 +48,15 @@
 //!   [`NotHeldOnServer`](LossReason::NotHeldOnServer). The same holds for a restart of the
 //!   master in Sentinel mode.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
+
+use redis::aio::PubSubSink;
+use tokio::sync::Notify;
+use tokio::task::AbortHandle;
 
 use lockkit_core::backend::{SuspectReason, TrackerHandle};
 use lockkit_core::{LeaseState, LossReason};
@@ -49,15 +68,28 @@ use crate::server::info_field;
 
 /// Within how long a holder hears that its lock key was deleted, evicted or expired on the
 /// server, while keyspace notifications are on and the pub/sub connection is up: 200 ms. A
-/// deletion or an eviction costs one pub/sub message and one `GET` (0.3–5 ms measured on
+/// lease held for [`WATCH_AFTER`] or longer is subscribed to its key's keyspace channel: a
+/// deletion or an eviction then costs one pub/sub message and one `GET` (0.3–5 ms measured on
 /// loopback). An expiry is reported when the server actually removes the key, by its active
 /// expiry cycle (10 times a second at the default `hz`) or when the key is next touched: up to
-/// about 100 ms after the expiry (38–98 ms measured). Declared as
+/// about 100 ms after the expiry (38–98 ms measured). A loss in a lease's first moments, before
+/// its subscription, is found by the `GET` that follows the subscription: at most
+/// 2 × [`WATCH_AFTER`] (50 ms) after the grant, plus two round trips. Declared as
 /// [`Guarantees::loss_notice`](lockkit_core::Guarantees::loss_notice).
 pub const LOSS_NOTICE: Duration = Duration::from_millis(200);
 
+/// How long a lease is held before its client subscribes to its key's keyspace channel: 25 ms.
+/// The client subscribes the leases of one [`RedisLock`](crate::RedisLock) together, once per
+/// `WATCH_AFTER` (one `SUBSCRIBE` and one `MGET` for all of them), those granted at least one
+/// such tick earlier: between 25 and 50 ms after the grant. A lease released sooner costs no
+/// subscription at all. See [`LOSS_NOTICE`].
+pub const WATCH_AFTER: Duration = Duration::from_millis(25);
+
 /// The keyspace events that may end a lease: `DEL` (and `UNLINK`), expiry, eviction.
 const LOSSES: [&str; 4] = ["del", "unlink", "expired", "evicted"];
+
+/// The most channels in one `SUBSCRIBE` or `UNSUBSCRIBE`, and keys in one `MGET`.
+const CHUNK: usize = 1000;
 
 struct Entry {
     id: u64,
@@ -71,6 +103,37 @@ struct State {
     /// Held leases by lock key (normally one per key).
     by_key: HashMap<String, Vec<Entry>>,
     next: u64,
+    /// The pub/sub connection that carries the keyspace channels, with its generation; `None`
+    /// while it is down (or notifications are off): then nothing is queued for subscription,
+    /// and the next connection subscribes every key held.
+    sink: Option<(u64, PubSubSink)>,
+    /// Bounds each `SUBSCRIBE` and `UNSUBSCRIBE` on `sink` (the response timeout).
+    timeout: Duration,
+    /// A new connection came up: every key held is to be subscribed (and checked) on it.
+    resubscribe: bool,
+    /// Keys whose channel is subscribed (or being subscribed) on the current connection.
+    subscribed: HashSet<String>,
+    /// Grants since the last tick (`young`) and during the tick before (`old`, subscribed at
+    /// the next tick if still held), by key and registration.
+    young: Vec<(String, u64)>,
+    old: Vec<(String, u64)>,
+    /// Subscribed keys whose last lease here ended (unsubscribed at the next tick unless held
+    /// again).
+    unsub: Vec<String>,
+    /// The task that subscribes and unsubscribes, once a connection came up.
+    task: Option<AbortHandle>,
+}
+
+impl State {
+    fn is_registered(&self, key: &str, id: u64) -> bool {
+        self.by_key
+            .get(key)
+            .is_some_and(|v| v.iter().any(|e| e.id == id))
+    }
+
+    fn idle(&self) -> bool {
+        !self.resubscribe && self.young.is_empty() && self.old.is_empty() && self.unsub.is_empty()
+    }
 }
 
 /// The held leases of one client, and what the server's run is.
@@ -83,9 +146,13 @@ pub(crate) struct Watch {
     mode: Notifications,
     /// The keyspace channel of lock key `K` is `channel_prefix + K`: `__keyspace@DB__:`.
     channel_prefix: String,
-    /// The `PSUBSCRIBE` pattern of the prefix's lock keys.
-    pattern: String,
+    /// The keyspace channel of the prefix's lock key with an empty name (`P:lock:`, never a
+    /// lock key: names are not empty), subscribed at connect to learn whether the server lets
+    /// this client subscribe to the lock keys' channels.
+    probe: String,
     state: Mutex<State>,
+    /// Wakes the subscribing task when there is work after it went idle.
+    wake: Arc<Notify>,
     /// The `run_id` of the server run the client talks to (`None` if `INFO` never answered);
     /// the lock serializes checks.
     run: tokio::sync::Mutex<Option<String>>,
@@ -95,10 +162,20 @@ pub(crate) struct Watch {
 
 impl fmt::Debug for Watch {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let st = lock(&self.state);
         f.debug_struct("Watch")
             .field("notifications", &self.notifications())
-            .field("keys", &lock(&self.state).by_key.len())
+            .field("keys", &st.by_key.len())
+            .field("subscribed", &st.subscribed.len())
             .finish()
+    }
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        if let Some(h) = lock(&self.state).task.take() {
+            h.abort();
+        }
     }
 }
 
@@ -122,10 +199,18 @@ impl fmt::Debug for Watched {
 impl Drop for Watched {
     fn drop(&mut self) {
         let mut st = lock(&self.watch.state);
-        if let Some(v) = st.by_key.get_mut(&self.key) {
-            v.retain(|e| e.id != self.id);
-            if v.is_empty() {
-                st.by_key.remove(&self.key);
+        let Some(v) = st.by_key.get_mut(&self.key) else {
+            return;
+        };
+        v.retain(|e| e.id != self.id);
+        if v.is_empty() {
+            st.by_key.remove(&self.key);
+            if st.subscribed.contains(&self.key) {
+                let wake = st.idle();
+                st.unsub.push(self.key.clone());
+                if wake {
+                    self.watch.wake.notify_one();
+                }
             }
         }
     }
@@ -144,14 +229,15 @@ impl Watch {
         prove: bool,
     ) -> Arc<Self> {
         let channel_prefix = format!("__keyspace@{db}__:");
-        let pattern = format!("{channel_prefix}{}:lock:*", glob_escape(prefix));
+        let probe = format!("{channel_prefix}{prefix}:lock:");
         Arc::new(Self {
             conn,
             notifications: AtomicBool::new(notifications),
             mode,
             channel_prefix,
-            pattern,
+            probe,
             state: Mutex::new(State::default()),
+            wake: Arc::new(Notify::new()),
             run: tokio::sync::Mutex::new(run_id),
             prove,
         })
@@ -168,12 +254,65 @@ impl Watch {
         self.notifications.store(false, Ordering::Relaxed);
     }
 
-    /// The `PSUBSCRIBE` pattern for the keyspace channels of the prefix's lock keys.
-    pub(crate) fn pattern(&self) -> &str {
-        &self.pattern
+    /// The channel a new pub/sub connection subscribes to first, to learn whether the server
+    /// lets it subscribe to the lock keys' keyspace channels (see [`Self::connected`]).
+    pub(crate) fn probe_channel(&self) -> &str {
+        &self.probe
     }
 
-    /// Adds a held lease (its lock key and owner value are in `lease`) with its tracker.
+    /// Whether `channel` is a keyspace channel (its messages go to [`Self::on_event`]).
+    pub(crate) fn is_keyspace(&self, channel: &str) -> bool {
+        channel.starts_with(self.channel_prefix.as_str())
+    }
+
+    /// Pub/sub connection `generation` is up, its `SUBSCRIBE` to the [probe
+    /// channel](Self::probe_channel) confirmed: from now on (while notifications are on) the
+    /// keys of leases held here are subscribed on `sink`, every key held now at once (and
+    /// checked with a `GET`, for what the connection missed while it was down).
+    /// Each (un)subscription on it is bounded by `timeout`.
+    pub(crate) fn connected(
+        self: &Arc<Self>,
+        generation: u64,
+        sink: PubSubSink,
+        timeout: Duration,
+    ) {
+        if !self.notifications() {
+            return;
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let mut st = lock(&self.state);
+        st.sink = Some((generation, sink));
+        st.timeout = timeout;
+        st.subscribed.clear();
+        st.young.clear();
+        st.old.clear();
+        st.unsub.clear();
+        st.resubscribe = !st.by_key.is_empty();
+        if st.task.is_none() {
+            let weak = Arc::downgrade(self);
+            let wake = self.wake.clone();
+            st.task = Some(rt.spawn(subscriber(weak, wake)).abort_handle());
+        }
+        self.wake.notify_one();
+    }
+
+    /// Pub/sub connection `generation` is gone: its subscriptions with it.
+    pub(crate) fn disconnected(&self, generation: u64) {
+        let mut st = lock(&self.state);
+        if st.sink.as_ref().is_some_and(|s| s.0 == generation) {
+            st.sink = None;
+            st.resubscribe = false;
+            st.subscribed.clear();
+            st.young.clear();
+            st.old.clear();
+            st.unsub.clear();
+        }
+    }
+
+    /// Adds a held lease (its lock key and owner value are in `lease`) with its tracker; its
+    /// key is subscribed to after [`WATCH_AFTER`] if it is still held then.
     pub(crate) fn register(
         self: &Arc<Self>,
         lease: &Arc<RedisLease>,
@@ -183,6 +322,13 @@ impl Watch {
         let mut st = lock(&self.state);
         let id = st.next;
         st.next += 1;
+        if st.sink.is_some() && !st.subscribed.contains(&key) {
+            let wake = st.idle();
+            st.young.push((key.clone(), id));
+            if wake {
+                self.wake.notify_one();
+            }
+        }
         st.by_key.entry(key.clone()).or_default().push(Entry {
             id,
             owner: lease.owner.clone(),
@@ -223,6 +369,145 @@ impl Watch {
             tokio::spawn(async move {
                 this.verify(&key, id, &owner, &tracker, &event).await;
             });
+        }
+    }
+
+    /// One tick of the subscribing task: unsubscribes the keys no lease here holds any more,
+    /// subscribes the keys of leases held since the tick before (or, on a new connection,
+    /// every key held, once the server's run is checked), then checks the newly subscribed
+    /// leases with one `MGET`: a loss before the subscription was confirmed is found there.
+    /// A `SUBSCRIBE` that times out is tried again at the next tick.
+    async fn tick(&self) {
+        let fresh = {
+            let st = lock(&self.state);
+            if st.sink.is_none() {
+                return;
+            }
+            st.resubscribe
+        };
+        if fresh && !self.check_run().await {
+            return; // a restart is told by the run check, not by the keys gone missing
+        }
+        let (generation, mut sink, timeout, unsub, sub) = {
+            let mut st = lock(&self.state);
+            let Some((generation, sink)) = st.sink.clone() else {
+                return;
+            };
+            let timeout = st.timeout;
+            let st = &mut *st;
+            let sub: Vec<String> = if std::mem::take(&mut st.resubscribe) {
+                st.young.clear();
+                st.old.clear();
+                st.unsub.clear();
+                st.by_key.keys().cloned().collect()
+            } else {
+                let old = std::mem::replace(&mut st.old, std::mem::take(&mut st.young));
+                old.into_iter()
+                    .filter(|(k, id)| st.is_registered(k, *id) && !st.subscribed.contains(k))
+                    .map(|(k, _)| k)
+                    .collect::<HashSet<_>>()
+                    .into_iter()
+                    .collect()
+            };
+            let mut unsub = std::mem::take(&mut st.unsub);
+            unsub.retain(|k| !st.by_key.contains_key(k));
+            unsub.retain(|k| st.subscribed.remove(k));
+            st.subscribed.extend(sub.iter().cloned());
+            (generation, sink, timeout, unsub, sub)
+        };
+        let channels = |keys: &[String]| -> Vec<String> {
+            keys.iter()
+                .map(|k| format!("{}{k}", self.channel_prefix))
+                .collect()
+        };
+        let mut unsink = sink.clone();
+        let unsubscribing = async {
+            for chunk in unsub.chunks(CHUNK) {
+                // One that fails leaves a channel whose events find no lease here.
+                let _ = tokio::time::timeout(timeout, unsink.unsubscribe(channels(chunk))).await;
+            }
+        };
+        let subscribing = async {
+            let mut confirmed = Vec::with_capacity(sub.len());
+            for chunk in sub.chunks(CHUNK) {
+                match tokio::time::timeout(timeout, sink.subscribe(channels(chunk))).await {
+                    Ok(Ok(())) => confirmed.extend_from_slice(chunk),
+                    Ok(Err(e)) => {
+                        // Refused (or the connection is going, and the next one subscribes
+                        // every key held): these keys are heard at their next renewal.
+                        tracing::debug!(error = %e,
+                            "SUBSCRIBE to lock keys' keyspace channels failed");
+                        self.unsubscribed(generation, chunk, false);
+                    }
+                    Err(_) => {
+                        tracing::debug!("SUBSCRIBE to lock keys' keyspace channels timed out");
+                        self.unsubscribed(generation, chunk, true);
+                    }
+                }
+            }
+            confirmed
+        };
+        // Both sent at once (the sink keeps their order): a slow UNSUBSCRIBE must not hold up
+        // a subscription.
+        let ((), confirmed) = futures_util::future::join(unsubscribing, subscribing).await;
+        self.check_keys(&confirmed).await;
+    }
+
+    /// `keys`, whose `SUBSCRIBE` on connection `generation` failed, are not subscribed; with
+    /// `retry` they are subscribed at the next tick if still held.
+    fn unsubscribed(&self, generation: u64, keys: &[String], retry: bool) {
+        let mut st = lock(&self.state);
+        if st.sink.as_ref().is_none_or(|s| s.0 != generation) {
+            return;
+        }
+        for k in keys {
+            st.subscribed.remove(k);
+            if !retry {
+                continue;
+            }
+            let ids: Vec<u64> = st
+                .by_key
+                .get(k)
+                .map(|v| v.iter().map(|e| e.id).collect())
+                .unwrap_or_default();
+            st.old.extend(ids.into_iter().map(|id| (k.clone(), id)));
+        }
+    }
+
+    /// Checks the leases held here on `keys` (one `MGET` per [`CHUNK`] keys): a lease whose
+    /// key no longer holds its owner value is lost, unless it left the watch meanwhile. A
+    /// failed `MGET` changes nothing: the next renewal finds out.
+    async fn check_keys(&self, keys: &[String]) {
+        let held: Vec<(String, u64, String, TrackerHandle)> = {
+            let st = lock(&self.state);
+            keys.iter()
+                .filter_map(|k| Some((k, st.by_key.get(k)?)))
+                .flat_map(|(k, v)| v.iter().map(move |e| (k, e)))
+                .filter(|(_, e)| e.tracker.state() != LeaseState::Lost)
+                .map(|(k, e)| (k.clone(), e.id, e.owner.clone(), e.tracker.clone()))
+                .collect()
+        };
+        for chunk in held.chunks(CHUNK) {
+            let mut cmd = redis::cmd("MGET");
+            for (k, ..) in chunk {
+                cmd.arg(k);
+            }
+            let values: Vec<Option<String>> = match self.conn.query(&cmd).await {
+                Ok(v) => v,
+                Err(e) => {
+                    tracing::debug!(error = %e,
+                        "cannot check leases after subscribing to their keys; their next \
+                         renewals will");
+                    continue;
+                }
+            };
+            for ((key, id, owner, tracker), value) in chunk.iter().zip(values) {
+                if value.as_deref() != Some(owner.as_str()) && self.is_registered(key, *id) {
+                    tracing::warn!(key = %key,
+                        "the lock key was removed on the server: lease lost");
+                    tracker.mark_lost(LossReason::NotHeldOnServer);
+                }
+            }
         }
     }
 
@@ -305,10 +590,7 @@ impl Watch {
     }
 
     fn is_registered(&self, key: &str, id: u64) -> bool {
-        lock(&self.state)
-            .by_key
-            .get(key)
-            .is_some_and(|v| v.iter().any(|e| e.id == id))
+        lock(&self.state).is_registered(key, id)
     }
 
     /// Reads the server's `run_id` (one `INFO server`); if it changed since the last look, the
@@ -383,25 +665,21 @@ impl Watch {
     }
 }
 
-/// `s` with the glob characters of `PSUBSCRIBE` patterns (`*`, `?`, `[`, `]`, `\`) escaped.
-fn glob_escape(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for c in s.chars() {
-        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
-            out.push('\\');
+/// The subscribing task of one [`Watch`]: idle (waiting on `wake`) while there is nothing to
+/// subscribe or unsubscribe, else one [`Watch::tick`] per [`WATCH_AFTER`]. Holds the watch
+/// weakly: it ends with the watch (whose drop also aborts it).
+async fn subscriber(watch: Weak<Watch>, wake: Arc<Notify>) {
+    loop {
+        let idle = match watch.upgrade() {
+            Some(w) => lock(&w.state).idle(),
+            None => return,
+        };
+        if idle {
+            wake.notified().await;
+            continue;
         }
-        out.push(c);
-    }
-    out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn patterns_escape_the_prefix() {
-        assert_eq!(glob_escape("app"), "app");
-        assert_eq!(glob_escape("a*b?[c]\\"), "a\\*b\\?\\[c\\]\\\\");
+        tokio::time::sleep(WATCH_AFTER).await;
+        let Some(w) = watch.upgrade() else { return };
+        w.tick().await;
     }
 }

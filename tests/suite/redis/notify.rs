@@ -1,6 +1,7 @@
 //! Loss notices and the server checks made at connect, on private `redis-server` processes:
 //! keyspace notifications tell a holder within milliseconds that its key was deleted, expired
-//! early or evicted; an evicting `maxmemory-policy` is warned about (refused with `strict`); a
+//! early or evicted (on its key's own channel, which only the holder's client subscribes to, a
+//! loss before the subscription found by the check that follows it); an evicting `maxmemory-policy` is warned about (refused with `strict`); a
 //! server without `CONFIG` still works, without notifications; a restart loses every lease
 //! held; a silent pub/sub connection is replaced.
 //!
@@ -76,10 +77,37 @@ fn report(what: &str, mut took: Vec<Duration>) {
     );
 }
 
+/// How many clients are subscribed to `key`'s keyspace channel (database 0).
+async fn keyspace_subscribers(admin: &mut redis::aio::MultiplexedConnection, key: &str) -> i64 {
+    let (_, n): (String, i64) = redis::cmd("PUBSUB")
+        .arg("NUMSUB")
+        .arg(format!("__keyspace@0__:{key}"))
+        .query_async(admin)
+        .await
+        .expect("PUBSUB NUMSUB");
+    n
+}
+
+/// Waits (bounded by [`HEARD`]) until `n` clients are subscribed to `key`'s keyspace channel.
+async fn until_subscribers(admin: &mut redis::aio::MultiplexedConnection, key: &str, n: i64) {
+    let start = Instant::now();
+    while keyspace_subscribers(admin, key).await != n {
+        assert!(
+            start.elapsed() < HEARD,
+            "{key}: its keyspace channel never had {n} subscribers"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 /// A lock key deleted by another client (an admin's `DEL`) or given a short expiry
 /// (`PEXPIRE`, as a server clock step would) is heard of through the keyspace notifications
 /// that connecting turned on (keeping the flags already set), by kept-alive and by hand-renewed
-/// leases alike; the lease's own release is not taken for a loss.
+/// leases alike; the lease's own release is not taken for a loss. Half the leases are
+/// subscribed to their key's channel before the loss (a deletion is then heard within
+/// [`DELETE_HEARD`]); the others lose their key right after the grant, before the subscription
+/// (`WATCH_AFTER`), and hear of it from the check that follows it, still within
+/// [`LOSS_NOTICE`].
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deleted_or_expired_lock_key_is_heard_within_milliseconds() {
     let server = PrivateRedis::start_with(None, &["--notify-keyspace-events", "El"]).await;
@@ -94,16 +122,20 @@ async fn a_deleted_or_expired_lock_key_is_heard_within_milliseconds() {
         assert!(flags.contains(c), "flag {c} missing in {flags:?}");
     }
 
-    let (mut deleted, mut expired) = (Vec::new(), Vec::new());
+    let (mut deleted, mut expired, mut unsubscribed) = (Vec::new(), Vec::new(), Vec::new());
     for i in 0..20 {
         let lease = locks
             .acquire(&format!("del-{i}"), opts(i % 2 == 0))
             .await
             .expect("acquire");
-        let at = lost_at(&lease);
         let key = locks.lock_key(lease.name());
+        let subscribed = i % 2 == 0;
+        if subscribed {
+            until_subscribers(&mut admin, &key, 1).await;
+        }
+        let at = lost_at(&lease);
         let sent = Instant::now();
-        if i % 4 == 3 {
+        if i % 4 >= 2 {
             let n: i64 = redis::cmd("PEXPIRE")
                 .arg(&key)
                 .arg(1)
@@ -120,17 +152,27 @@ async fn a_deleted_or_expired_lock_key_is_heard_within_milliseconds() {
             assert_eq!(n, 1);
         }
         let took = heard(&lease, at, sent).await;
-        if i % 4 == 3 {
+        if i % 4 >= 2 {
             // Reported by the server's expiry cycle (10 times a second), within LOSS_NOTICE.
-            assert!(took < LOSS_NOTICE, "early expiry heard after {took:?}");
+            assert!(
+                took < LOSS_NOTICE,
+                "early expiry heard after {took:?} (subscribed before: {subscribed})"
+            );
             expired.push(took);
-        } else {
+        } else if subscribed {
             assert!(took < DELETE_HEARD, "DEL heard after {took:?}");
             deleted.push(took);
+        } else {
+            assert!(
+                took < LOSS_NOTICE,
+                "DEL before the subscription heard after {took:?}"
+            );
+            unsubscribed.push(took);
         }
         assert_eq!(lease.loss_reason(), Some(LossReason::NotHeldOnServer));
     }
     report("deleted", deleted);
+    report("deleted right after the grant", unsubscribed);
     // An expiry is reported when the server's active expiry cycle (10 times a second) or an
     // access removes the key.
     report("expired early (PEXPIRE 1)", expired);
@@ -161,6 +203,9 @@ async fn a_late_event_for_a_key_held_again_is_checked_not_taken_for_a_loss() {
         .acquire("sentinel", opts(false))
         .await
         .expect("acquire");
+    // Both keys subscribed: the release's `DEL` event is sent to this client.
+    until_subscribers(&mut admin, &locks.lock_key("again"), 1).await;
+    until_subscribers(&mut admin, &locks.lock_key("sentinel"), 1).await;
     proxy.freeze_connection(pubsub);
     first.release().await.expect("release");
     let again = locks
@@ -200,8 +245,9 @@ async fn an_evicted_lock_key_is_heard_within_milliseconds() {
     }
     let locks = RedisLock::connect(&url).await.expect("connect");
     let lease = locks.acquire("evicted", opts(true)).await.expect("acquire");
-    let at = lost_at(&lease);
     let key = locks.lock_key("evicted");
+    until_subscribers(&mut admin, &key, 1).await;
+    let at = lost_at(&lease);
     let filler = "x".repeat(64 * 1024);
     let mut sent = None;
     for i in 0..4000 {
@@ -343,6 +389,7 @@ async fn notifications_use_and_off_leave_the_server_setting_alone() {
         .expect("connect");
     assert_eq!(off.guarantees().loss_notice, None);
     let lease = using.acquire("use-del", opts(true)).await.expect("acquire");
+    until_subscribers(&mut admin, &using.lock_key("use-del"), 1).await;
     let at = lost_at(&lease);
     let sent = Instant::now();
     let _: i64 = redis::cmd("DEL")
@@ -520,4 +567,87 @@ async fn a_silent_pubsub_connection_is_replaced() {
     let took = heard_again.expect("no loss heard after the pub/sub connection was replaced");
     eprintln!("after replacing a silent pub/sub connection: loss heard in {took:?}");
     ticker.release().await.expect("release");
+}
+
+/// No client subscribes to a pattern: a key's keyspace events go to the one client that holds
+/// it (its channel has one subscriber while it is held, none once it is released), so the
+/// server's cost per grant does not grow with the clients connected. An admin's `DEL` of one
+/// client's key ends that lease only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_holders_client_subscribes_to_its_key() {
+    let server = PrivateRedis::start(None).await;
+    let mut admin = server.raw().await;
+    let url = with_prefix(&server.url(), &fresh_prefix());
+    let a = RedisLock::connect(&url).await.expect("connect");
+    let b = RedisLock::connect(&url).await.expect("connect");
+    assert_eq!(a.loss_notice(), Some(LOSS_NOTICE));
+    assert_eq!(b.loss_notice(), Some(LOSS_NOTICE));
+    let x = a.acquire("x", opts(true)).await.expect("acquire x");
+    let y = b.acquire("y", opts(true)).await.expect("acquire y");
+    let (kx, ky) = (a.lock_key("x"), b.lock_key("y"));
+    until_subscribers(&mut admin, &kx, 1).await;
+    until_subscribers(&mut admin, &ky, 1).await;
+    let numpat: i64 = redis::cmd("PUBSUB")
+        .arg("NUMPAT")
+        .query_async(&mut admin)
+        .await
+        .expect("PUBSUB NUMPAT");
+    assert_eq!(numpat, 0, "a client subscribed to a pattern");
+
+    let at = lost_at(&x);
+    let sent = Instant::now();
+    let n: i64 = redis::cmd("DEL")
+        .arg(&kx)
+        .query_async(&mut admin)
+        .await
+        .expect("DEL");
+    assert_eq!(n, 1);
+    let took = heard(&x, at, sent).await;
+    assert!(took < DELETE_HEARD, "DEL heard after {took:?}");
+    assert_eq!(x.loss_reason(), Some(LossReason::NotHeldOnServer));
+    y.check().await.expect("y is still held");
+    assert_eq!(y.state(), LeaseState::Held);
+
+    // Released (or lost and let go): the channels are unsubscribed.
+    let _ = x.release().await;
+    y.release().await.expect("release y");
+    until_subscribers(&mut admin, &kx, 0).await;
+    until_subscribers(&mut admin, &ky, 0).await;
+}
+
+/// A key deleted while the pub/sub connection was down (its event went to nobody) is found
+/// when the connection is back: every key held is subscribed again and checked, long before
+/// the lease's next renewal (20 s away).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_deleted_while_the_pubsub_connection_was_down_is_found_when_it_is_back() {
+    let server = PrivateRedis::start(None).await;
+    let mut admin = server.raw().await;
+    let locks = RedisLock::connect(&with_prefix(&server.url(), &fresh_prefix()))
+        .await
+        .expect("connect");
+    let lease = locks.acquire("gap", opts(true)).await.expect("acquire");
+    let key = locks.lock_key("gap");
+    until_subscribers(&mut admin, &key, 1).await;
+    let at = lost_at(&lease);
+    let killed: i64 = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("TYPE")
+        .arg("pubsub")
+        .query_async(&mut admin)
+        .await
+        .expect("CLIENT KILL");
+    assert_eq!(
+        killed, 1,
+        "expected to kill the client's pub/sub connection"
+    );
+    let sent = Instant::now();
+    let n: i64 = redis::cmd("DEL")
+        .arg(&key)
+        .query_async(&mut admin)
+        .await
+        .expect("DEL");
+    assert_eq!(n, 1);
+    let took = heard(&lease, at, sent).await;
+    eprintln!("deleted while the pub/sub connection was down: heard after {took:?}");
+    assert_eq!(lease.loss_reason(), Some(LossReason::NotHeldOnServer));
 }

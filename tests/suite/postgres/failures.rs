@@ -14,7 +14,7 @@ use tokio::time::Instant;
 use super::server::{PgServer, admin};
 use super::{
     base_url, drop_waiters, pid_of, poll_paused, scratch_table, signal, spawn_test_child,
-    tagged_line, wait_no_advisory_lock, waiting_pid,
+    tagged_line, two_clients, wait_no_advisory_lock, waiting_pid,
 };
 use crate::common::proxy::Proxy;
 use crate::common::{fresh_prefix, with_prefix};
@@ -364,12 +364,7 @@ async fn forever_wait_survives_a_server_outage() {
 /// leave nothing in `pg_locks`, and the next acquirer gets the lock at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancelled_acquire_leaves_no_lock() {
-    let base = base_url();
-    let url = with_prefix(&base, &fresh_prefix());
-    let (a, b) = (
-        PgLock::connect(&url).await.unwrap(),
-        PgLock::connect(&url).await.unwrap(),
-    );
+    let (base, a, b) = two_clients().await;
     let ttl = Duration::from_secs(30);
     // Free lock: cancel a try-acquire before, during and after its grant.
     let free_key = b.key("free");
@@ -425,12 +420,7 @@ async fn cancelled_acquire_leaves_no_lock() {
 /// deadline) never leaks the lock: either the waiter returns a lease, or nothing is held.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn timeout_racing_grant_leaks_nothing() {
-    let base = base_url();
-    let url = with_prefix(&base, &fresh_prefix());
-    let (a, b) = (
-        PgLock::connect(&url).await.unwrap(),
-        PgLock::connect(&url).await.unwrap(),
-    );
+    let (base, a, b) = two_clients().await;
     let ttl = Duration::from_secs(30);
     let key = a.key("race");
     let wait = Duration::from_millis(150);

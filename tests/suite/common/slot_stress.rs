@@ -10,6 +10,9 @@ use std::time::Duration;
 use lockkit::contract_election::SlotHarness;
 use lockkit::{AcquireOptions, Error, LeaseState, MemoryFence, Permit, Semaphore, Wait};
 
+use crate::common::proxy::Proxy;
+use crate::common::with_prefix;
+
 /// What a stress run saw.
 #[derive(Debug, Default)]
 pub struct StressReport {
@@ -443,6 +446,29 @@ pub async fn permits_of_two_ns_never_mix(h: &dyn SlotHarness, backend: &str) {
     println!("{backend} mixed-N stress: {report:?}");
     assert!(report.violations.is_empty(), "{report:?}");
     assert!(report.switches > 0, "N never changed: {report:?}");
+}
+
+/// [`cut_off_holder_is_not_held_when_reclaimed`] on the shared server of `env_var` (a
+/// `{scheme}://host:port` URL): the holder connects through a [`Proxy`] that freezes, the
+/// waiter directly, both under one fresh prefix; `connect` opens a client for a URL.
+pub async fn cut_off_through_a_proxy<S, F, Fut>(env_var: &str, scheme: &str, connect: F)
+where
+    S: Semaphore + 'static,
+    F: Fn(String) -> Fut,
+    Fut: Future<Output = S>,
+{
+    let prefix = crate::common::fresh_prefix();
+    let direct = crate::common::server_url(env_var);
+    let upstream = direct
+        .strip_prefix(&format!("{scheme}://"))
+        .expect("a scheme://host:port URL");
+    let proxy = Proxy::start(upstream.to_owned()).await;
+    let via_proxy = format!("{scheme}://{}", proxy.endpoint());
+    let holder = connect(with_prefix(&via_proxy, &prefix)).await;
+    let waiter = connect(with_prefix(&direct, &prefix)).await;
+    let name = format!("cut-{:08x}", rand::random::<u32>());
+    cut_off_holder_is_not_held_when_reclaimed(&holder, Arc::new(waiter), &name, || proxy.freeze())
+        .await;
 }
 
 /// A permit holder cut off from the server (`freeze` cuts its traffic, keepalives included)

@@ -1,13 +1,12 @@
 //! Attacks on etcd elections and semaphores (breakslots).
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use lockkit::etcd::EtcdLock;
 
 use super::slots::EtcdSlotHarness;
+use crate::common::fresh_prefix;
 use crate::common::slot_stress;
-use crate::common::{fresh_prefix, server_url, with_prefix};
 
 fn harness() -> EtcdSlotHarness {
     EtcdSlotHarness::from_env("LOCKKIT_ETCD_URL")
@@ -137,17 +136,10 @@ async fn terms_and_observers_survive_an_etcd_restart() {
 /// its own state left `Held`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cut_off_permit_holder_is_not_held_when_reclaimed() {
-    use crate::common::proxy::Proxy;
-    use crate::common::slot_stress::cut_off_holder_is_not_held_when_reclaimed;
-    let prefix = fresh_prefix();
-    let direct = server_url("LOCKKIT_ETCD_URL");
-    let hostport = direct.trim_start_matches("etcd://").to_owned();
-    let proxy = Proxy::start(hostport.clone()).await;
-    let via = with_prefix(&format!("etcd://{}", proxy.endpoint()), &prefix);
-    let a = EtcdLock::connect(&via).await.expect("connect via proxy");
-    let b = EtcdLock::connect(&with_prefix(&direct, &prefix))
-        .await
-        .expect("connect");
-    let name = format!("cut-{:08x}", rand::random::<u32>());
-    cut_off_holder_is_not_held_when_reclaimed(&a, Arc::new(b), &name, || proxy.freeze()).await;
+    crate::common::slot_stress::cut_off_through_a_proxy(
+        "LOCKKIT_ETCD_URL",
+        "etcd",
+        |url| async move { EtcdLock::connect(&url).await.expect("connect") },
+    )
+    .await;
 }

@@ -51,6 +51,16 @@ pub fn base_url() -> String {
     server_url("LOCKKIT_POSTGRES_URL")
 }
 
+/// The shared server's URL and two clients of it under one fresh key prefix (two pools, so
+/// that their sessions differ: a holder and a waiter).
+pub async fn two_clients() -> (String, PgLock, PgLock) {
+    let base = base_url();
+    let url = with_prefix(&base, &fresh_prefix());
+    let a = PgLock::connect(&url).await.unwrap();
+    let b = PgLock::connect(&url).await.unwrap();
+    (base, a, b)
+}
+
 /// Advisory locks on `key` in `pg_locks` (granted or waiting), on the server of `url`.
 pub async fn advisory_locks(url: &str, key: i64) -> i64 {
     let mut db = admin(url).await;

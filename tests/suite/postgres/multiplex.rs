@@ -16,7 +16,7 @@ use tokio::time::Instant;
 use super::server::{PgServer, admin};
 use super::{
     advisory_locks, base_url, drop_waiters, pid_of, poll_paused, signal, spawn_test_child,
-    tagged_line, wait_no_advisory_lock,
+    tagged_line, two_clients, wait_no_advisory_lock,
 };
 use crate::common::{fresh_prefix, with_prefix};
 
@@ -216,12 +216,7 @@ async fn a_terminated_session_loses_exactly_its_leases() {
 /// the session is not disturbed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancelled_grants_and_waiters_on_a_shared_session_leave_nothing() {
-    let base = base_url();
-    let url = with_prefix(&base, &fresh_prefix());
-    let (a, b) = (
-        PgLock::connect(&url).await.unwrap(),
-        PgLock::connect(&url).await.unwrap(),
-    );
+    let (base, a, b) = two_clients().await;
     let ttl = Duration::from_secs(30);
     let bystander = b.try_acquire("bystander", ttl).await.unwrap();
     let session = pid_of(&bystander);

@@ -279,22 +279,12 @@ async fn await_queued(conn: &mut redis::aio::MultiplexedConnection, queue: &str,
 /// watch cut) loses its slot to a waiter only after its own state left `Held`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cut_off_permit_holder_is_not_held_when_reclaimed() {
-    use crate::common::proxy::Proxy;
-    use crate::common::slot_stress::cut_off_holder_is_not_held_when_reclaimed;
-    let prefix = fresh_prefix();
-    let direct = server_url("LOCKKIT_REDIS_URL");
-    let proxy = Proxy::start(direct.trim_start_matches("redis://").to_owned()).await;
-    let a = RedisLock::connect(&with_prefix(
-        &format!("redis://{}", proxy.endpoint()),
-        &prefix,
-    ))
-    .await
-    .expect("connect via proxy");
-    let b = RedisLock::connect(&with_prefix(&direct, &prefix))
-        .await
-        .expect("connect");
-    let name = format!("cut-{:08x}", rand::random::<u32>());
-    cut_off_holder_is_not_held_when_reclaimed(&a, Arc::new(b), &name, || proxy.freeze()).await;
+    crate::common::slot_stress::cut_off_through_a_proxy(
+        "LOCKKIT_REDIS_URL",
+        "redis",
+        |url| async move { RedisLock::connect(&url).await.expect("connect") },
+    )
+    .await;
 }
 
 /// The server stopped (SIGSTOP) for longer than a permit's TTL while its holder and a waiter

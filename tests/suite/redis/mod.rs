@@ -149,6 +149,26 @@ async fn await_exists(
     start.elapsed()
 }
 
+/// After a failover that lost grant `lost`: the new grant `new` has the larger token, and `fence`
+/// (which took `lost`'s write to "report") takes `new`'s write and refuses a late one of `lost`.
+pub fn newer_grant_fences_out_the_lost_one(
+    fence: &lockkit::MemoryFence<&'static str>,
+    lost: &lockkit::Lease,
+    new: &lockkit::Lease,
+) {
+    assert!(
+        new.token() > lost.token(),
+        "the new grant's {:?} is not above the lost grant's {:?}",
+        new.token(),
+        lost.token()
+    );
+    fence.write("report", new.token(), "new").unwrap();
+    assert!(matches!(
+        fence.write("report", lost.token(), "stale"),
+        Err(Error::StaleToken { .. })
+    ));
+}
+
 fn fast(start: Instant, what: &str) {
     let took = start.elapsed();
     assert!(took < Duration::from_secs(3), "{what} took {took:?}");

@@ -9,7 +9,7 @@ use lockkit::{AcquireOptions, Election, LeaderEvent, LeaderInfo, LeaseState, Sem
 
 use super::server::PrivateZk;
 use crate::common::slot_stress::{
-    cut_off_holder_is_not_held_when_reclaimed, election_stress, nothing_left, permit_stress,
+    cut_off_through_a_proxy, election_stress, nothing_left, permit_stress,
 };
 use crate::common::{fresh_prefix, server_url, with_prefix};
 
@@ -87,18 +87,10 @@ async fn permits_of_two_ns_never_mix() {
 /// slot to a waiter only after its own state left `Held`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cut_off_permit_holder_is_not_held_when_reclaimed() {
-    use crate::common::proxy::Proxy;
-    let prefix = fresh_prefix();
-    let direct = server_url("LOCKKIT_ZK_URL");
-    let proxy = Proxy::start(direct.trim_start_matches("zk://").to_owned()).await;
-    let a = ZkLock::connect(&format!("zk://127.0.0.1:{}?prefix={prefix}", proxy.port))
-        .await
-        .expect("connect via proxy");
-    let b = ZkLock::connect(&with_prefix(&direct, &prefix))
-        .await
-        .expect("connect");
-    let name = format!("cut-{:08x}", rand::random::<u32>());
-    cut_off_holder_is_not_held_when_reclaimed(&a, Arc::new(b), &name, || proxy.freeze()).await;
+    cut_off_through_a_proxy("LOCKKIT_ZK_URL", "zk", |url| async move {
+        ZkLock::connect(&url).await.expect("connect")
+    })
+    .await;
 }
 
 /// The server killed (SIGKILL) and restarted on its data while a leader leads, a candidate

@@ -267,17 +267,35 @@ async fn names_on_every_master_are_granted_and_renewed_together() {
 async fn elections_are_not_supported_in_cluster_mode() {
     let url = server_url("LOCKKIT_REDIS_CLUSTER_URL");
     let url = with_prefix(&url, &fresh_prefix());
-    let elections = lockkit::connect_election(&url).await.unwrap();
-    let e = elections
-        .campaign("leader", b"me", AcquireOptions::new().wait(Wait::No))
+    // The facade refuses at connect; the client itself refuses at every use.
+    let e = lockkit::connect_election(&url)
         .await
-        .unwrap_err();
+        .err()
+        .expect("refused");
     assert!(matches!(e, Error::NotSupported { .. }), "{e:?}");
-    let semaphores = lockkit::connect_semaphore(&url).await.unwrap();
-    let e = semaphores
-        .acquire_permit("pool", 2, AcquireOptions::new().wait(Wait::No))
+    let e = lockkit::connect_semaphore(&url)
         .await
-        .unwrap_err();
+        .err()
+        .expect("refused");
+    assert!(matches!(e, Error::NotSupported { .. }), "{e:?}");
+    let client = RedisLock::connect(&url).await.unwrap();
+    let e = lockkit::Election::campaign(
+        &client,
+        "leader",
+        b"me",
+        AcquireOptions::new().wait(Wait::No),
+    )
+    .await
+    .unwrap_err();
+    assert!(matches!(e, Error::NotSupported { .. }), "{e:?}");
+    let e = lockkit::Semaphore::acquire_permit(
+        &client,
+        "pool",
+        2,
+        AcquireOptions::new().wait(Wait::No),
+    )
+    .await
+    .unwrap_err();
     assert!(matches!(e, Error::NotSupported { .. }), "{e:?}");
 }
 

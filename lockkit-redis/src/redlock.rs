@@ -465,6 +465,12 @@ impl Drop for Pending {
 impl Inner {
     /// Runs `op` on every node at once, each bounded by the response timeout, and collects the
     /// answers in node order until `done` says the outcome is decided (`None`: no answer yet).
+    /// The nodes that have not answered by then still get their request: it runs on in the
+    /// background (bounded by the response timeout as well), its answer unread. Dropping it
+    /// instead would cancel a request still waiting for its node's connection (the first one on
+    /// a new connection), so a grant or a renewal decided by the fastest majority would leave
+    /// the other nodes without the key, and the lease would not survive losing the nodes it was
+    /// said to tolerate.
     async fn gather<T, F, Fut>(
         &self,
         op: F,
@@ -472,7 +478,8 @@ impl Inner {
     ) -> Vec<Option<Result<T>>>
     where
         F: Fn(Conn) -> Fut,
-        Fut: Future<Output = Result<T>>,
+        Fut: Future<Output = Result<T>> + Send + 'static,
+        T: Send + 'static,
     {
         let limit = self.response_timeout;
         let mut running: FuturesUnordered<_> = self
@@ -496,6 +503,9 @@ impl Inner {
             if done(&answers) {
                 break;
             }
+        }
+        if !running.is_empty() {
+            tokio::spawn(async move { while running.next().await.is_some() {} });
         }
         answers
     }

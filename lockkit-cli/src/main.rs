@@ -139,7 +139,7 @@ struct Cli {
 /// What `run`, `hold`, `elect` and `permit` share: where, and for how long.
 #[derive(Args, Debug)]
 struct LeaseArgs {
-    /// Lock service URL: redis://, rediss://, redis+sentinel://, redis+cluster://, redlock://, etcd://, zk://, postgres:// [env: LOCKKIT_URL]
+    /// Lock service URL: redis://, rediss://, redis+sentinel://, redis+cluster://, redlock://, redlocks://, etcd://, etcds://, zk://, postgres://, postgresql://, memory:// [env: LOCKKIT_URL]
     #[arg(long, env = "LOCKKIT_URL", hide_env = true, value_name = "URL")]
     backend: String,
     /// Lease TTL, e.g. "30s", "2m" (100ms to 24h). The lease is renewed every TTL/3.

@@ -836,7 +836,8 @@ impl SlotOps for RedisSlotLease {
     }
 }
 
-const NOTES: &str = "efficiency elections and semaphores on one Redis server: each slot is a \
+const NOTES: &str = "efficiency elections and semaphores on one Redis master (single node or \
+Sentinel): each slot is a \
 lock key of a derived name (elect/N, sem/N/k), with the lock's tokens, batched renewal, loss \
 notices and FIFO hand-off. Observers read a pub/sub channel (at-most-once): Missed after a \
 reconnect or where a read finds changes that no message delivered. A failover can elect twice.";

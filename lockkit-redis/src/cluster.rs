@@ -15,7 +15,7 @@ use redis::cluster::ClusterClientBuilder;
 
 use lockkit_core::Result;
 
-use crate::config::{RedisConfig, connect_error};
+use crate::config::{RedisConfig, TlsFiles, connect_error};
 use crate::conn::Conn;
 use crate::error::timed_out;
 
@@ -51,20 +51,58 @@ pub(crate) async fn connect(config: &RedisConfig) -> Result<Conn> {
     let ct = config.connect_timeout;
     let rt = config.response_timeout;
     let nodes = config.cluster_node_infos()?;
-    let seeds = nodes
-        .iter()
-        .cloned()
-        .map(redis::Client::open)
-        .collect::<redis::RedisResult<Vec<_>>>()
-        .map_err(connect_error)?;
-    let client = ClusterClientBuilder::new(nodes)
+    let files = match tokio::time::timeout(ct, config.tls_files()).await {
+        Ok(r) => r?,
+        Err(_) => return Err(timed_out("reading the TLS files", ct)),
+    };
+    let builder = ClusterClientBuilder::new(nodes.clone())
         .connection_timeout(ct)
         .response_timeout(rt)
         .retries(RETRIES)
         .min_retry_wait(20)
-        .max_retry_wait(500)
-        .build()
-        .map_err(connect_error)?;
+        .max_retry_wait(500);
+    let (seeds, client) = match files {
+        TlsFiles {
+            root: None,
+            client: None,
+        } => (
+            nodes
+                .into_iter()
+                .map(redis::Client::open)
+                .collect::<redis::RedisResult<Vec<_>>>(),
+            builder.build(),
+        ),
+        #[cfg(feature = "tls")]
+        TlsFiles { root, client } => {
+            let certs = || redis::TlsCertificates {
+                client_tls: client.clone().map(|(client_cert, client_key)| {
+                    redis::ClientTlsConfig {
+                        client_cert,
+                        client_key,
+                    }
+                }),
+                root_cert: root.clone(),
+            };
+            (
+                nodes
+                    .into_iter()
+                    .map(|n| redis::Client::build_with_tls(n, certs()))
+                    .collect(),
+                builder.certs(certs()).build(),
+            )
+        }
+        #[cfg(not(feature = "tls"))]
+        _ => {
+            return Err(lockkit_core::Error::config(
+                "TLS needs lockkit-redis's Cargo feature \"tls\" (on by default)",
+            ));
+        }
+    };
+    let tls_files = |e| {
+        lockkit_core::Error::config_with("cannot use the TLS files (tls_ca, tls_cert, tls_key)", e)
+    };
+    let seeds = seeds.map_err(tls_files)?;
+    let client = client.map_err(connect_error)?;
     let connected = tokio::time::timeout(ct, async {
         let mut c = client.get_async_connection().await?;
         redis::cmd("PING").query_async::<()>(&mut c).await?;

@@ -110,7 +110,11 @@ pub(crate) async fn connect(config: &RedisConfig) -> Result<Conn> {
     });
     let conn = match connected.await {
         Ok(Ok(c)) => c,
-        Ok(Err(e)) => return Err(connect_error(e)),
+        Ok(Err(e)) => {
+            return Err(tls_cause(&seeds, ct)
+                .await
+                .unwrap_or_else(|| connect_error(e)));
+        }
         Err(_) => return Err(timed_out("connecting to the redis cluster", ct)),
     };
     let manager = ConnectionManagerConfig::new()
@@ -120,4 +124,37 @@ pub(crate) async fn connect(config: &RedisConfig) -> Result<Conn> {
         .set_min_delay(Duration::from_millis(50))
         .set_max_delay(Duration::from_secs(1));
     Conn::cluster(conn, seeds, manager).map_err(connect_error)
+}
+
+/// The typed TLS failure (a certificate refused either way is [`Error::Auth`]) behind a failed
+/// cluster connect, which the cluster client reports as text only ("Failed to create initial
+/// connections - Io: invalid peer certificate…"): one plain connection to each seed with the
+/// same TLS files, within the connect timeout; `None` without TLS or when no seed fails on TLS.
+///
+/// [`Error::Auth`]: lockkit_core::Error::Auth
+///
+/// # Cancel safety
+/// Cancel safe: dropping the future closes what it opened.
+async fn tls_cause(seeds: &[redis::Client], ct: Duration) -> Option<lockkit_core::Error> {
+    #[cfg(feature = "tls")]
+    for seed in seeds {
+        if !matches!(
+            seed.get_connection_info().addr(),
+            redis::ConnectionAddr::TcpTls { .. }
+        ) {
+            return None;
+        }
+        let config = redis::AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(ct))
+            .set_response_timeout(Some(ct));
+        let probe = seed.get_multiplexed_async_connection_with_config(&config);
+        if let Ok(Err(e)) = tokio::time::timeout(ct, probe).await
+            && lockkit_core::backend::tls_failure(&e).is_some()
+        {
+            return Some(connect_error(e));
+        }
+    }
+    #[cfg(not(feature = "tls"))]
+    let _ = (seeds, ct);
+    None
 }

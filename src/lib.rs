@@ -11,7 +11,7 @@
 //! | `memory://` | in-process ([`MemoryLock`]) | always on | yes |
 //! | `redis://host:port`, `rediss://…` (TLS) | Redis (efficiency lock) | `redis` | yes |
 //! | `redis+sentinel://host:port[,host:port]/service` | Redis behind Sentinel (efficiency lock) | `redis` | yes |
-//! | `redis+cluster://host:port[,host:port]` | Redis Cluster, the hosts are seed nodes (efficiency lock) | `redis` | no |
+//! | `redis+cluster://host:port[,host:port]`, `rediss+cluster://…` (TLS) | Redis Cluster, the hosts are seed nodes (efficiency lock) | `redis` | no |
 //! | `redlock://host:port,host:port,…`, `redlocks://…` (TLS) | Redlock over N independent Redis masters (efficiency lock) | `redis` | no ([`Error::NotSupported`]) |
 //! | `etcd://host:port[,host:port]`, `etcds://…` (TLS) | etcd v3 (correctness lock) | `etcd` | yes |
 //! | `zk://host:port[,host:port][/chroot]` | ZooKeeper (correctness lock) | `zk` | yes |
@@ -248,7 +248,7 @@ impl Connected {
                 #[cfg(not(feature = "redis"))]
                 return Err(feature_off(&scheme, "redis"));
             }
-            "redis+cluster" => {
+            "redis+cluster" | "rediss+cluster" => {
                 #[cfg(feature = "redis")]
                 return Ok(Self::RedisCluster(
                     lockkit_redis::RedisLock::connect(url).await?,
@@ -297,7 +297,8 @@ impl Connected {
                 };
                 Err(Error::config(format!(
                     "unknown lock service scheme{named}: expected memory, redis, rediss, \
-                     redis+sentinel, redis+cluster, redlock, redlocks, etcd, zk, postgres or postgresql"
+                     redis+sentinel, redis+cluster, rediss+cluster, redlock, redlocks, etcd, zk, \
+                     postgres or postgresql"
                 )))
             }
         }

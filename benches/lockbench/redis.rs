@@ -994,16 +994,11 @@ fn cluster_report(
     let ratio = |x: f64, of: Option<f64>| of.map_or("–".to_owned(), |f| format!("{:.2}×", x / f));
     let _ = writeln!(
         md,
-        "
-### Redis Cluster (3 masters, each with a replica; `scripts/servers.sh` cluster)
-
-         lockkit on `redis+cluster://` (the three masters as seeds) next to the same floor          done with the redis crate's cluster client (it sends `SET` and the script to the key's          master). The peers run on one node only, so the Cluster rows are compared with the          Cluster floor and with the single node's floor and lockkit, measured interleaved in          the same run.
-"
+        "\n### Redis Cluster (3 masters, each with a replica; `scripts/servers.sh` cluster)\n\nlockkit on `redis+cluster://` (the three masters as seeds) next to the same floor done with the redis crate's cluster client (it sends `SET` and the script to the key's master). The peers run on one node only, so the Cluster rows are compared with the Cluster floor and with the single node's floor and lockkit, measured interleaved in the same run.\n"
     );
     let _ = writeln!(
         md,
-        "| sequence | ratio to Cluster floor | ratio to single-node floor | ratio to single-node          lockkit | median | p99 |
-|---|---|---|---|---|---|"
+        "| sequence | ratio to Cluster floor | ratio to single-node floor | ratio to single-node lockkit | median | p99 |\n|---|---|---|---|---|---|"
     );
     for r in uncontended.iter().filter(|r| r.backend == "redis-cluster") {
         let m = r.median.as_secs_f64();
@@ -1020,16 +1015,11 @@ fn cluster_report(
     }
     let _ = writeln!(
         md,
-        "
-#### Contention: clients on one lock, on the Cluster
-
-Windows interleaved with the          single-node variants above (same rotation). Ratios of medians: to single-node lockkit          and to the best single-node peer. Requests, commands and server µs summed over the          masters' `INFO commandstats`.
-"
+        "\n#### Contention: clients on one lock, on the Cluster\n\nWindows interleaved with the single-node variants above (same rotation). Ratios of medians: to single-node lockkit and to the best single-node peer. Requests, commands and server µs summed over the masters' `INFO commandstats`.\n"
     );
     let _ = writeln!(
         md,
-        "| clients | critical section | lockkit Cluster grants/s | ratio to single-node lockkit          | ratio to best single-node peer | fairness | requests per grant | commands per grant          | server µs per grant |
-|---|---|---|---|---|---|---|---|---|"
+        "| clients | critical section | lockkit Cluster grants/s | ratio to single-node lockkit | ratio to best single-node peer | fairness | requests per grant | commands per grant | server µs per grant |\n|---|---|---|---|---|---|---|---|---|"
     );
     for c in cont {
         let Some(ws) = c.windows.get(&Variant::LockkitCluster) else {
@@ -1048,7 +1038,7 @@ Windows interleaved with the          single-node variants above (same rotation)
         let m = |f: fn(&Window) -> f64| median(&mut of(Variant::LockkitCluster, f));
         let _ = writeln!(
             md,
-            "| {} | {} | {mine:.0} ({lo:.0}–{hi:.0}) | **{:.2}×** | {:.2}× | {:.2} | {:.2} | {:.1}              | {:.1} |",
+            "| {} | {} | {mine:.0} ({lo:.0}–{hi:.0}) | **{:.2}×** | {:.2}× | {:.2} | {:.2} | {:.1} | {:.1} |",
             c.clients,
             cs_label(c.cs),
             mine / med(Variant::Lockkit).max(1e-9),
@@ -1061,16 +1051,11 @@ Windows interleaved with the          single-node variants above (same rotation)
     }
     let _ = writeln!(
         md,
-        "
-#### Hand-off on the Cluster: release → the next queued waiter's acquire returns
-
-         Two runs per N, each right after the single-node run of the same N; hand-off messages          = PUBLISH calls per release on the masters.
-"
+        "\n#### Hand-off on the Cluster: release → the next queued waiter's acquire returns\n\nTwo runs per N, each right after the single-node run of the same N; hand-off messages = PUBLISH calls per release on the masters.\n"
     );
     let _ = writeln!(
         md,
-        "| queued waiters | median | p99 | ratio of medians to single node | hand-off messages          per release |
-|---|---|---|---|---|"
+        "| queued waiters | median | p99 | ratio of medians to single node | hand-off messages per release |\n|---|---|---|---|---|"
     );
     let median_of = |runs: &[HandoffRun]| {
         let mut all: Vec<Duration> = runs.iter().flat_map(|(l, _)| l.iter().copied()).collect();

@@ -14,8 +14,8 @@ use redis::aio::ConnectionManagerConfig;
 
 use lockkit_core::Result;
 
-use crate::config::{RedisConfig, connect_error};
-use crate::conn::{Conn, cluster_builder};
+use crate::config::{RedisConfig, TlsFiles, connect_error};
+use crate::conn::{ClusterTls, Conn, cluster_builder};
 use crate::error::timed_out;
 
 /// [`Guarantees::notes`](lockkit_core::Guarantees::notes) in Cluster mode.
@@ -47,13 +47,54 @@ pub(crate) async fn connect(config: &RedisConfig) -> Result<Conn> {
     let ct = config.connect_timeout;
     let rt = config.response_timeout;
     let nodes = config.cluster_node_infos()?;
-    let seeds = nodes
-        .iter()
-        .cloned()
-        .map(redis::Client::open)
-        .collect::<redis::RedisResult<Vec<_>>>()
-        .map_err(connect_error)?;
-    let client = cluster_builder(nodes.clone(), ct, rt)
+    let files = match tokio::time::timeout(ct, config.tls_files()).await {
+        Ok(r) => r?,
+        Err(_) => return Err(timed_out("reading the TLS files", ct)),
+    };
+    let (seeds, tls): (_, ClusterTls) = match files {
+        TlsFiles {
+            root: None,
+            client: None,
+        } => (
+            nodes
+                .iter()
+                .cloned()
+                .map(redis::Client::open)
+                .collect::<redis::RedisResult<Vec<_>>>(),
+            None,
+        ),
+        #[cfg(feature = "tls")]
+        TlsFiles { root, client } => {
+            let certs = || redis::TlsCertificates {
+                client_tls: client.clone().map(|(client_cert, client_key)| {
+                    redis::ClientTlsConfig {
+                        client_cert,
+                        client_key,
+                    }
+                }),
+                root_cert: root.clone(),
+            };
+            (
+                nodes
+                    .iter()
+                    .cloned()
+                    .map(|n| redis::Client::build_with_tls(n, certs()))
+                    .collect(),
+                Some(certs()),
+            )
+        }
+        #[cfg(not(feature = "tls"))]
+        _ => {
+            return Err(lockkit_core::Error::config(
+                "TLS needs lockkit-redis's Cargo feature \"tls\" (on by default)",
+            ));
+        }
+    };
+    let tls_files = |e| {
+        lockkit_core::Error::config_with("cannot use the TLS files (tls_ca, tls_cert, tls_key)", e)
+    };
+    let seeds = seeds.map_err(tls_files)?;
+    let client = cluster_builder(nodes.clone(), ct, rt, &tls)
         .build()
         .map_err(connect_error)?;
     let connected = tokio::time::timeout(ct, async {
@@ -70,6 +111,9 @@ pub(crate) async fn connect(config: &RedisConfig) -> Result<Conn> {
             ));
         }
         Ok(Err(e)) => {
+            if let Some(tls) = tls_cause(&seeds, ct).await {
+                return Err(tls);
+            }
             let auth = tokio::time::timeout(ct, refused_credentials(&seeds)).await;
             return Err(auth.ok().flatten().unwrap_or_else(|| connect_error(e)));
         }
@@ -81,7 +125,7 @@ pub(crate) async fn connect(config: &RedisConfig) -> Result<Conn> {
         .set_number_of_retries(2)
         .set_min_delay(Duration::from_millis(50))
         .set_max_delay(Duration::from_secs(1));
-    Conn::cluster(conn, seeds, manager, nodes, (ct, rt)).map_err(connect_error)
+    Conn::cluster(conn, seeds, manager, nodes, (ct, rt), tls).map_err(connect_error)
 }
 
 /// The cluster client reports credentials refused by every seed as an I/O error ("Failed to
@@ -96,5 +140,38 @@ async fn refused_credentials(seeds: &[redis::Client]) -> Option<lockkit_core::Er
             }
         }
     }
+    None
+}
+
+/// The typed TLS failure (a certificate refused either way is [`Error::Auth`]) behind a failed
+/// cluster connect, which the cluster client reports as text only ("Failed to create initial
+/// connections - Io: invalid peer certificate…"): one plain connection to each seed with the
+/// same TLS files, within the connect timeout; `None` without TLS or when no seed fails on TLS.
+///
+/// [`Error::Auth`]: lockkit_core::Error::Auth
+///
+/// # Cancel safety
+/// Cancel safe: dropping the future closes what it opened.
+async fn tls_cause(seeds: &[redis::Client], ct: Duration) -> Option<lockkit_core::Error> {
+    #[cfg(feature = "tls")]
+    for seed in seeds {
+        if !matches!(
+            seed.get_connection_info().addr(),
+            redis::ConnectionAddr::TcpTls { .. }
+        ) {
+            return None;
+        }
+        let config = redis::AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(ct))
+            .set_response_timeout(Some(ct));
+        let probe = seed.get_multiplexed_async_connection_with_config(&config);
+        if let Ok(Err(e)) = tokio::time::timeout(ct, probe).await
+            && lockkit_core::backend::tls_failure(&e).is_some()
+        {
+            return Some(connect_error(e));
+        }
+    }
+    #[cfg(not(feature = "tls"))]
+    let _ = (seeds, ct);
     None
 }

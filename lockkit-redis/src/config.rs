@@ -366,9 +366,17 @@ impl RedisConfig {
         {
             return Err(sentinel_tls());
         }
-        let mut u =
-            BackendUrl::parse(url, &["redis", "rediss", "redis+sentinel", "redis+cluster"])?;
-        if u.scheme() == "redis+cluster" {
+        let mut u = BackendUrl::parse(
+            url,
+            &[
+                "redis",
+                "rediss",
+                "redis+sentinel",
+                "redis+cluster",
+                "rediss+cluster",
+            ],
+        )?;
+        if u.scheme() == "redis+cluster" || u.scheme() == "rediss+cluster" {
             return Self::from_cluster_url(u);
         }
         let sentinel = u.scheme() == "redis+sentinel";
@@ -825,8 +833,11 @@ impl RedisConfig {
     /// A Redis Cluster reached through the seed nodes `nodes` (host, port; any nodes of the
     /// cluster, the rest are learned from it): [`RedisMode::Cluster`]. Credentials with
     /// [`username`](Self::username) and [`password`](Self::password) (the same on every node).
-    /// Not supported in this mode (refused by [`validate`](Self::validate)): TLS, a database
-    /// other than 0 (a cluster has only database 0), and a prefix with `{` or `}` (it would change the keys' hash tag).
+    /// TLS with [`tls`](Self::tls), [`tls_ca`](Self::tls_ca) and
+    /// [`tls_client_cert`](Self::tls_client_cert) (URL: `rediss+cluster://`), the same settings
+    /// for every node. Not supported in this mode (refused by [`validate`](Self::validate)): a
+    /// database other than 0 (a cluster has only database 0), and a prefix with `{` or `}` (it
+    /// would change the keys' hash tag).
     ///
     /// ```
     /// use lockkit_redis::{RedisConfig, RedisMode};
@@ -854,12 +865,26 @@ impl RedisConfig {
         self.cluster.as_ref().map_or(&[], |c| c.nodes.as_slice())
     }
 
-    /// `redis+cluster://[[user]:password@]host[:port][,host[:port]…][/0][?param=value&…]`: the
-    /// parameters of `redis://` (see [`from_url`](Self::from_url)) but the TLS ones.
+    /// `redis[s]+cluster://[[user]:password@]host[:port][,host[:port]…][/0][?param=value&…][#insecure]`:
+    /// the parameters of `redis://` (see [`from_url`](Self::from_url)), the TLS ones on
+    /// `rediss+cluster://` only.
     fn from_cluster_url(mut u: BackendUrl) -> Result<Self> {
-        if u.fragment().is_some() {
-            return Err(Error::config("a redis+cluster URL takes no #fragment"));
+        let tls = u.scheme() == "rediss+cluster";
+        if tls && !cfg!(feature = "tls") {
+            return Err(Error::config(
+                "rediss+cluster:// needs lockkit-redis's Cargo feature \"tls\" (on by default)",
+            ));
         }
+        let insecure = match u.fragment() {
+            None => false,
+            Some("insecure") if tls => true,
+            Some(_) => {
+                return Err(Error::config(
+                    "the only URL fragment a redis+cluster URL takes is #insecure, on \
+                     rediss+cluster://",
+                ));
+            }
+        };
         let hosts = u.host_list(Some(DEFAULT_PORT))?;
         match u.path().trim_end_matches('/') {
             "" | "/0" => {}
@@ -870,9 +895,9 @@ impl RedisConfig {
             }
         }
         let common = u.take_common([&["tls_ca_file"], &[], &[]])?;
-        if common.tls.is_set() {
+        if common.tls.is_set() && !tls {
             return Err(Error::config(
-                "TLS is not supported in Cluster mode by the redis backend yet",
+                "tls_ca, tls_cert and tls_key belong to rediss+cluster:// URLs",
             ));
         }
         let response_timeout = u.take_duration("response_timeout", Some("response_timeout_ms"))?;
@@ -905,6 +930,12 @@ impl RedisConfig {
             ],
         )?;
         let mut cfg = Self::cluster(hosts.into_iter().map(|h| (h.host, h.port)));
+        if tls {
+            cfg = cfg.tls(true);
+            if let ConnectionAddr::TcpTls { insecure: i, .. } = &mut cfg.addr {
+                *i = insecure;
+            }
+        }
         let mut redis = RedisConnectionInfo::default().set_protocol(protocol);
         if let Some(user) = u.username() {
             redis = redis.set_username(user);
@@ -922,6 +953,7 @@ impl RedisConfig {
         cfg.notifications = notifications;
         cfg.min_replicas = min_replicas;
         cfg.replica_timeout = replica_timeout.unwrap_or(DEFAULT_REPLICA_TIMEOUT);
+        cfg.tls = common.tls;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -935,8 +967,6 @@ impl RedisConfig {
             "Cluster mode needs at least one seed node"
         } else if self.sentinel.is_some() {
             "a config is either Sentinel or Cluster"
-        } else if self.is_tls() || self.tls_root_cert.is_some() || self.tls.is_set() {
-            "TLS is not supported in Cluster mode by the redis backend yet"
         } else if self.redis.db() != 0 {
             "a Redis Cluster has only database 0"
         } else if self.prefix.contains(['{', '}']) {
@@ -952,7 +982,16 @@ impl RedisConfig {
         self.get_cluster_nodes()
             .iter()
             .map(|(h, p)| {
-                Ok(ConnectionAddr::Tcp(h.clone(), *p)
+                let addr = match &self.addr {
+                    ConnectionAddr::TcpTls { insecure, .. } => ConnectionAddr::TcpTls {
+                        host: h.clone(),
+                        port: *p,
+                        insecure: *insecure,
+                        tls_params: None,
+                    },
+                    _ => ConnectionAddr::Tcp(h.clone(), *p),
+                };
+                Ok(addr
                     .into_connection_info()
                     .map_err(from_redis)?
                     .set_redis_settings(self.redis.clone()))
@@ -1240,7 +1279,7 @@ mod tests {
             "redis+cluster://:hunter2@n1?prefix=a:b",
             "redis+cluster://:hunter2@n1?prefx=a",
             "redis+cluster://:hunter2@n1?sentinel_password=hunter2",
-            "rediss+cluster://:hunter2@n1",
+            "rediss+cluster://:hunter2@n1#other",
         ] {
             match RedisConfig::from_url(bad) {
                 Err(Error::InvalidConfig { reason, .. }) => {
@@ -1278,13 +1317,49 @@ mod tests {
                 .validate()
                 .is_err()
         );
+        assert!(RedisConfig::cluster([("n1", 7000)]).validate().is_ok());
+    }
+
+    #[test]
+    fn rediss_cluster_urls_give_every_seed_tls_with_the_same_files() {
+        let c = RedisConfig::from_url(
+            "rediss+cluster://:hunter2@n1:7000,n2:7001?tls_ca=ca.pem&tls_cert=c.pem&tls_key=c.key",
+        )
+        .unwrap();
+        assert_eq!(c.mode(), RedisMode::Cluster);
+        assert!(c.is_tls());
+        let infos = c.cluster_node_infos().unwrap();
+        assert_eq!(infos.len(), 2);
+        for i in &infos {
+            assert!(
+                matches!(
+                    i.addr(),
+                    ConnectionAddr::TcpTls {
+                        insecure: false,
+                        ..
+                    }
+                ),
+                "{:?}",
+                i.addr()
+            );
+        }
+        assert!(!format!("{c:?}").contains("hunter2"));
+        let insecure = RedisConfig::from_url("rediss+cluster://n1:7000#insecure").unwrap();
+        assert!(matches!(
+            insecure.cluster_node_infos().unwrap()[0].addr(),
+            ConnectionAddr::TcpTls { insecure: true, .. }
+        ));
+        let plain = RedisConfig::from_url("redis+cluster://n1:7000").unwrap();
+        assert!(matches!(
+            plain.cluster_node_infos().unwrap()[0].addr(),
+            ConnectionAddr::Tcp(..)
+        ));
         assert!(
             RedisConfig::cluster([("n1", 7000)])
                 .tls(true)
                 .validate()
-                .is_err()
+                .is_ok()
         );
-        assert!(RedisConfig::cluster([("n1", 7000)]).validate().is_ok());
     }
 
     #[cfg(feature = "serde")]

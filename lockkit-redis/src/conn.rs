@@ -52,14 +52,30 @@ pub(crate) fn cluster_builder(
     nodes: Vec<ConnectionInfo>,
     ct: Duration,
     rt: Duration,
+    tls: &ClusterTls,
 ) -> ClusterClientBuilder {
-    ClusterClientBuilder::new(nodes)
+    let b = ClusterClientBuilder::new(nodes)
         .connection_timeout(ct)
         .response_timeout(rt)
         .retries(CLUSTER_RETRIES)
         .min_retry_wait(20)
-        .max_retry_wait(500)
+        .max_retry_wait(500);
+    #[cfg(feature = "tls")]
+    if let Some(certs) = tls {
+        return b.certs(certs.clone());
+    }
+    #[cfg(not(feature = "tls"))]
+    let _ = tls;
+    b
 }
+
+/// The certificates of every node's connection in Cluster mode over TLS
+/// (`rediss+cluster://`), `None` without TLS.
+#[cfg(feature = "tls")]
+pub(crate) type ClusterTls = Option<redis::TlsCertificates>;
+/// Without the `tls` feature there are none.
+#[cfg(not(feature = "tls"))]
+pub(crate) type ClusterTls = Option<std::convert::Infallible>;
 
 /// Cheap to clone: clones share the current connection.
 #[derive(Clone)]
@@ -89,6 +105,8 @@ struct Cluster {
     /// replication-confirmed grants.
     nodes: Vec<ConnectionInfo>,
     timeouts: (Duration, Duration),
+    /// Their TLS certificates (`rediss+cluster://`).
+    tls: ClusterTls,
     /// The connection for replication-confirmed grants (`WAIT` blocks its connection to the
     /// node), opened on first use.
     side: tokio::sync::Mutex<Option<ClusterConnection>>,
@@ -146,6 +164,7 @@ impl Conn {
         config: ConnectionManagerConfig,
         nodes: Vec<ConnectionInfo>,
         timeouts: (Duration, Duration),
+        tls: ClusterTls,
     ) -> redis::RedisResult<Self> {
         let first = seeds.first().cloned().ok_or_else(|| {
             redis::RedisError::from((redis::ErrorKind::InvalidClientConfig, "no seed node"))
@@ -172,6 +191,7 @@ impl Conn {
                     next: AtomicUsize::new(0),
                     nodes,
                     timeouts,
+                    tls,
                     side: tokio::sync::Mutex::new(None),
                 }),
             }),
@@ -192,7 +212,7 @@ impl Conn {
     ) -> Option<RedisResult<ClusterClient>> {
         let c = self.inner.cluster.as_ref()?;
         let (ct, rt) = c.timeouts;
-        let mut b = cluster_builder(c.nodes.clone(), ct, rt);
+        let mut b = cluster_builder(c.nodes.clone(), ct, rt, &c.tls);
         if let Some(tx) = push {
             b = b
                 .use_protocol(redis::ProtocolVersion::RESP3)

@@ -227,7 +227,9 @@
 //! `redis+cluster://[[user]:password@]host[:port][,host[:port]…]` (or [`RedisConfig::cluster`]):
 //! the hosts are seed nodes of a Redis Cluster
 //! (<https://redis.io/docs/latest/operate/oss_and_stack/reference/cluster-spec/>); the user info
-//! logs in to every node. See also `docs/redis-cluster.md`.
+//! logs in to every node; `rediss+cluster://` with the TLS parameters of `rediss://` (the same
+//! files for every node; the nodes must announce their TLS ports, `tls-cluster yes`). See also
+//! `docs/redis-cluster.md`.
 //! - **Keys**: every key of one lock name carries the name as its hash tag, `P:kind:{=N}` (and
 //!   waiter keys and tombstones `P:waiter:{=N}:ID`, `P:cancelled:{=N}:ID`), so they share one
 //!   slot and each script (the same scripts as on one server) runs atomically on that slot's

@@ -861,3 +861,173 @@ async fn the_wrong_modes_url_says_which_scheme_to_use() {
     assert!(matches!(e, Error::InvalidConfig { .. }), "{e:?}");
     assert!(e.to_string().contains("redis://"), "{e}");
 }
+
+/// A file made by `scripts/certs.sh` at server start.
+fn cert(name: &str) -> String {
+    format!("{}/{name}", server_url("LOCKKIT_TLS_DIR"))
+}
+
+/// `redis-cli` over mutual TLS with the test certificates.
+fn tls_cli(port: u16) -> Command {
+    let mut c = Command::new("redis-cli");
+    c.args(["--tls", "--cacert", &cert("ca.pem")])
+        .args(["--cert", &cert("client.pem"), "--key", &cert("client.key")])
+        .args(["-h", "127.0.0.1", "-p", &port.to_string()]);
+    c
+}
+
+/// A private cluster of three masters that takes only TLS connections with a client
+/// certificate (`tls-port`, `port 0`), its bus over TLS too (`tls-cluster yes`, each node's
+/// outgoing links with the client certificate).
+async fn tls_cluster() -> (Vec<u16>, Vec<ServerProcess>) {
+    let mut ports = Vec::new();
+    let mut procs = Vec::new();
+    for i in 0..3 {
+        let port = cluster_port();
+        let dir = tempfile::tempdir().expect("temp dir");
+        let mut cmd = Command::new("redis-server");
+        cmd.args(["--bind", "127.0.0.1", "--port", "0"])
+            .args(["--tls-port", &port.to_string(), "--tls-cluster", "yes"])
+            .args(["--tls-cert-file", &cert("server.pem")])
+            .args(["--tls-key-file", &cert("server.key")])
+            .args(["--tls-client-cert-file", &cert("client.pem")])
+            .args(["--tls-client-key-file", &cert("client.key")])
+            .args(["--tls-ca-cert-file", &cert("ca.pem")])
+            .args(["--tls-auth-clients", "yes"])
+            .arg("--dir")
+            .arg(dir.path())
+            .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
+            .args(["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"])
+            .arg("--cluster-config-file")
+            .arg(dir.path().join("nodes.conf"));
+        procs.push(ServerProcess::spawn(&format!("tls-cluster-{i}"), dir, cmd));
+        ports.push(port);
+    }
+    let out = |c: &mut Command| {
+        String::from_utf8_lossy(&c.output().expect("redis-cli").stdout)
+            .trim()
+            .to_owned()
+    };
+    for &p in &ports {
+        wait_until("a TLS cluster node", Duration::from_secs(10), || {
+            out(tls_cli(p).arg("ping")) == "PONG"
+        })
+        .await;
+    }
+    let addrs: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+    let st = tls_cli(ports[0])
+        .args(["--cluster", "create"])
+        .args(&addrs)
+        .args(["--cluster-replicas", "0", "--cluster-yes"])
+        .stdout(std::process::Stdio::null())
+        .status()
+        .expect("redis-cli --cluster create");
+    assert!(st.success(), "TLS cluster create failed");
+    wait_until("TLS cluster_state:ok", Duration::from_secs(20), || {
+        ports
+            .iter()
+            .all(|&p| out(tls_cli(p).args(["cluster", "info"])).contains("cluster_state:ok"))
+    })
+    .await;
+    (ports, procs)
+}
+
+/// `rediss+cluster://` over mutual TLS: names on every master are granted, waited for and
+/// handed off (the waiter's pub/sub connection is TLS too), and a wrong CA, a missing client
+/// certificate or a plain-text URL are typed errors.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rediss_cluster_over_mutual_tls_and_bad_certificates() {
+    let (ports, _procs) = tls_cluster().await;
+    let seeds: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+    let seeds = seeds.join(",");
+    let (ca, c, k) = (cert("ca.pem"), cert("client.pem"), cert("client.key"));
+    let prefix = fresh_prefix();
+    let url =
+        format!("rediss+cluster://{seeds}?prefix={prefix}&tls_ca={ca}&tls_cert={c}&tls_key={k}");
+    let a = RedisLock::connect(&url).await.expect("TLS cluster connect");
+    let b = RedisLock::connect(&url).await.expect("TLS cluster connect");
+    // A name in each third of the slots: `--cluster create` gives each of the three masters
+    // one third (0–5460, 5461–10922, 10923–16383).
+    let mut thirds = std::collections::HashSet::new();
+    let mut names = Vec::new();
+    for i in 0..64 {
+        let name = format!("tls-{i}");
+        let third = match slot_of_tls(ports[0], &format!("{{={name}}}")) {
+            0..=5460 => 0,
+            5461..=10922 => 1,
+            _ => 2,
+        };
+        if thirds.insert(third) {
+            names.push(name);
+        }
+        if thirds.len() == 3 {
+            break;
+        }
+    }
+    assert_eq!(thirds.len(), 3, "names on every master");
+    for name in &names {
+        let l = a
+            .acquire(name, opts(Duration::from_secs(10)))
+            .await
+            .expect("acquire over TLS");
+        let waiter = {
+            let (b, name) = (b.clone(), name.clone());
+            tokio::spawn(async move { b.acquire(&name, opts(Duration::from_secs(10))).await })
+        };
+        let first = l.token();
+        l.release().await.expect("release over TLS");
+        let next = waiter.await.expect("waiter").expect("hand-off over TLS");
+        assert!(next.token() > first, "{name}: tokens increase");
+        next.release().await.expect("release over TLS");
+    }
+    let q = "connect_timeout=2s&response_timeout=2s";
+    let cases = [
+        (
+            "wrong CA",
+            format!(
+                "rediss+cluster://{seeds}?{q}&tls_ca={}&tls_cert={c}&tls_key={k}",
+                cert("other-ca.pem")
+            ),
+            "Auth",
+        ),
+        (
+            "no client certificate",
+            format!("rediss+cluster://{seeds}?{q}&tls_ca={ca}"),
+            "Auth",
+        ),
+        (
+            "plain client, TLS-only cluster",
+            format!("redis+cluster://{seeds}?{q}"),
+            "Unavailable",
+        ),
+    ];
+    for (what, url, want) in cases {
+        let start = Instant::now();
+        let e = match lockkit::connect(&url).await {
+            Ok(_) => panic!("{what}: connected"),
+            Err(e) => e,
+        };
+        let got = match e {
+            Error::Auth { .. } => "Auth",
+            Error::Unavailable { .. } => "Unavailable",
+            Error::InvalidConfig { .. } => "InvalidConfig",
+            ref other => panic!("{what}: untyped {other:?}"),
+        };
+        eprintln!("{what}: {got} after {:?}: {e:#}", start.elapsed());
+        assert_eq!(got, want, "{what}: {e:?}");
+        let shown = format!("{e} {e:#} {e:?}");
+        assert!(!shown.contains("PRIVATE KEY"), "{what}: {shown}");
+    }
+}
+
+/// `CLUSTER KEYSLOT` over TLS.
+fn slot_of_tls(port: u16, key: &str) -> u16 {
+    let out = tls_cli(port)
+        .args(["cluster", "keyslot", key])
+        .output()
+        .expect("redis-cli");
+    String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .expect("keyslot")
+}

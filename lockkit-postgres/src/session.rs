@@ -170,6 +170,8 @@ struct State {
     /// A statement was dropped in flight: the keeper settles the connection (sqlx finishes
     /// it) before it reads the idle connection again.
     dirty: bool,
+    /// A caller's read of the idle connection found it closed by the server.
+    closed: bool,
     /// Leases not confirmed by the session's renewals: unlocked at their deadline.
     manual: HashSet<i64>,
     /// Send time of the statement the leases were last confirmed with.
@@ -392,18 +394,21 @@ impl Holder {
     /// server closed it. Never waits: if a caller has the connection, it registers the waker
     /// when it lets go.
     fn poll_closed(&self, cx: &mut Context<'_>) -> Poll<()> {
-        {
-            let mut w = self.waker.lock().unwrap_or_else(|p| p.into_inner());
-            if !w.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
-                *w = Some(cx.waker().clone());
-            }
-        }
+        self.set_waker(cx);
         match self.conn.try_lock() {
             Ok(mut g) => match g.as_mut() {
                 Some(c) => read_idle(c, cx),
                 None => Poll::Ready(()),
             },
             Err(_) => Poll::Pending,
+        }
+    }
+
+    /// Keeps the keeper's waker, for callers to register on the idle connection.
+    fn set_waker(&self, cx: &Context<'_>) {
+        let mut w = self.waker.lock().unwrap_or_else(|p| p.into_inner());
+        if !w.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+            *w = Some(cx.waker().clone());
         }
     }
 
@@ -551,7 +556,13 @@ impl Drop for Op<'_> {
                 .unwrap_or_else(|p| p.into_inner())
                 .clone();
             wake = match (waker, self.conn.as_mut()) {
-                (Some(w), Some(c)) => read_idle(c, &mut Context::from_waker(&w)).is_ready(),
+                (Some(w), Some(c)) => {
+                    let closed = read_idle(c, &mut Context::from_waker(&w)).is_ready();
+                    if closed {
+                        self.h.state().closed = true;
+                    }
+                    closed
+                }
                 _ => true,
             };
         }
@@ -1017,6 +1028,7 @@ impl Sessions {
                 pending: Vec::new(),
                 unlocking: 0,
                 dirty: false,
+                closed: false,
                 manual,
                 last_renew: conn.last_sent,
                 last_ok: conn.last_sent,
@@ -1114,10 +1126,16 @@ enum Event {
 /// leases, reads the idle connection. Ends with the session.
 async fn keeper(h: Arc<Holder>) {
     loop {
+        // Callers register this waker on the idle connection (see `Op`'s drop).
+        std::future::poll_fn(|cx| {
+            h.set_waker(cx);
+            Poll::Ready(())
+        })
+        .await;
         let wake = h.next_wake();
-        let (dead, work) = {
+        let (dead, work, closed) = {
             let st = h.state();
-            (st.dead, !st.pending.is_empty() || st.dirty)
+            (st.dead, !st.pending.is_empty() || st.dirty, st.closed)
         };
         if dead {
             // Failed elsewhere (the watch, a caller): close the connection.
@@ -1128,7 +1146,9 @@ async fn keeper(h: Arc<Holder>) {
             }
             return;
         }
-        let ev = if work {
+        let ev = if closed {
+            Event::Closed
+        } else if work {
             Event::Work
         } else if Instant::now() >= wake {
             Event::Tick

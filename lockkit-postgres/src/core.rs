@@ -67,7 +67,6 @@ pub(crate) struct Sql {
     /// Release of a lease with a lock-delay: deletes its delay row, then unlocks, in one
     /// statement.
     pub(crate) release_delay: String,
-    pub(crate) name_of: String,
     /// Whether key `$1` is held (`pg_locks`), with its fence token and stored name.
     pub(crate) holder: String,
     pub(crate) table_exists: String,
@@ -77,9 +76,14 @@ pub(crate) struct Sql {
     pub(crate) migrate: String,
 }
 
+/// A row of the grant statement (see [`grant_sql`]): `(locked, token, wait_ms, other)`.
+pub(crate) type GrantRow = (bool, Option<i64>, i64, Option<String>);
+
 /// The grant statement: `$1` key, `$2` full name, `$3` the acquire's own lock-delay in ms (0 =
 /// none); `lock` is the SQL that takes (or has taken) the advisory lock. Returns
-/// `(locked, token, wait_ms)`.
+/// `(locked, token, wait_ms, other)` ([`GrantRow`]): `other` is the name stored under the key
+/// when it is not `$2` and no token was granted (a hash collision), so that a try that finds
+/// the lock held needs no second statement to tell a collision from a holder.
 ///
 /// Only the session holding the advisory lock touches the key's rows, so the statement runs in
 /// lock order. With the lock it reads the key's delay row (`FOR UPDATE`: a release deleting
@@ -118,7 +122,10 @@ fn grant_sql(q: &str, lock: &str) -> String {
                ON CONFLICT (key) DO UPDATE SET token = f.token + 1 \
                WHERE f.name = excluded.name \
                RETURNING f.token) \
-         SELECT l.ok, (SELECT token FROM b), w.wait_ms FROM l, w"
+         SELECT l.ok, (SELECT token FROM b), w.wait_ms, \
+                (SELECT f.name FROM {q}.fence f WHERE f.key = $1 AND f.name <> $2 \
+                   AND NOT EXISTS (SELECT 1 FROM b)) \
+         FROM l, w"
     )
 }
 
@@ -134,15 +141,18 @@ impl Sql {
             grant_held: grant_sql(&q, "true"),
             // `count(*)` makes the DELETE run to completion before the unlock: the next
             // holder's grant then waits for this statement to commit (its `FOR UPDATE`) and
-            // finds no row. Only a session that holds the lock deletes the row.
+            // finds no row. Only a session that holds the lock deletes the row, and only
+            // a row with `free_since` NULL: while a session holds the lock, such a row was
+            // written by that session's grant (a grant that finds another holder's row sets
+            // `free_since`), so this is also the unlock of a grant dropped mid-statement.
             release_delay: format!(
-                "WITH x AS (DELETE FROM {q}.delay d WHERE d.key = $1 AND EXISTS ( \
+                "WITH x AS (DELETE FROM {q}.delay d WHERE d.key = $1 AND d.free_since IS NULL \
+                   AND EXISTS ( \
                    SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted \
                      AND pid = pg_backend_pid() AND classid = (($1 >> 32) & 4294967295)::oid \
                      AND objid = ($1 & 4294967295)::oid AND objsubid = 1) RETURNING 1) \
                  SELECT pg_advisory_unlock($1) FROM (SELECT count(*) FROM x) n"
             ),
-            name_of: format!("SELECT name FROM {q}.fence WHERE key = $1"),
             holder: format!(
                 "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted \
                    AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \

@@ -9,11 +9,10 @@ use std::time::Duration;
 use async_trait::async_trait;
 use lockkit_core::backend::{LeaseOps, TrackerHandle};
 use lockkit_core::{Error, LeaseState, LossReason, Result};
-use tokio::sync::oneshot;
 
 use crate::core::ttl_ms;
 use crate::error::{Msg, unavailable};
-use crate::session::{Cmd, Grant, Holder};
+use crate::session::{Grant, Holder};
 
 /// The server side of one PostgreSQL lease: the advisory lock `key` held by a *holder
 /// session* of its [`PgLock`](crate::PgLock).
@@ -33,8 +32,8 @@ use crate::session::{Cmd, Grant, Holder};
 ///   ([`LossReason::SessionExpired`]) as soon as the client reads the close, within
 ///   milliseconds; a connection that died silently is found by the `PgLock`'s check every
 ///   [`SESSION_CHECK`](crate::SESSION_CHECK).
-/// - Statements run in the session's own task, so a dropped call never leaves a shared
-///   connection mid-statement.
+/// - Statements run on the caller's task, under the session's connection lock; a call dropped
+///   mid-statement leaves what it may have done to the session to undo (see `session.rs`).
 ///
 /// Reach it from a [`Lease`](lockkit_core::Lease) with
 /// `lease.ops().as_any().downcast_ref::<PgLease>()`.
@@ -95,43 +94,31 @@ impl PgLease {
         }
     }
 
-    /// Asks the session's task for `cmd`, answered before the lease's deadline (`None`: the
-    /// session's task has ended). With `queued`, the answer may come later: the session keeps
-    /// renewing the lease while the command waits its turn behind the others of the session,
-    /// and each statement of the session is bounded by the connect timeout and by the
-    /// session's own deadline (a session that does not answer is closed, which ends every
-    /// command waiting for it).
+    /// Runs `call` on the session, answered before the lease's deadline. With `queued`, the
+    /// answer may come later: the session keeps renewing the lease while the call waits its
+    /// turn behind the others of the session, and each statement of the session is bounded by
+    /// the connect timeout and by the session's own deadline (a session that does not answer
+    /// is closed, which ends every call waiting for it).
     async fn ask<T>(
         &self,
         queued: bool,
-        cmd: impl FnOnce(oneshot::Sender<Result<T>>) -> Cmd,
-    ) -> Option<Result<T>> {
-        let (reply, answer) = oneshot::channel();
-        if !self.holder.send(cmd(reply)) {
-            return None;
-        }
-        let late = || {
-            Some(Err(unavailable(Msg(
-                "no answer from the holder session before the lease's deadline".into(),
-            ))))
-        };
+        call: impl std::future::Future<Output = Result<T>>,
+    ) -> Result<T> {
         if queued && self.tracker.state() != LeaseState::Lost {
-            return answer.await.ok();
+            return call.await;
         }
-        match tokio::time::timeout_at(self.tracker.valid_until(), answer).await {
-            Ok(r) => r.ok(),
-            Err(_) => late(),
+        match tokio::time::timeout_at(self.tracker.valid_until(), call).await {
+            Ok(r) => r,
+            Err(_) => Err(unavailable(Msg(
+                "no answer from the holder session before the lease's deadline".into(),
+            ))),
         }
     }
 
     /// Gives the lock back as lapsed (its lock-delay row stays), without waiting.
     fn lapse(&self) {
         self.done.store(true, Ordering::Release);
-        self.holder.send(Cmd::Release {
-            key: self.key,
-            lapse: true,
-            reply: None,
-        });
+        self.holder.give_back(self.key, true);
     }
 }
 
@@ -154,16 +141,13 @@ impl LeaseOps for PgLease {
             return Err(self.not_held());
         }
         let ttl_ms = ttl_ms(ttl);
-        match self
-            .ask(self.auto, |reply| Cmd::Renew { ttl_ms, reply })
-            .await
-        {
-            Some(Ok(())) if self.tracker.state() != LeaseState::Lost => Ok(()),
-            Some(Err(e)) => {
+        match self.ask(self.auto, self.holder.renew(ttl_ms)).await {
+            Ok(()) if self.tracker.state() != LeaseState::Lost => Ok(()),
+            Err(e) => {
                 tracing::debug!(lock = %self.name, error = %e, "renew failed: session gone");
                 Err(self.not_held())
             }
-            _ => Err(self.not_held()),
+            Ok(()) => Err(self.not_held()),
         }
     }
 
@@ -178,10 +162,9 @@ impl LeaseOps for PgLease {
         if self.tracker.state() == LeaseState::Lost {
             return Err(self.not_held());
         }
-        let key = self.key;
-        match self.ask(false, |reply| Cmd::Check { key, reply }).await {
-            Some(Ok(true)) => Ok(()),
-            Some(Err(e @ Error::Unavailable { .. })) => Err(e),
+        match self.ask(false, self.holder.check(self.key)).await {
+            Ok(true) => Ok(()),
+            Err(e @ Error::Unavailable { .. }) if !self.holder.gone() => Err(e),
             _ => Err(self.not_held()),
         }
     }
@@ -199,8 +182,9 @@ impl LeaseOps for PgLease {
     /// `Ok(())` without a request.
     ///
     /// # Cancel safety
-    /// Cancel safe: the unlock runs in the session's task, so a dropped release still
-    /// happens.
+    /// Cancel safe: a release dropped before its unlock was answered is left to the session,
+    /// which runs the unlock before its next statement (its keeper is woken at the drop), so
+    /// a dropped release still happens.
     async fn release(&self) -> Result<()> {
         // A lease dropped with release-on-drop is Lost (Dropped) on the client side only: its
         // release is still a release (no lock-delay), and unlocking is safe, since only this
@@ -212,20 +196,13 @@ impl LeaseOps for PgLease {
             return Err(self.not_held());
         }
         self.done.store(true, Ordering::Release);
-        let key = self.key;
-        let res = self
-            .ask(true, |reply| Cmd::Release {
-                key,
-                lapse: false,
-                reply: Some(reply),
-            })
-            .await;
-        match res {
-            Some(Ok(true)) => Ok(()),
+        match self.ask(true, self.holder.release(self.key)).await {
+            Ok(true) => Ok(()),
             // The session is gone: after a dropped renewal by hand that closed it, the lock
             // is freed by that close.
-            None if self.holder.renew_dropped.load(Ordering::Acquire)
-                && self.tracker.state() != LeaseState::Lost =>
+            Err(_)
+                if self.holder.renew_dropped.load(Ordering::Acquire)
+                    && self.tracker.state() != LeaseState::Lost =>
             {
                 Ok(())
             }
@@ -260,7 +237,7 @@ impl Drop for PgLease {
     /// most its TTL), when its session unlocks it as lapsed.
     fn drop(&mut self) {
         if !self.done.load(Ordering::Acquire) {
-            self.holder.send(Cmd::Abandon { key: self.key });
+            self.holder.abandon(self.key);
         }
     }
 }

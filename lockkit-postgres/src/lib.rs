@@ -53,10 +53,12 @@
 //!   up to [`SESSION_LEASES`] (1,000) per session: 10,000 such leases take 10 server
 //!   connections. A try-once grant runs its one statement on the first session of its TTL that
 //!   has room (a new session is opened when all are full), a release unlocks on that session.
-//!   Each session is owned by a task that runs its statements one at a time, so a dropped
-//!   acquire or release never leaves a shared connection mid-statement: a grant whose caller is
-//!   gone is released by that task, a dropped release still happens. Advisory locks are
-//!   re-entrant within a session, so the task never grants a key its session already holds.
+//!   The caller runs its statement itself, holding the session's connection lock (one
+//!   statement at a time per session; no hand-off to another task). What a dropped acquire
+//!   or release may have done is written down before its statement is sent, and undone
+//!   before the session's next statement: a grant whose caller is gone is released, a
+//!   dropped release still happens (see `session.rs`). Advisory locks are re-entrant within
+//!   a session, so a key its session already holds is never granted on it again.
 //! - **Renewal** is per session, not per lease: one statement (`SELECT pg_backend_pid()`, none
 //!   if another statement ran since) every TTL/3 restarts the session's idle timer and confirms
 //!   all its leases at once; their leases are
@@ -66,8 +68,10 @@
 //!   the server's queue on a connection of their own (a blocking `pg_advisory_lock` cannot
 //!   share a session), and that connection, which now holds the lock, becomes a holder session
 //!   that takes further grants of its TTL. The cost: one connection per concurrent waiter (as
-//!   before), plus the first try (and the name lookup when it finds the lock held; the wait
-//!   then goes straight to `pg_advisory_lock`); a session stays open while it holds a lease,
+//!   before), and three statements for a waited grant: the first try (which also returns the
+//!   name stored under the key, telling a held lock from a key collision), the wait (which
+//!   also sets the session's `idle_session_timeout` and `lock_timeout`), and the token bump
+//!   after the grant; a session stays open while it holds a lease,
 //!   so the waiters' sessions add to the pool until their leases are released. A session
 //!   that holds nothing goes back to the idle cache at its last release if its pool has
 //!   another session (so the next wait reuses its connection), else TTL/3 after its last
@@ -91,7 +95,7 @@
 //!   terminates the session after one TTL of idleness, and ending a session releases all its
 //!   advisory locks. A lease whose holder stops renewing it while its session lives on (a
 //!   dropped or leaked [`Lease`](lockkit_core::Lease), one lost on the client side) is
-//!   unlocked by the session's task at its deadline, leaving its lock-delay row, as a lapse. No client cooperation and no
+//!   unlocked by the session's keeper task at its deadline, leaving its lock-delay row, as a lapse. No client cooperation and no
 //!   TCP timeout is needed. The client's own deadline is `send time + TTL − drift margin`, so
 //!   the holder is told it lost the lock before the server frees it.
 //! - **Dead peers.** The session also sets `tcp_keepalives_idle = 10 s`,
@@ -103,7 +107,7 @@
 //! - **Session watch.** A session can also end while its holder is fine: server restart or
 //!   crash, `pg_terminate_backend`, a killed backend. The server then frees its locks at once
 //!   and may grant them to other clients. It also sends a FATAL error and closes the
-//!   connection, and the session's task, which reads the idle connection between statements
+//!   connection, and the session's keeper task, which reads the idle connection between statements
 //!   (sqlx's `PgListener`, listening to nothing, on a pool of that one connection), marks all
 //!   the leases of that session lost at once
 //!   ([`LossReason::SessionExpired`](lockkit_core::LossReason::SessionExpired)); the leases of
@@ -121,7 +125,7 @@
 //!   next one starts `SESSION_CHECK` after it returns).
 //!   Within the window two clients may both believe they hold the lock: writes must be fenced
 //!   by the token (a server restart or kill is not a pause the TTL covers).
-//! - **Renew** (by the session's task, or by hand) runs one statement on the session
+//! - **Renew** (by the session's keeper task, or by hand) runs one statement on the session
 //!   (restarting the idle timer) and checks the backend pid is unchanged. If the session is gone (idle timeout, `pg_terminate_backend`,
 //!   server restart, broken connection), renew and release return
 //!   [`Error::NotHeld`](lockkit_core::Error::NotHeld) and the lease is lost; the lock is never

@@ -15,7 +15,7 @@ use lockkit_core::{
 };
 
 use crate::config::PgConfig;
-use crate::core::{Conn, Inner, Sql, duration_ms, key_of, ttl_ms};
+use crate::core::{Conn, GrantRow, Inner, Sql, duration_ms, key_of, ttl_ms};
 use crate::error::{BACKEND, Msg, backend, cancelled, from_sqlx, sqlstate, unavailable};
 use crate::lease::PgLease;
 use crate::session::{Adopted, Grant, Sessions, TryGrant};
@@ -218,8 +218,9 @@ impl Inner {
         // The idle timeout must be in place before the lock can be granted: if the reply is
         // lost (or this future dropped and the close never reaches the server), the session
         // still ends after one TTL of idleness.
+        // After a held try on a shared session the wait statement sets it.
         let ttl_ms = ttl_ms(req.opts.ttl);
-        if c.idle_ms != ttl_ms {
+        if c.idle_ms != ttl_ms && !held {
             c.last_sent = Instant::now();
             sqlx::query("SELECT set_config('idle_session_timeout', $1, false)")
                 .bind(ttl_ms.to_string())
@@ -240,7 +241,7 @@ impl Inner {
     /// collision) and the acquire may wait.
     async fn try_first(&self, c: &mut Conn, req: &Request<'_>) -> Result<Option<Outcome>> {
         let sent = Instant::now();
-        let (ok, token, wait_ms): (bool, Option<i64>, i64) = sqlx::query_as(&self.sql.grant_try)
+        let (ok, token, wait_ms, other): GrantRow = sqlx::query_as(&self.sql.grant_try)
             .bind(req.key)
             .bind(req.full)
             .bind(req.delay_ms())
@@ -249,35 +250,25 @@ impl Inner {
             .map_err(from_sqlx)?;
         c.last_sent = sent;
         match (ok, token) {
-            (true, Some(t)) => return Ok(Some(Outcome::Granted { token: t, sent })),
+            (true, Some(t)) => Ok(Some(Outcome::Granted { token: t, sent })),
             // A holder with a lock-delay ended without a release, and the delay is not over.
             (true, None) if wait_ms > 0 => {
                 if req.opts.wait == Wait::No {
                     self.unlock(c, req).await?;
                     return Ok(Some(Outcome::Held));
                 }
-                return self.sit_out_delay(c, req, wait_ms).await.map(Some);
+                self.sit_out_delay(c, req, wait_ms).await.map(Some)
             }
-            (true, None) => return self.collision(c, req).await.map(Some),
-            (false, _) => {}
-        }
-        // Held. A different name stored under this key is a hash collision: report it rather
-        // than wait for an unrelated lock.
-        let stored: Option<String> = sqlx::query_scalar(&self.sql.name_of)
-            .bind(req.key)
-            .fetch_optional(&mut c.conn)
-            .await
-            .map_err(from_sqlx)?;
-        if stored.as_deref().is_some_and(|s| s != req.full) {
-            return Ok(Some(Outcome::Collision(collision_error(
+            (true, None) => self.collision(c, req, other).await.map(Some),
+            // Held. A different name stored under this key is a hash collision: report it
+            // rather than wait for an unrelated lock.
+            (false, _) if other.is_some() => Ok(Some(Outcome::Collision(collision_error(
                 req,
-                stored.as_deref(),
-            ))));
+                other.as_deref(),
+            )))),
+            (false, _) if req.opts.wait == Wait::No => Ok(Some(Outcome::Held)),
+            (false, _) => Ok(None),
         }
-        if req.opts.wait == Wait::No {
-            return Ok(Some(Outcome::Held));
-        }
-        Ok(None)
     }
 
     /// Waits in the server's own lock queue, bounded by lock_timeout, then runs the grant
@@ -290,22 +281,25 @@ impl Inner {
             return Ok(Outcome::Timeout { reusable: true });
         }
         let lock_timeout_ms = remaining.map(duration_ms).unwrap_or(0);
-        c.last_sent = Instant::now();
-        sqlx::query("SELECT set_config('lock_timeout', $1, false)")
-            .bind(lock_timeout_ms.to_string())
-            .execute(&mut c.conn)
-            .await
-            .map_err(from_sqlx)?;
+        let ttl_ms = ttl_ms(req.opts.ttl);
         // The wait is a statement that touches no table, so a waiting session holds no
         // snapshot and no table lock (it would hold back VACUUM and queue DDL on the fence
         // table, and every acquire behind that DDL). The token is bumped afterwards, while the
-        // lock is held.
+        // lock is held. The same statement first sets the session's idle timeout (in place
+        // before the lock can be granted, see `try_once`) and `lock_timeout` (read when the
+        // wait starts); the materialized CTE runs before the lock is asked for.
         c.last_sent = Instant::now();
-        let wait = sqlx::query("SELECT pg_advisory_lock($1)")
-            .bind(req.key)
-            .execute(&mut c.conn);
+        let wait = sqlx::query(
+            "WITH s AS MATERIALIZED (SELECT set_config('idle_session_timeout', $2, false), \
+                                            set_config('lock_timeout', $3, false)) \
+             SELECT pg_advisory_lock($1) FROM s",
+        )
+        .bind(req.key)
+        .bind(ttl_ms.to_string())
+        .bind(lock_timeout_ms.to_string())
+        .execute(&mut c.conn);
         match wait.await {
-            Ok(_) => {}
+            Ok(_) => c.idle_ms = ttl_ms,
             // lock_not_available: lock_timeout ran out. Usually in the queue, but the timeout
             // can also fire just as the lock is granted: its SIGINT then cancels the rest of
             // the statement, and the session-level lock stays held (an error does not release
@@ -325,7 +319,7 @@ impl Inner {
         // If this future is dropped or the bump fails, the caller drops the connection, which
         // ends the session and frees the lock.
         let sent = Instant::now();
-        let (token, wait_ms) = self
+        let (token, wait_ms, other) = self
             .grant_held(c, req)
             .await
             .map_err(|e| unavailable(Msg(format!("session lost right after the grant: {e}"))))?;
@@ -333,23 +327,24 @@ impl Inner {
         match token {
             Some(token) => Ok(Outcome::Granted { token, sent }),
             None if wait_ms > 0 => self.sit_out_delay(c, req, wait_ms).await,
-            None => self.collision(c, req).await,
+            None => self.collision(c, req, other).await,
         }
     }
 
-    /// The grant statement on a session that holds the advisory lock: `(token, wait_ms)`.
+    /// The grant statement on a session that holds the advisory lock:
+    /// `(token, wait_ms, other)` (see [`GrantRow`]).
     async fn grant_held(
         &self,
         c: &mut Conn,
         req: &Request<'_>,
-    ) -> std::result::Result<(Option<i64>, i64), sqlx::Error> {
-        let (_, token, wait_ms): (bool, Option<i64>, i64) = sqlx::query_as(&self.sql.grant_held)
+    ) -> std::result::Result<(Option<i64>, i64, Option<String>), sqlx::Error> {
+        let (_, token, wait_ms, other): GrantRow = sqlx::query_as(&self.sql.grant_held)
             .bind(req.key)
             .bind(req.full)
             .bind(req.delay_ms())
             .fetch_one(&mut c.conn)
             .await?;
-        Ok((token, wait_ms))
+        Ok((token, wait_ms, other))
     }
 
     /// Holds the advisory lock (so the queue behind it stays in order) while the lock-delay of
@@ -381,12 +376,12 @@ impl Inner {
             tokio::time::sleep(left).await;
             self.set_idle_timeout(c, ttl_ms).await?;
             let sent = Instant::now();
-            let (token, left_ms) = self.grant_held(c, req).await.map_err(from_sqlx)?;
+            let (token, left_ms, other) = self.grant_held(c, req).await.map_err(from_sqlx)?;
             c.last_sent = sent;
             match token {
                 Some(token) => return Ok(Outcome::Granted { token, sent }),
                 None if left_ms > 0 => wait_ms = left_ms,
-                None => return self.collision(c, req).await,
+                None => return self.collision(c, req, other).await,
             }
         }
     }
@@ -443,12 +438,14 @@ impl Inner {
         }
     }
 
-    async fn collision(&self, c: &mut Conn, req: &Request<'_>) -> Result<Outcome> {
-        let stored: Option<String> = sqlx::query_scalar(&self.sql.name_of)
-            .bind(req.key)
-            .fetch_optional(&mut c.conn)
-            .await
-            .map_err(from_sqlx)?;
+    /// Gives back the advisory lock that the grant statement took but could not keep: the
+    /// name `stored` under the key is another one.
+    async fn collision(
+        &self,
+        c: &mut Conn,
+        req: &Request<'_>,
+        stored: Option<String>,
+    ) -> Result<Outcome> {
         let unlocked: bool = sqlx::query_scalar("SELECT pg_advisory_unlock($1)")
             .bind(req.key)
             .fetch_one(&mut c.conn)
@@ -733,9 +730,10 @@ impl LockBackend for PgLock {
     /// between two names (see [`lock_key`]).
     ///
     /// # Cancel safety
-    /// Cancel safe. A try on a shared holder session runs in that session's task: if the
-    /// future is dropped, a lock granted meanwhile is released there (the session is not
-    /// closed, its other leases stay). A wait runs on a connection owned by the attempt, and
+    /// Cancel safe. A try on a shared holder session runs on the caller's task, holding the
+    /// session's connection lock: if the future is dropped, a lock granted meanwhile is
+    /// unlocked by the session before its next statement (the session is not closed, its
+    /// other leases stay). A wait runs on a connection owned by the attempt, and
     /// dropping the future closes it. The server then ends the session, which drops its place in the lock
     /// queue (noticed within 250 ms through `client_connection_check_interval`) and any lock it
     /// was granted meanwhile. If the close cannot reach the server, the session's

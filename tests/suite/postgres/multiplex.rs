@@ -1,7 +1,7 @@
 //! Many leases per holder session: 10,000 leases within the server's default connection and
 //! lock limits, renewed per session (not per lease), a terminated session that loses exactly
-//! its own leases, cancelled grants and waiters on shared sessions, and a frozen holder process
-//! whose leases all lapse within their TTL.
+//! its own leases, cancelled grants, releases and waiters on shared sessions, a frozen holder
+//! process whose leases all lapse within their TTL, and the statements of a waited grant.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -376,4 +376,135 @@ async fn a_released_waited_lease_gives_its_connection_to_the_next_wait() {
         lease.release().await.expect("release");
     }
     assert_eq!(pids, vec![pids[0]; 3], "each wait opened a new session");
+}
+
+/// A release dropped at any moment (while it waits for the session's connection, or with its
+/// unlock in flight) still happens: the lock is free soon after, the other lease on the
+/// session is not disturbed, and the session keeps working.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_releases_on_a_shared_session_still_happen() {
+    let base = base_url();
+    let url = with_prefix(&base, &fresh_prefix());
+    let locks = PgLock::connect(&url).await.unwrap();
+    let ttl = Duration::from_secs(30);
+    let bystander = locks.try_acquire("bystander", ttl).await.unwrap();
+    let session = pid_of(&bystander);
+    let key = locks.key("dropped-release");
+    for polls in 1..=2 {
+        for us in [0u64, 20, 50, 100, 200, 500] {
+            let lease = locks.try_acquire("dropped-release", ttl).await.unwrap();
+            assert_eq!(pid_of(&lease), session);
+            let mut fut = Box::pin(lease.release());
+            if poll_paused(fut.as_mut(), polls, us).await.is_none() {
+                drop(fut);
+            }
+            wait_no_advisory_lock(&base, key, Duration::from_secs(3)).await;
+        }
+    }
+    // The session still grants and releases.
+    let again = locks.try_acquire("dropped-release", ttl).await.unwrap();
+    assert_eq!(pid_of(&again), session);
+    again.release().await.unwrap();
+    assert_eq!(bystander.state(), LeaseState::Held);
+    bystander.release().await.unwrap();
+}
+
+/// A try-acquire with a lock-delay dropped at any moment of its grant on a shared session
+/// leaves neither the lock nor its delay row: the next try is granted at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_grant_with_a_lock_delay_leaves_no_delay() {
+    let base = base_url();
+    let url = with_prefix(&base, &fresh_prefix());
+    let locks = PgLock::connect(&url).await.unwrap();
+    let ttl = Duration::from_secs(30);
+    let bystander = locks.try_acquire("bystander", ttl).await.unwrap();
+    let key = locks.key("delayed");
+    let delayed = AcquireOptions::new()
+        .ttl(ttl)
+        .wait(lockkit::Wait::No)
+        .lock_delay(Duration::from_secs(20));
+    for polls in 1..=2 {
+        for us in [0u64, 50, 100, 200, 500, 1000, 3000] {
+            let mut fut = Box::pin(locks.acquire("delayed", delayed.clone()));
+            match poll_paused(fut.as_mut(), polls, us).await {
+                Some(r) => r
+                    .expect("try-acquire of a free lock")
+                    .release()
+                    .await
+                    .unwrap(),
+                None => drop(fut),
+            }
+            wait_no_advisory_lock(&base, key, Duration::from_secs(3)).await;
+            let next = locks
+                .acquire("delayed", delayed.clone())
+                .await
+                .expect("a cancelled grant left its lock-delay behind");
+            next.release().await.unwrap();
+        }
+    }
+    bystander.release().await.unwrap();
+}
+
+/// A waited grant (the lock held by another client, released while the acquire waits) costs
+/// the waiter three statements: the try on its shared session (which also tells a held lock
+/// from a key collision), the wait (which also sets the session's timeouts), and the token
+/// bump after it; the holder's release one. Counted by `pg_stat_statements` on a server of
+/// the test's own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waited_grant_takes_three_statements() {
+    let srv = PgServer::start(None);
+    let mut db = admin(&srv.url()).await;
+    sqlx::Executor::execute(
+        &mut db,
+        "ALTER SYSTEM SET shared_preload_libraries = 'pg_stat_statements'",
+    )
+    .await
+    .unwrap();
+    drop(db);
+    srv.crash_restart();
+    let mut db = admin(&srv.url()).await;
+    sqlx::Executor::execute(&mut db, "CREATE EXTENSION pg_stat_statements")
+        .await
+        .unwrap();
+    let url = with_prefix(&srv.url(), &fresh_prefix());
+    let (a, b) = (
+        PgLock::connect(&url).await.unwrap(),
+        PgLock::connect(&url).await.unwrap(),
+    );
+    let ttl = Duration::from_secs(60);
+    // Keeps b's shared session open, so that a released waited lease's connection goes back
+    // to b's idle cache (the second round then opens no connection).
+    let keep = b.try_acquire("keep", ttl).await.unwrap();
+    let opts = AcquireOptions::new().ttl(ttl);
+    let mut counted = Vec::new();
+    for _ in 0..2 {
+        let held = a.try_acquire("waited", ttl).await.unwrap();
+        sqlx::Executor::execute(&mut db, "SELECT pg_stat_statements_reset()")
+            .await
+            .unwrap();
+        let waiter = tokio::spawn({
+            let (b, opts) = (b.clone(), opts.clone());
+            async move { b.acquire("waited", opts).await }
+        });
+        super::waiting_pid(&srv.url(), a.key("waited")).await;
+        held.release().await.unwrap();
+        let lease = waiter.await.unwrap().expect("waited acquire");
+        let (n, texts): (i64, Vec<String>) = sqlx::query_as(
+            "SELECT coalesce(sum(calls), 0)::int8, coalesce(array_agg(query), '{}') \
+             FROM pg_stat_statements \
+             WHERE query NOT LIKE '%pg_stat_%' AND query NOT LIKE '%pg_locks%'",
+        )
+        .fetch_one(&mut db)
+        .await
+        .unwrap();
+        counted.push((n, texts));
+        lease.release().await.unwrap();
+    }
+    eprintln!("postgres: statements of a waited grant + the holder's release: {counted:?}");
+    let (n, texts) = &counted[1];
+    assert_eq!(
+        *n, 4,
+        "waiter's try, wait, bump + holder's release: {texts:?}"
+    );
+    keep.release().await.unwrap();
 }

@@ -502,7 +502,9 @@ async fn handoff(base: &str, waiters: usize, samples: usize, admin: &mut Admin) 
         t.await.expect("handoff task");
     }
     let stats = delta(&commandstats(admin).await, &before);
-    let publishes = stats.get("publish").copied().unwrap_or(0) as f64;
+    // Classic PUBLISH on one server, SPUBLISH (sharded, within the slot) on a Cluster.
+    let count = |c: &str| stats.get(c).copied().unwrap_or(0);
+    let publishes = (count("publish") + count("spublish")) as f64;
     let mut lat = std::mem::take(&mut *lat.lock().unwrap());
     lat.sort();
     (

@@ -15,6 +15,7 @@ use lockkit::redis::{RedisLock, redis};
 use lockkit::{AcquireOptions, Error, LeaseState, Lock, LockExt, Wait};
 use tokio::time::Instant;
 
+use super::cluster::{PrivateCluster, owner, slot_of};
 use crate::common::proxy::Proxy;
 use crate::common::{ServerProcess, free_port, fresh_prefix, server_url, wait_until, with_prefix};
 
@@ -556,72 +557,13 @@ async fn redlock_client_restarted_while_holding() {
 
 // ---- a Cluster master stopped during a hold ----
 
-/// A free port P whose cluster bus port P + 10000 is free too.
-fn cluster_port() -> u16 {
-    loop {
-        let p: u16 = 20000 + rand::random::<u16>() % 25000;
-        let free = |q: u16| std::net::TcpListener::bind(("127.0.0.1", q)).is_ok();
-        if free(p) && free(p + 10000) {
-            return p;
-        }
-    }
-}
-
-fn cli(port: u16, args: &[&str]) -> String {
-    let out = Command::new("redis-cli")
-        .args(["-p", &port.to_string()])
-        .args(args)
-        .output()
-        .expect("redis-cli");
-    String::from_utf8_lossy(&out.stdout).trim().to_owned()
-}
-
 /// SIGSTOP of the master that serves a held lock (a private 3-master cluster, no replicas, so
 /// no failover): the holder's renewals get no answer and the lease is Lost by its deadline,
 /// not kept Held; after SIGCONT the lock is granted again with a larger token.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_master_stopped_during_a_hold_loses_the_lease_by_its_deadline() {
-    let mut ports = Vec::new();
-    let mut procs = Vec::new();
-    for i in 0..3 {
-        let port = cluster_port();
-        let dir = tempfile::tempdir().expect("temp dir");
-        let mut cmd = Command::new("redis-server");
-        cmd.args(["--bind", "127.0.0.1", "--port", &port.to_string()])
-            .arg("--dir")
-            .arg(dir.path())
-            .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
-            .args(["--cluster-enabled", "yes", "--cluster-node-timeout", "1000"])
-            .arg("--cluster-config-file")
-            .arg(dir.path().join("nodes.conf"));
-        procs.push(ServerProcess::spawn(&format!("cluster-{i}"), dir, cmd));
-        ports.push(port);
-    }
-    for &p in &ports {
-        wait_until("a cluster node", Duration::from_secs(10), || {
-            cli(p, &["ping"]) == "PONG"
-        })
-        .await;
-    }
-    let addrs: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
-    let st = Command::new("redis-cli")
-        .args(["--cluster", "create"])
-        .args(&addrs)
-        .args(["--cluster-replicas", "0", "--cluster-yes"])
-        .stdout(std::process::Stdio::null())
-        .status()
-        .expect("redis-cli --cluster create");
-    assert!(st.success(), "cluster create failed");
-    wait_until("cluster_state:ok", Duration::from_secs(20), || {
-        ports
-            .iter()
-            .all(|&p| cli(p, &["cluster", "info"]).contains("cluster_state:ok"))
-    })
-    .await;
-    let url = with_prefix(
-        &format!("redis+cluster://{}?response_timeout=500ms", addrs.join(",")),
-        &fresh_prefix(),
-    );
+    let mut cluster = PrivateCluster::start(false).await;
+    let url = format!("{}&response_timeout=500ms", cluster.url(&fresh_prefix()));
     let a = RedisLock::connect(&url).await.expect("connect");
     let ttl = Duration::from_secs(2);
     let name = "stopped-master";
@@ -630,35 +572,16 @@ async fn cluster_master_stopped_during_a_hold_loses_the_lease_by_its_deadline() 
         .await
         .expect("acquire");
     let t = lease.token();
-    let slot: u16 = cli(ports[0], &["cluster", "keyslot", &a.lock_key(name)])
-        .parse()
-        .expect("keyslot");
-    // The master serving the slot: the node whose CLUSTER NODES line ("myself") lists it.
-    let i = ports
-        .iter()
-        .position(|&p| {
-            cli(p, &["cluster", "nodes"]).lines().any(|l| {
-                l.contains("myself")
-                    && l.split_whitespace()
-                        .skip(8)
-                        .any(|r| match r.split_once('-') {
-                            Some((lo, hi)) => {
-                                lo.parse::<u16>().is_ok_and(|lo| lo <= slot)
-                                    && hi.parse::<u16>().is_ok_and(|hi| slot <= hi)
-                            }
-                            None => r.parse::<u16>() == Ok(slot),
-                        })
-            })
-        })
-        .expect("the slot's master");
-    procs[i].signal("STOP");
+    let seed = *cluster.ports.first().expect("a node");
+    let master = owner(seed, slot_of(seed, &a.lock_key(name))).port;
+    cluster.proc(master).signal("STOP");
     let stopped = Instant::now();
     tokio::time::timeout(ttl + Duration::from_secs(1), lease.lost())
         .await
         .expect("the lease stayed Held with its master stopped");
     assert!(stopped.elapsed() <= ttl + Duration::from_secs(1));
     assert_eq!(lease.state(), LeaseState::Lost);
-    procs[i].signal("CONT");
+    cluster.proc(master).signal("CONT");
     let b = RedisLock::connect(&url).await.expect("connect");
     let again = b
         .acquire(

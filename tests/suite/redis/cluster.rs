@@ -39,9 +39,9 @@ fn cli(port: u16, args: &[&str]) -> String {
 
 /// One line of `CLUSTER NODES`.
 #[derive(Debug, Clone)]
-struct Node {
+pub(super) struct Node {
     id: String,
-    port: u16,
+    pub(super) port: u16,
     master: bool,
     /// The master's ID, for a replica.
     of: Option<String>,
@@ -77,14 +77,14 @@ fn nodes(port: u16) -> Vec<Node> {
         .collect()
 }
 
-fn slot_of(port: u16, key: &str) -> u16 {
+pub(super) fn slot_of(port: u16, key: &str) -> u16 {
     cli(port, &["cluster", "keyslot", key])
         .parse()
         .expect("keyslot")
 }
 
 /// The master that serves `slot`, as `port` sees the cluster.
-fn owner(port: u16, slot: u16) -> Node {
+pub(super) fn owner(port: u16, slot: u16) -> Node {
     try_owner(port, slot).unwrap_or_else(|| panic!("no master for slot {slot}"))
 }
 
@@ -108,13 +108,13 @@ fn seed_ports(url: &str) -> Vec<u16> {
 }
 
 /// A private cluster of three masters (and with `replicas` one replica each), on loopback.
-struct PrivateCluster {
-    ports: Vec<u16>,
+pub(super) struct PrivateCluster {
+    pub(super) ports: Vec<u16>,
     procs: Vec<ServerProcess>,
 }
 
 impl PrivateCluster {
-    async fn start(replicas: bool) -> Self {
+    pub(super) async fn start(replicas: bool) -> Self {
         let n = if replicas { 6 } else { 3 };
         let mut ports = Vec::new();
         let mut procs = Vec::new();
@@ -140,8 +140,9 @@ impl PrivateCluster {
             .await;
         }
         let addrs: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
-        let st = Command::new("redis-cli")
-            .args(["--cluster", "create"])
+        // Bounded: a node that never joins would leave `--cluster create` waiting forever.
+        let st = Command::new("timeout")
+            .args(["60", "redis-cli", "--cluster", "create"])
             .args(&addrs)
             .args(["--cluster-replicas", if replicas { "1" } else { "0" }])
             .arg("--cluster-yes")
@@ -167,7 +168,7 @@ impl PrivateCluster {
         .await;
     }
 
-    fn url(&self, prefix: &str) -> String {
+    pub(super) fn url(&self, prefix: &str) -> String {
         let seeds: Vec<String> = self
             .ports
             .iter()
@@ -176,7 +177,7 @@ impl PrivateCluster {
         with_prefix(&format!("redis+cluster://{}", seeds.join(",")), prefix)
     }
 
-    fn proc(&mut self, port: u16) -> &mut ServerProcess {
+    pub(super) fn proc(&mut self, port: u16) -> &mut ServerProcess {
         let i = self.ports.iter().position(|&p| p == port).expect("a node");
         &mut self.procs[i]
     }

@@ -501,12 +501,13 @@ async fn a_read_only_replica_is_a_clear_permanent_error() {
     let mut rconn = replica.raw().await;
     let start = Instant::now();
     loop {
-        let info: String = redis::cmd("INFO")
+        // A replica busy with its first sync may not answer within the raw connection's
+        // response timeout (seen once in CI): that is "not synced yet", not a failure.
+        let info: redis::RedisResult<String> = redis::cmd("INFO")
             .arg("replication")
             .query_async(&mut rconn)
-            .await
-            .expect("INFO");
-        if info.contains("master_link_status:up") {
+            .await;
+        if info.is_ok_and(|i| i.contains("master_link_status:up")) {
             break;
         }
         assert!(

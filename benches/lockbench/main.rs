@@ -63,6 +63,11 @@ pub async fn interleaved(
     warmup: usize,
     iters: usize,
 ) -> Vec<Row> {
+    // LOCKBENCH_ONLY=TEXT keeps only the sequences whose name contains TEXT: for a profile of
+    // one library's calls (`perf record`), not for ratios.
+    if let Ok(only) = std::env::var("LOCKBENCH_ONLY") {
+        ops.retain(|(what, _)| what.contains(only.as_str()));
+    }
     let n = ops.len();
     for r in 0..warmup {
         for k in 0..n {

@@ -661,7 +661,7 @@ pub async fn run(iters: usize) -> Vec<Row> {
             op(move || floor_cycle(conn.clone(), release, key)),
         ));
         ops.push((
-            "lockkit Cluster acquire + release",
+            CLUSTER_LOCKKIT,
             op(move || async move {
                 let l = locks.acquire("bench", opts.clone()).await.expect("acquire");
                 l.release().await.expect("release");
@@ -669,10 +669,9 @@ pub async fn run(iters: usize) -> Vec<Row> {
         ));
     }
     let mut rows = interleaved("redis", ops, (iters / 10).max(10), iters).await;
-    // The cluster's rows are the last two: their own group, ratios to the cluster's floor.
-    let n = rows.len();
-    if cluster.is_some() {
-        for r in &mut rows[n - 2..] {
+    // The cluster's rows: their own group, ratios to the cluster's floor.
+    for r in &mut rows {
+        if r.what == CLUSTER_FLOOR || r.what == CLUSTER_LOCKKIT {
             r.backend = "redis-cluster";
         }
     }
@@ -681,6 +680,8 @@ pub async fn run(iters: usize) -> Vec<Row> {
 
 /// The uncontended row of the floor on the cluster.
 const CLUSTER_FLOOR: &str = "Cluster floor: SET NX PX + Lua compare-and-delete (cluster client)";
+/// The uncontended row of lockkit on the cluster.
+const CLUSTER_LOCKKIT: &str = "lockkit Cluster acquire + release";
 
 /// One floor cycle on `conn`: `SET key owner NX PX 10000`, then the compare-and-delete script.
 async fn floor_cycle(mut conn: impl redis::aio::ConnectionLike, release: &Script, key: &str) {

@@ -7,7 +7,7 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{LazyLock, Mutex, MutexGuard};
+use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
 use std::time::Duration;
 
 use redis::Script;
@@ -19,9 +19,14 @@ use lockkit_core::{Error, Result};
 use crate::conn::Conn;
 use crate::error::{bad_reply, from_redis};
 
-/// The keys of one lock name. See the crate docs, "Keys".
+/// The keys of one lock name. See the crate docs, "Keys". Cheap to clone (one `Arc`): a grant
+/// hands them to its call, its lease and its watch entry.
 #[derive(Debug, Clone)]
-pub(crate) struct Keys {
+pub(crate) struct Keys(Arc<KeyNames>);
+
+/// The key names behind [`Keys`].
+#[derive(Debug, Clone)]
+pub(crate) struct KeyNames {
     pub(crate) lock: String,
     pub(crate) fence: String,
     /// The waiters' queue, a ZSET of waiter IDs in arrival order.
@@ -33,6 +38,14 @@ pub(crate) struct Keys {
     pub(crate) waiter_prefix: String,
     /// `P:cancelled:`, to which a waiter ID is appended for its tombstone.
     cancelled: String,
+}
+
+impl std::ops::Deref for Keys {
+    type Target = KeyNames;
+
+    fn deref(&self) -> &KeyNames {
+        &self.0
+    }
 }
 
 impl Keys {
@@ -52,32 +65,67 @@ impl Keys {
     /// prefix holds no `{` in Cluster mode ([`RedisConfig::validate`](crate::RedisConfig::validate)),
     /// so the name's `{` is the first one. Without `tagged` the layout is the one of earlier
     /// releases, unchanged.
+    ///
+    /// Built with `push_str` rather than `format!`: this runs at every acquire, and six
+    /// `format!`s were a seventh of a grant's client instructions (callgrind,
+    /// `scripts/profile-redis.sh`).
     pub(crate) fn build(prefix: &str, name: &str, tagged: bool) -> Self {
-        let n = if tagged {
-            format!("{{={name}}}")
-        } else {
-            name.to_owned()
+        // `P:kind:N` for the name's kinds; with `tagged`, N is `{=name}`.
+        let named = |kind: &str| {
+            let mut k = String::with_capacity(prefix.len() + kind.len() + name.len() + 5);
+            k.push_str(prefix);
+            k.push(':');
+            k.push_str(kind);
+            k.push(':');
+            if tagged {
+                k.push_str("{=");
+                k.push_str(name);
+                k.push('}');
+            } else {
+                k.push_str(name);
+            }
+            k
         };
-        // Waiter IDs follow the tag in a tagged layout, the kind otherwise.
-        let ids = if tagged {
-            format!("{n}:")
-        } else {
-            String::new()
+        // Waiter IDs follow the tag in a tagged layout (`P:kind:{=N}:`), the kind otherwise
+        // (`P:kind:`).
+        let ids = |kind: &str| {
+            if tagged {
+                let mut k = named(kind);
+                k.push(':');
+                k
+            } else {
+                let mut k = String::with_capacity(prefix.len() + kind.len() + 2);
+                k.push_str(prefix);
+                k.push(':');
+                k.push_str(kind);
+                k.push(':');
+                k
+            }
         };
-        Self {
-            lock: format!("{prefix}:lock:{n}"),
-            fence: format!("{prefix}:fence:{n}"),
-            queue: format!("{prefix}:queue:{n}"),
-            delay: format!("{prefix}:delay:{n}"),
-            waiter_prefix: format!("{prefix}:waiter:{ids}"),
-            cancelled: format!("{prefix}:cancelled:{ids}"),
-        }
+        Self(Arc::new(KeyNames {
+            lock: named("lock"),
+            fence: named("fence"),
+            queue: named("queue"),
+            delay: named("delay"),
+            waiter_prefix: ids("waiter"),
+            cancelled: ids("cancelled"),
+        }))
+    }
+
+    /// These keys with the queue `queue` (an election's or semaphore's slots share one).
+    pub(crate) fn with_queue(self, queue: String) -> Self {
+        let mut names = Arc::unwrap_or_clone(self.0);
+        names.queue = queue;
+        Self(Arc::new(names))
     }
 
     /// The tombstone key of a retired waiter ID. The lock name is not in it:
     /// `P:cancelled:ID`, a kind of its own.
     pub(crate) fn tombstone(&self, id: &str) -> String {
-        format!("{}{id}", self.cancelled)
+        let mut k = String::with_capacity(self.cancelled.len() + id.len());
+        k.push_str(&self.cancelled);
+        k.push_str(id);
+        k
     }
 }
 

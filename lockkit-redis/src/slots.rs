@@ -376,7 +376,7 @@ impl SlotKeys {
         let (lock_base, fence_base) = match kind {
             SlotKind::Semaphore => {
                 let k = Keys::new(prefix, &format!("{whole}/"));
-                (k.lock, k.fence)
+                (k.lock.clone(), k.fence.clone())
             }
             _ => (base.lock.clone(), base.fence.clone()),
         };
@@ -409,9 +409,7 @@ impl SlotKeys {
 
     /// The lock's keys of `slot`, with the name's shared queue.
     fn lock_keys(&self, slot: u32) -> Keys {
-        let mut k = Keys::new(&self.prefix, &self.slot_name(slot));
-        k.queue = self.queue.clone();
-        k
+        Keys::new(&self.prefix, &self.slot_name(slot)).with_queue(self.queue.clone())
     }
 
     /// A script invocation with the common keys and arguments ([`SLOT_LUA`]).
@@ -441,6 +439,7 @@ impl RedisLock {
         SlotKeys::new(self.prefix(), kind, name, 1)
             .lock_keys(slot)
             .lock
+            .clone()
     }
 
     /// The pub/sub channel on which the changes of election or semaphore `name` are published

@@ -159,10 +159,14 @@ impl PrivateCluster {
     /// is up).
     async fn wait_ok(&self) {
         let live: Vec<u16> = self.ports.clone();
+        // With replicas, half the nodes are replicas: each node must see them all as such
+        // (gossip can lag `--cluster create` on a loaded machine).
+        let replicas = if live.len() == 6 { 3 } else { 0 };
         wait_until("cluster_state:ok", Duration::from_secs(20), || {
             live.iter().all(|&p| {
                 let info = cli(p, &["cluster", "info"]);
-                info.is_empty() || info.contains("cluster_state:ok")
+                let seen = cli(p, &["cluster", "nodes"]).matches("slave").count();
+                info.is_empty() || (info.contains("cluster_state:ok") && seen >= replicas)
             })
         })
         .await;

@@ -16,6 +16,7 @@ use lockkit::{AcquireOptions, Error, LeaseState, Lock, LockExt, Wait};
 use tokio::time::Instant;
 
 use super::cluster::{PrivateCluster, owner, slot_of};
+use super::unkept;
 use crate::common::proxy::Proxy;
 use crate::common::{ServerProcess, free_port, fresh_prefix, server_url, wait_until, with_prefix};
 
@@ -502,16 +503,7 @@ async fn redlock_stopped_minority_keeps_the_lease_stopped_majority_loses_it() {
 async fn restart_while_holding(url: &str) {
     let ttl = Duration::from_secs(2);
     let old = lockkit::connect(url).await.expect("connect");
-    let lease = old
-        .acquire(
-            "restart",
-            AcquireOptions::new()
-                .ttl(ttl)
-                .keepalive(false)
-                .wait(Wait::No),
-        )
-        .await
-        .expect("acquire");
+    let lease = old.acquire("restart", unkept(ttl)).await.expect("acquire");
     let (t, until) = (lease.token(), lease.valid_until());
     lease.leak();
     drop(old);

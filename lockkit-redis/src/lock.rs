@@ -377,7 +377,10 @@ impl RedisLock {
             .then_some(LOSS_NOTICE)
     }
 
-    /// How this client reaches Redis: one server, Sentinel or Cluster.
+    /// How this client reaches Redis: one server, Sentinel or Cluster, as its URL said
+    /// (`redis://`, `redis+sentinel://`, `redis+cluster://`). The guarantees depend on it (their
+    /// notes, elections only outside Cluster); [`Lock::guarantees`](lockkit_core::Lock::guarantees)
+    /// names it in [`Guarantees::mode`].
     pub fn mode(&self) -> RedisMode {
         self.inner.config.mode()
     }
@@ -845,12 +848,11 @@ impl LockBackend for RedisLock {
         g.lock_delay = true;
         g.expiry_slack = EXPIRY_SLACK;
         g.loss_notice = self.loss_notice();
-        g.notes = if self.inner.config.sentinel.is_some() {
-            crate::sentinel::NOTES
-        } else if self.inner.conn.is_cluster() {
-            crate::cluster::NOTES
-        } else {
-            NOTES
+        g.mode = Some(self.mode().name());
+        g.notes = match self.mode() {
+            RedisMode::Sentinel => crate::sentinel::NOTES,
+            RedisMode::Cluster => crate::cluster::NOTES,
+            RedisMode::Single => NOTES,
         };
         g
     }

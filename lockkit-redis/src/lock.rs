@@ -213,7 +213,8 @@ impl RedisLock {
     /// # Errors
     /// - [`Error::InvalidConfig`]: malformed URL or options (the URL is not echoed), a
     ///   `tls_ca`, `tls_cert` or `tls_key` that is not a readable regular file of at most 1 MiB, or a database
-    ///   number the server does not have.
+    ///   number the server does not have; with `redis+sentinel://`, a service that none of the
+    ///   sentinels that answer monitors (with none answering, [`Error::Unavailable`]).
     /// - [`Error::Unavailable`]: the server did not answer within the connect timeout
     ///   (default 5 s), refused the connection, or is loading. A `rediss://` URL for a
     ///   plain-text port ends here too, after the connect timeout (the server never answers

@@ -181,6 +181,13 @@ impl RedlockLock {
     /// its connect timeout); a majority must answer. Nodes that do not answer are used as they
     /// come back (each node's connection reconnects by itself).
     ///
+    /// Every node's answer is waited for, so that two names of one server are found (see
+    /// `# Errors`): a node that accepts connections but does not answer (stopped, or
+    /// overloaded) holds the connect up for the whole connect timeout (default 5 s; set
+    /// `connect_timeout` lower to shorten it), then is named (`host:port`) in a
+    /// `tracing::warn!` "a redlock node did not answer at connect". Acquires, renewals and
+    /// releases do not wait for such nodes once a majority has answered.
+    ///
     /// # Errors
     /// - [`Error::InvalidConfig`]: a bad config, unreadable TLS files, or two nodes that are one
     ///   server (the same `run_id`).
@@ -439,7 +446,11 @@ struct Pending {
 impl Pending {
     async fn give_back(&mut self) {
         self.armed = false;
-        let _ = self.inner.delete_everywhere(&self.keys, &self.owner).await;
+        // Every answer is waited for: the next attempt should find no vote of this one left.
+        let _ = self
+            .inner
+            .delete_everywhere(&self.keys, &self.owner, |_| false)
+            .await;
     }
 }
 
@@ -457,7 +468,7 @@ impl Drop for Pending {
             std::mem::take(&mut self.owner),
         );
         rt.spawn(async move {
-            let _ = inner.delete_everywhere(&keys, &owner).await;
+            let _ = inner.delete_everywhere(&keys, &owner, |_| false).await;
         });
     }
 }
@@ -510,27 +521,22 @@ impl Inner {
         answers
     }
 
-    /// Compare-and-delete of `owner` on every node (waiting for every answer): the number of
-    /// nodes where it deleted the key, and where it got no answer.
-    async fn delete_everywhere(&self, keys: &Keys, owner: &str) -> (usize, usize) {
-        let answers = self
-            .gather(
-                |conn| {
-                    let (keys, owner) = (keys.clone(), owner.to_owned());
-                    async move { compare_and_delete(&conn, &keys, &owner, None).await }
-                },
-                |_| false,
-            )
-            .await;
-        let deleted = answers
-            .iter()
-            .filter(|a| matches!(a, Some(Ok(true))))
-            .count();
-        let failed = answers
-            .iter()
-            .filter(|a| matches!(a, Some(Err(_)) | None))
-            .count();
-        (deleted, failed)
+    /// Compare-and-delete of `owner` on every node, until `done` says the outcome is decided
+    /// (the others still get theirs, in the background; see [`gather`](Self::gather)).
+    async fn delete_everywhere(
+        &self,
+        keys: &Keys,
+        owner: &str,
+        done: impl Fn(&[Option<Result<bool>>]) -> bool,
+    ) -> Vec<Option<Result<bool>>> {
+        self.gather(
+            |conn| {
+                let (keys, owner) = (keys.clone(), owner.to_owned());
+                async move { compare_and_delete(&conn, &keys, &owner, None).await }
+            },
+            done,
+        )
+        .await
     }
 
     /// `Ok(())` if `yes` answers reach a majority, [`Error::NotHeld`] if the `no` answers make
@@ -757,23 +763,22 @@ impl LeaseOps for RedlockLease {
         self.inner.majority(&self.name, "the renewal", &answers)
     }
 
-    /// Compare-and-delete on every node; [`Error::NotHeld`] if fewer than a majority still
-    /// held it.
+    /// Compare-and-delete on every node at once; done when a majority deleted the key (the
+    /// lock is free: no other majority can hold it), the nodes that have not answered yet still
+    /// get theirs in the background. A node that is stopped (connection open, no answer) thus
+    /// no longer holds the release up for the response timeout. [`Error::NotHeld`] if a
+    /// majority no longer held it, [`Error::Unavailable`] if neither is known.
     async fn release(&self) -> Result<()> {
         let (n, q) = (self.inner.nodes.len(), self.inner.config.quorum());
-        let (deleted, failed) = self.inner.delete_everywhere(&self.keys, &self.owner).await;
-        if deleted >= q {
-            Ok(())
-        } else if deleted + failed >= q {
-            Err(unavailable(format!(
-                "the release reached only {} of {n} redlock nodes",
-                n - failed
-            )))
-        } else {
-            Err(Error::NotHeld {
-                name: self.name.clone(),
+        let answers = self
+            .inner
+            .delete_everywhere(&self.keys, &self.owner, |a| {
+                let yes = a.iter().filter(|a| matches!(a, Some(Ok(true)))).count();
+                let no = a.iter().filter(|a| matches!(a, Some(Ok(false)))).count();
+                yes >= q || no > n - q
             })
-        }
+            .await;
+        self.inner.majority(&self.name, "the release", &answers)
     }
 
     async fn check(&self) -> Result<()> {

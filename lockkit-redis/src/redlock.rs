@@ -312,17 +312,23 @@ impl RedlockLock {
                         }
                     }
                 },
-                // Stop early only on success: a failure is classified (held, or no majority can
-                // vote) from every node's answer.
+                // Done on success, or once the answers so far decide the failure (no majority can
+                // grant, and the nodes yet to answer cannot make it "no majority can vote"): a
+                // stopped node does not hold a refused attempt up for the response timeout.
                 |answers| {
-                    answers
-                        .iter()
-                        .filter(|a| matches!(a, Some(Ok(Vote::Granted(_)))))
-                        .count()
-                        >= q
+                    let count = |f: fn(&Option<Result<Vote>>) -> bool| {
+                        answers.iter().filter(|a| f(a)).count()
+                    };
+                    let granted = count(|a| matches!(a, Some(Ok(Vote::Granted(_)))));
+                    let unanswered = count(Option::is_none);
+                    let cannot_vote =
+                        count(|a| matches!(a, Some(Err(_)) | Some(Ok(Vote::Restarting(_)))));
+                    granted >= q || (granted + unanswered < q && cannot_vote + unanswered <= n - q)
                 },
             )
             .await;
+        // The nodes that answered the vote: the give-back waits for them (see `give_back`).
+        let answered: Vec<bool> = votes.iter().map(Option::is_some).collect();
         let valid_until = sent + opts.ttl.saturating_sub(drift_margin(opts.ttl));
         let (mut counters, mut held, mut restarting, mut failed) = (Vec::new(), Vec::new(), 0, 0);
         let mut last_error = None;
@@ -386,13 +392,13 @@ impl RedlockLock {
                     opts,
                 )));
             }
-            pending.give_back().await;
+            pending.give_back(&answered).await;
             return Err(unavailable(format!(
                 "the token was written back to only {ok} of {n} redlock nodes within the \
                  validity time; a majority ({q}) is needed"
             )));
         }
-        pending.give_back().await;
+        pending.give_back(&answered).await;
         if counters.len() >= q {
             return Err(unavailable(format!(
                 "a majority of the redlock nodes granted the lock only after its validity time \
@@ -444,12 +450,19 @@ struct Pending {
 }
 
 impl Pending {
-    async fn give_back(&mut self) {
+    /// Gives the votes back on every node, waiting for the nodes that `answered` the vote: the
+    /// next attempt should find no vote of this one left there. On the others the delete is
+    /// queued behind the vote on the node's connection (and goes on in the background), so it
+    /// runs after the vote there too.
+    async fn give_back(&mut self, answered: &[bool]) {
         self.armed = false;
-        // Every answer is waited for: the next attempt should find no vote of this one left.
         let _ = self
             .inner
-            .delete_everywhere(&self.keys, &self.owner, |_| false)
+            .delete_everywhere(&self.keys, &self.owner, |a| {
+                a.iter()
+                    .zip(answered)
+                    .all(|(a, &voted)| a.is_some() || !voted)
+            })
             .await;
     }
 }

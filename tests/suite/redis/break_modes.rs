@@ -497,12 +497,13 @@ async fn redlock_stopped_minority_keeps_the_lease_stopped_majority_loses_it() {
 }
 
 /// Two of five nodes stopped (SIGSTOP: their connections stay open, they never answer) while
-/// a client holds a lock: its release is done once the three others deleted the key, not held
-/// up for the stopped nodes' response timeout (60 s here, beyond the test's bound); the stopped
-/// nodes still get their delete, and carry it out once they run again (their key is gone
-/// before its 60 s TTL).
+/// a client holds a lock: another client's try-acquire is refused as held once the three
+/// others refused, and the holder's release is done once the three others deleted the key,
+/// neither held up for the stopped nodes' response timeout (60 s here, beyond the test's
+/// bound); the stopped nodes still get their delete, and carry it out once they run again
+/// (their key is gone before its 60 s TTL).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redlock_release_with_a_stopped_minority_does_not_wait_for_it() {
+async fn redlock_refusal_and_release_with_a_stopped_minority_do_not_wait_for_it() {
     let (procs, hosts) = five_nodes().await;
     let prefix = fresh_prefix();
     let url = format!(
@@ -510,17 +511,19 @@ async fn redlock_release_with_a_stopped_minority_does_not_wait_for_it() {
         hosts.join(",")
     );
     let locks = lockkit::connect(&url).await.expect("connect");
-    // Once round on every node first: it loads the scripts there. A node's first EVALSHA of a
-    // script is refused (NOSCRIPT) and sent again after a SCRIPT LOAD, which can put a queued
-    // delete before the queued vote it was to undo.
-    let warm = AcquireOptions::new().wait(Wait::No);
-    locks
-        .acquire("stopped", warm)
-        .await
-        .unwrap()
-        .release()
-        .await
-        .unwrap();
+    let other = lockkit::connect(&url).await.expect("connect");
+    // One round of each client on every node first, done on each: it opens the clients'
+    // connections and loads the scripts there. Requests waiting for a connection being opened,
+    // or refused as NOSCRIPT (then sent again after a SCRIPT LOAD), may run out of order: a
+    // queued delete before the queued vote it was to undo.
+    for c in [&locks, &other] {
+        let warm = AcquireOptions::new().wait(Wait::No);
+        let l = c.acquire("stopped", warm).await.unwrap();
+        l.release().await.unwrap();
+        for h in &hosts {
+            until_no_lock_key(h, &prefix, "the first round's key stayed").await;
+        }
+    }
     procs[0].signal("STOP");
     procs[1].signal("STOP");
     let lease = locks
@@ -532,6 +535,13 @@ async fn redlock_release_with_a_stopped_minority_does_not_wait_for_it() {
         )
         .await
         .expect("granted by three of five");
+    let refused = tokio::time::timeout(
+        Duration::from_secs(20),
+        other.acquire("stopped", AcquireOptions::new().wait(Wait::No)),
+    )
+    .await
+    .expect("the refusal waited for the stopped nodes");
+    assert!(matches!(refused, Err(Error::Held { .. })), "{refused:?}");
     tokio::time::timeout(Duration::from_secs(20), lease.release())
         .await
         .expect("the release waited for the stopped nodes")

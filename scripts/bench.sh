@@ -6,8 +6,17 @@
 # LOCKBENCH_HANDOFFS (samples per hand-off run, 300); LOCKBENCH_NO_SCENARIOS=1 skips them.
 # LOCKBENCH_LOCKKIT_PARAMS adds URL parameters to lockkit's Redis clients (A/B runs, e.g.
 # notifications=off).
-# The Redis part takes about 2-3 minutes.
+# The Redis part takes about 2-3 minutes. -h or --help prints this and starts nothing.
 set -euo pipefail
+for arg in "$@"; do
+  case $arg in
+    -h | --help)
+      # The comment block above, without its "# ".
+      awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"
+      exit 0
+      ;;
+  esac
+done
 cd "$(dirname "$0")/.."
 
 scripts/install-deps.sh

@@ -146,7 +146,7 @@ dir $dir/sentinel-$i
 logfile $dir/sentinel-$i.log
 sentinel monitor lockkit 127.0.0.1 $m 2
 sentinel down-after-milliseconds lockkit 1000
-sentinel failover-timeout lockkit 5000
+sentinel failover-timeout lockkit 2000
 sentinel known-replica lockkit 127.0.0.1 $r
 CONF
     redis-server "$dir/sentinel-$i/sentinel.conf" --sentinel --daemonize no >/dev/null 2>&1 &

@@ -652,6 +652,7 @@ fn print_guarantees(g: &lockkit::Guarantees, slots: Option<&SlotGuarantees>, jso
     if json {
         let v = serde_json::json!({
             "backend": g.backend,
+            "mode": g.mode,
             "kind": kind,
             "tokens_survive_restart": g.tokens_survive_restart,
             "safe_across_failover": g.safe_across_failover,
@@ -675,7 +676,10 @@ fn print_guarantees(g: &lockkit::Guarantees, slots: Option<&SlotGuarantees>, jso
         return;
     }
     let yes = |b: bool| if b { "yes" } else { "no" };
-    stdout_line!("backend                 {}", g.backend);
+    match g.mode {
+        Some(mode) => stdout_line!("backend                 {} ({mode})", g.backend),
+        None => stdout_line!("backend                 {}", g.backend),
+    }
     stdout_line!("kind                    {kind} lock");
     stdout_line!("tokens survive restart  {}", yes(g.tokens_survive_restart));
     stdout_line!("safe across failover    {}", yes(g.safe_across_failover));

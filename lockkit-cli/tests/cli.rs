@@ -879,6 +879,39 @@ fn guarantees_table_and_json() {
     assert_eq!(String::from_utf8_lossy(&env.stdout), out);
 }
 
+/// `guarantees` names the Redis mode beside the backend (the notes and elections depend on
+/// it), in the table and as `mode` in the JSON; Redlock is a backend of its own, without one.
+#[test]
+fn guarantees_name_the_redis_mode() {
+    for (var, mode) in [
+        ("LOCKKIT_REDIS_URL", "single server"),
+        ("LOCKKIT_REDIS_SENTINEL_URL", "Sentinel"),
+        ("LOCKKIT_REDIS_CLUSTER_URL", "Cluster"),
+    ] {
+        let url = server(var);
+        let (code, table, err) = code_of(&["guarantees", &url]);
+        assert_eq!(code, Some(0), "{var}: {err}");
+        assert!(
+            table.contains(&format!("backend                 redis ({mode})\n")),
+            "{var}: {table}"
+        );
+        let (code, out, err) = code_of(&["guarantees", "--json", &url]);
+        assert_eq!(code, Some(0), "{var}: {err}");
+        let v: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+        assert_eq!(
+            (&v["backend"], &v["mode"]),
+            (&"redis".into(), &mode.into()),
+            "{var}"
+        );
+    }
+    let (code, table, err) = code_of(&["guarantees", &server("LOCKKIT_REDLOCK_URL")]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(
+        table.contains("backend                 redlock\n"),
+        "{table}"
+    );
+}
+
 /// `guarantees` speaks to users: durations in plain words, no names of constants in the code
 /// (it used to show "within LOSS_NOTICE" and "after WAITER_TTL" for Redis).
 #[test]

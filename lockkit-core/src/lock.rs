@@ -33,6 +33,10 @@ pub enum LockKind {
 pub struct Guarantees {
     /// Short backend name (`"memory"`, `"redis"`, `"etcd"`, `"zk"`, `"postgres"`).
     pub backend: &'static str,
+    /// How this client reaches its backend, where the backend has several ways (Redis:
+    /// `"single server"`, `"Sentinel"`, `"Cluster"`); `None` where it has one. `lockkit
+    /// guarantees` shows it after the backend's name, since the other answers depend on it.
+    pub mode: Option<&'static str>,
     /// Efficiency or correctness lock.
     pub kind: LockKind,
     /// Fencing tokens keep increasing after the server restarts (and, where relevant, after the
@@ -66,6 +70,7 @@ impl Guarantees {
     pub fn new(backend: &'static str, kind: LockKind) -> Self {
         Self {
             backend,
+            mode: None,
             kind,
             tokens_survive_restart: false,
             safe_across_failover: false,

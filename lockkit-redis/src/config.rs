@@ -73,6 +73,19 @@ pub enum RedisMode {
     Cluster,
 }
 
+impl RedisMode {
+    /// The mode's name for people: `"single server"`, `"Sentinel"` or `"Cluster"` (what
+    /// [`Guarantees::mode`](lockkit_core::Guarantees::mode) says, and `lockkit guarantees`
+    /// shows).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Single => "single server",
+            Self::Sentinel => "Sentinel",
+            Self::Cluster => "Cluster",
+        }
+    }
+}
+
 /// The seed nodes of a [`RedisMode::Cluster`] config.
 #[derive(Clone, Debug)]
 pub(crate) struct ClusterSettings {

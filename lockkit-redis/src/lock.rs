@@ -213,7 +213,8 @@ impl RedisLock {
     /// # Errors
     /// - [`Error::InvalidConfig`]: malformed URL or options (the URL is not echoed), a
     ///   `tls_ca`, `tls_cert` or `tls_key` that is not a readable regular file of at most 1 MiB, or a database
-    ///   number the server does not have.
+    ///   number the server does not have; with `redis+sentinel://`, a service that none of the
+    ///   sentinels that answer monitors (with none answering, [`Error::Unavailable`]).
     /// - [`Error::Unavailable`]: the server did not answer within the connect timeout
     ///   (default 5 s), refused the connection, or is loading. A `rediss://` URL for a
     ///   plain-text port ends here too, after the connect timeout (the server never answers
@@ -377,7 +378,10 @@ impl RedisLock {
             .then_some(LOSS_NOTICE)
     }
 
-    /// How this client reaches Redis: one server, Sentinel or Cluster.
+    /// How this client reaches Redis: one server, Sentinel or Cluster, as its URL said
+    /// (`redis://`, `redis+sentinel://`, `redis+cluster://`). The guarantees depend on it (their
+    /// notes, elections only outside Cluster); [`Lock::guarantees`](lockkit_core::Lock::guarantees)
+    /// names it in [`Guarantees::mode`].
     pub fn mode(&self) -> RedisMode {
         self.inner.config.mode()
     }
@@ -853,12 +857,11 @@ impl LockBackend for RedisLock {
         g.lock_delay = true;
         g.expiry_slack = EXPIRY_SLACK;
         g.loss_notice = self.loss_notice();
-        g.notes = if self.inner.config.sentinel.is_some() {
-            crate::sentinel::NOTES
-        } else if self.inner.conn.is_cluster() {
-            crate::cluster::NOTES
-        } else {
-            NOTES
+        g.mode = Some(self.mode().name());
+        g.notes = match self.mode() {
+            RedisMode::Sentinel => crate::sentinel::NOTES,
+            RedisMode::Cluster => crate::cluster::NOTES,
+            RedisMode::Single => NOTES,
         };
         g
     }

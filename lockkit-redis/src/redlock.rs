@@ -181,6 +181,13 @@ impl RedlockLock {
     /// its connect timeout); a majority must answer. Nodes that do not answer are used as they
     /// come back (each node's connection reconnects by itself).
     ///
+    /// Every node's answer is waited for, so that two names of one server are found (see
+    /// `# Errors`): a node that accepts connections but does not answer (stopped, or
+    /// overloaded) holds the connect up for the whole connect timeout (default 5 s; set
+    /// `connect_timeout` lower to shorten it), then is named (`host:port`) in a
+    /// `tracing::warn!` "a redlock node did not answer at connect". Acquires, renewals and
+    /// releases do not wait for such nodes once a majority has answered.
+    ///
     /// # Errors
     /// - [`Error::InvalidConfig`]: a bad config, unreadable TLS files, or two nodes that are one
     ///   server (the same `run_id`).
@@ -305,17 +312,23 @@ impl RedlockLock {
                         }
                     }
                 },
-                // Stop early only on success: a failure is classified (held, or no majority can
-                // vote) from every node's answer.
+                // Done on success, or once the answers so far decide the failure (no majority can
+                // grant, and the nodes yet to answer cannot make it "no majority can vote"): a
+                // stopped node does not hold a refused attempt up for the response timeout.
                 |answers| {
-                    answers
-                        .iter()
-                        .filter(|a| matches!(a, Some(Ok(Vote::Granted(_)))))
-                        .count()
-                        >= q
+                    let count = |f: fn(&Option<Result<Vote>>) -> bool| {
+                        answers.iter().filter(|a| f(a)).count()
+                    };
+                    let granted = count(|a| matches!(a, Some(Ok(Vote::Granted(_)))));
+                    let unanswered = count(Option::is_none);
+                    let cannot_vote =
+                        count(|a| matches!(a, Some(Err(_)) | Some(Ok(Vote::Restarting(_)))));
+                    granted >= q || (granted + unanswered < q && cannot_vote + unanswered <= n - q)
                 },
             )
             .await;
+        // The nodes that answered the vote: the give-back waits for them (see `give_back`).
+        let answered: Vec<bool> = votes.iter().map(Option::is_some).collect();
         let valid_until = sent + opts.ttl.saturating_sub(drift_margin(opts.ttl));
         let (mut counters, mut held, mut restarting, mut failed) = (Vec::new(), Vec::new(), 0, 0);
         let mut last_error = None;
@@ -379,13 +392,13 @@ impl RedlockLock {
                     opts,
                 )));
             }
-            pending.give_back().await;
+            pending.give_back(&answered).await;
             return Err(unavailable(format!(
                 "the token was written back to only {ok} of {n} redlock nodes within the \
                  validity time; a majority ({q}) is needed"
             )));
         }
-        pending.give_back().await;
+        pending.give_back(&answered).await;
         if counters.len() >= q {
             return Err(unavailable(format!(
                 "a majority of the redlock nodes granted the lock only after its validity time \
@@ -437,9 +450,20 @@ struct Pending {
 }
 
 impl Pending {
-    async fn give_back(&mut self) {
+    /// Gives the votes back on every node, waiting for the nodes that `answered` the vote: the
+    /// next attempt should find no vote of this one left there. On the others the delete is
+    /// queued behind the vote on the node's connection (and goes on in the background), so it
+    /// runs after the vote there too.
+    async fn give_back(&mut self, answered: &[bool]) {
         self.armed = false;
-        let _ = self.inner.delete_everywhere(&self.keys, &self.owner).await;
+        let _ = self
+            .inner
+            .delete_everywhere(&self.keys, &self.owner, |a| {
+                a.iter()
+                    .zip(answered)
+                    .all(|(a, &voted)| a.is_some() || !voted)
+            })
+            .await;
     }
 }
 
@@ -457,7 +481,7 @@ impl Drop for Pending {
             std::mem::take(&mut self.owner),
         );
         rt.spawn(async move {
-            let _ = inner.delete_everywhere(&keys, &owner).await;
+            let _ = inner.delete_everywhere(&keys, &owner, |_| false).await;
         });
     }
 }
@@ -510,27 +534,22 @@ impl Inner {
         answers
     }
 
-    /// Compare-and-delete of `owner` on every node (waiting for every answer): the number of
-    /// nodes where it deleted the key, and where it got no answer.
-    async fn delete_everywhere(&self, keys: &Keys, owner: &str) -> (usize, usize) {
-        let answers = self
-            .gather(
-                |conn| {
-                    let (keys, owner) = (keys.clone(), owner.to_owned());
-                    async move { compare_and_delete(&conn, &keys, &owner, None).await }
-                },
-                |_| false,
-            )
-            .await;
-        let deleted = answers
-            .iter()
-            .filter(|a| matches!(a, Some(Ok(true))))
-            .count();
-        let failed = answers
-            .iter()
-            .filter(|a| matches!(a, Some(Err(_)) | None))
-            .count();
-        (deleted, failed)
+    /// Compare-and-delete of `owner` on every node, until `done` says the outcome is decided
+    /// (the others still get theirs, in the background; see [`gather`](Self::gather)).
+    async fn delete_everywhere(
+        &self,
+        keys: &Keys,
+        owner: &str,
+        done: impl Fn(&[Option<Result<bool>>]) -> bool,
+    ) -> Vec<Option<Result<bool>>> {
+        self.gather(
+            |conn| {
+                let (keys, owner) = (keys.clone(), owner.to_owned());
+                async move { compare_and_delete(&conn, &keys, &owner, None).await }
+            },
+            done,
+        )
+        .await
     }
 
     /// `Ok(())` if `yes` answers reach a majority, [`Error::NotHeld`] if the `no` answers make
@@ -757,23 +776,22 @@ impl LeaseOps for RedlockLease {
         self.inner.majority(&self.name, "the renewal", &answers)
     }
 
-    /// Compare-and-delete on every node; [`Error::NotHeld`] if fewer than a majority still
-    /// held it.
+    /// Compare-and-delete on every node at once; done when a majority deleted the key (the
+    /// lock is free: no other majority can hold it), the nodes that have not answered yet still
+    /// get theirs in the background. A node that is stopped (connection open, no answer) thus
+    /// no longer holds the release up for the response timeout. [`Error::NotHeld`] if a
+    /// majority no longer held it, [`Error::Unavailable`] if neither is known.
     async fn release(&self) -> Result<()> {
         let (n, q) = (self.inner.nodes.len(), self.inner.config.quorum());
-        let (deleted, failed) = self.inner.delete_everywhere(&self.keys, &self.owner).await;
-        if deleted >= q {
-            Ok(())
-        } else if deleted + failed >= q {
-            Err(unavailable(format!(
-                "the release reached only {} of {n} redlock nodes",
-                n - failed
-            )))
-        } else {
-            Err(Error::NotHeld {
-                name: self.name.clone(),
+        let answers = self
+            .inner
+            .delete_everywhere(&self.keys, &self.owner, |a| {
+                let yes = a.iter().filter(|a| matches!(a, Some(Ok(true)))).count();
+                let no = a.iter().filter(|a| matches!(a, Some(Ok(false)))).count();
+                yes >= q || no > n - q
             })
-        }
+            .await;
+        self.inner.majority(&self.name, "the release", &answers)
     }
 
     async fn check(&self) -> Result<()> {

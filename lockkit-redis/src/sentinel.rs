@@ -90,31 +90,73 @@ impl Discovery {
     /// A client for the master the sentinels name now (checked with `ROLE`).
     ///
     /// # Errors
-    /// [`Error::Unavailable`] if no sentinel answers, none names a master that is up, or that
-    /// took longer than the connect timeout; [`Error::Auth`] for refused credentials.
+    /// [`Error::InvalidConfig`] naming the service if every sentinel that answers knows no
+    /// such service (`SENTINEL GET-MASTER-ADDR-BY-NAME` is nil on each); [`Error::Unavailable`]
+    /// if no sentinel answers, none names a master that is up, or that took longer than the
+    /// connect timeout; [`Error::Auth`] for refused credentials.
     ///
     /// # Cancel safety
     /// Cancel safe (the redis crate's lookup may be dropped at any await).
     pub(crate) async fn master(&self) -> Result<redis::Client> {
-        let found = tokio::time::timeout(self.timeout, async {
+        let deadline = tokio::time::Instant::now() + self.timeout;
+        let found = tokio::time::timeout_at(deadline, async {
             let mut s = self.sentinel.lock().await;
             s.async_master_for(&self.service, Some(&self.master)).await
         })
         .await;
         match found {
             Ok(Ok(client)) => Ok(client),
-            Ok(Err(e)) => Err(match from_redis(e) {
-                Error::Backend { source, .. } => Error::Unavailable {
-                    backend: crate::error::BACKEND,
-                    source: format!("the sentinels name no usable master: {source}").into(),
-                },
-                other => other,
-            }),
+            Ok(Err(e)) => match from_redis(e) {
+                // The redis crate says the same (`MasterNameNotFoundBySentinel`) for a name no
+                // sentinel knows and for a master they all flag down: ask them which.
+                Error::Backend { source, .. } => Err(if self.service_unknown(deadline).await {
+                    Error::config(format!(
+                        "the sentinels monitor no service named {:?} (the URL's path names \
+                         the service)",
+                        self.service
+                    ))
+                } else {
+                    Error::Unavailable {
+                        backend: crate::error::BACKEND,
+                        source: format!("the sentinels name no usable master: {source}").into(),
+                    }
+                }),
+                other => Err(other),
+            },
             Err(_) => Err(timed_out(
                 "finding the master through the sentinels",
                 self.timeout,
             )),
         }
+    }
+
+    /// Whether at least one sentinel answered `SENTINEL GET-MASTER-ADDR-BY-NAME` for the service
+    /// by `deadline` and every one that did answered nil (it monitors no such service). The
+    /// sentinels are asked at once; one that cannot be reached, refuses the login or does not
+    /// answer in time is left out.
+    async fn service_unknown(&self, deadline: tokio::time::Instant) -> bool {
+        let asks = self.nodes.iter().map(|node| async move {
+            let ask = async {
+                let mut c = redis::Client::open(node.clone())?
+                    .get_multiplexed_async_connection()
+                    .await?;
+                redis::cmd("SENTINEL")
+                    .arg("GET-MASTER-ADDR-BY-NAME")
+                    .arg(&self.service)
+                    .query_async::<Option<Vec<String>>>(&mut c)
+                    .await
+            };
+            match tokio::time::timeout_at(deadline, ask).await {
+                Ok(Ok(addr)) => Some(addr.is_none()),
+                Ok(Err(_)) | Err(_) => None,
+            }
+        });
+        let answers: Vec<bool> = futures_util::future::join_all(asks)
+            .await
+            .into_iter()
+            .flatten()
+            .collect();
+        !answers.is_empty() && answers.iter().all(|&unknown| unknown)
     }
 
     /// Listens for `+switch-master` on the sentinels (one at a time, the next one when the

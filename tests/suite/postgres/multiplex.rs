@@ -378,16 +378,27 @@ async fn a_released_waited_lease_gives_its_connection_to_the_next_wait() {
     assert_eq!(pids, vec![pids[0]; 3], "each wait opened a new session");
 }
 
+const BYSTANDER_TTL: Duration = Duration::from_secs(30);
+
+/// The shared server's URL, a client with a prefix of its own, and a lease ("bystander",
+/// [`BYSTANDER_TTL`]) it holds on its shared session, for tests that cancel other calls on
+/// that session and check the bystander is not disturbed.
+async fn with_a_bystander() -> (String, PgLock, lockkit::Lease) {
+    let base = base_url();
+    let locks = PgLock::connect(&with_prefix(&base, &fresh_prefix()))
+        .await
+        .unwrap();
+    let bystander = locks.try_acquire("bystander", BYSTANDER_TTL).await.unwrap();
+    (base, locks, bystander)
+}
+
 /// A release dropped at any moment (while it waits for the session's connection, or with its
 /// unlock in flight) still happens: the lock is free soon after, the other lease on the
 /// session is not disturbed, and the session keeps working.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropped_releases_on_a_shared_session_still_happen() {
-    let base = base_url();
-    let url = with_prefix(&base, &fresh_prefix());
-    let locks = PgLock::connect(&url).await.unwrap();
-    let ttl = Duration::from_secs(30);
-    let bystander = locks.try_acquire("bystander", ttl).await.unwrap();
+    let (base, locks, bystander) = with_a_bystander().await;
+    let ttl = BYSTANDER_TTL;
     let session = pid_of(&bystander);
     let key = locks.key("dropped-release");
     for polls in 1..=2 {
@@ -413,11 +424,8 @@ async fn dropped_releases_on_a_shared_session_still_happen() {
 /// leaves neither the lock nor its delay row: the next try is granted at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancelled_grant_with_a_lock_delay_leaves_no_delay() {
-    let base = base_url();
-    let url = with_prefix(&base, &fresh_prefix());
-    let locks = PgLock::connect(&url).await.unwrap();
-    let ttl = Duration::from_secs(30);
-    let bystander = locks.try_acquire("bystander", ttl).await.unwrap();
+    let (base, locks, bystander) = with_a_bystander().await;
+    let ttl = BYSTANDER_TTL;
     let key = locks.key("delayed");
     let delayed = AcquireOptions::new()
         .ttl(ttl)

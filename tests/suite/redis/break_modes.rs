@@ -16,6 +16,7 @@ use lockkit::{AcquireOptions, Error, LeaseState, Lock, LockExt, Wait};
 use tokio::time::Instant;
 
 use super::cluster::{PrivateCluster, owner, slot_of};
+use super::unkept;
 use crate::common::proxy::Proxy;
 use crate::common::{ServerProcess, free_port, fresh_prefix, server_url, wait_until, with_prefix};
 
@@ -51,6 +52,16 @@ async fn keys_on(host: &str, pattern: &str) -> Vec<String> {
         .query_async(&mut c)
         .await
         .expect("KEYS")
+}
+
+/// Waits (up to 10 s, else fails with `what`) until node `host` has no lock key under `prefix`.
+async fn until_no_lock_key(host: &str, prefix: &str, what: &str) {
+    let pattern = format!("{prefix}:lock:*");
+    let start = Instant::now();
+    while !keys_on(host, &pattern).await.is_empty() {
+        assert!(start.elapsed() < Duration::from_secs(10), "{host}: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 fn no_secret(e: &impl std::fmt::Debug, secret: &str) {
@@ -344,16 +355,7 @@ async fn redlock_dropped_acquire_leaves_no_key_on_any_node() {
         p.hold_replies(false);
     }
     for h in &rl {
-        let h = h.clone();
-        let pattern = format!("{prefix}:lock:*");
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while !keys_on(&h, &pattern).await.is_empty() {
-            assert!(
-                Instant::now() < deadline,
-                "a dropped acquire left its key on {h}"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        until_no_lock_key(h, &prefix, "a dropped acquire left its key").await;
     }
     // And the name is free at once.
     let l = locks
@@ -494,6 +496,65 @@ async fn redlock_stopped_minority_keeps_the_lease_stopped_majority_loses_it() {
     again.release().await.expect("release");
 }
 
+/// Two of five nodes stopped (SIGSTOP: their connections stay open, they never answer) while
+/// a client holds a lock: another client's try-acquire is refused as held once the three
+/// others refused, and the holder's release is done once the three others deleted the key,
+/// neither held up for the stopped nodes' response timeout (60 s here, beyond the test's
+/// bound); the stopped nodes still get their delete, and carry it out once they run again
+/// (their key is gone before its 60 s TTL).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redlock_refusal_and_release_with_a_stopped_minority_do_not_wait_for_it() {
+    let (procs, hosts) = five_nodes().await;
+    let prefix = fresh_prefix();
+    let url = format!(
+        "redlock://{}?prefix={prefix}&response_timeout=60s",
+        hosts.join(",")
+    );
+    let locks = lockkit::connect(&url).await.expect("connect");
+    let other = lockkit::connect(&url).await.expect("connect");
+    // One round of each client on every node first, done on each: it opens the clients'
+    // connections and loads the scripts there. Requests waiting for a connection being opened,
+    // or refused as NOSCRIPT (then sent again after a SCRIPT LOAD), may run out of order: a
+    // queued delete before the queued vote it was to undo.
+    for c in [&locks, &other] {
+        let warm = AcquireOptions::new().wait(Wait::No);
+        let l = c.acquire("stopped", warm).await.unwrap();
+        l.release().await.unwrap();
+        for h in &hosts {
+            until_no_lock_key(h, &prefix, "the first round's key stayed").await;
+        }
+    }
+    procs[0].signal("STOP");
+    procs[1].signal("STOP");
+    let lease = locks
+        .acquire(
+            "stopped",
+            AcquireOptions::new()
+                .ttl(Duration::from_secs(60))
+                .wait(Wait::No),
+        )
+        .await
+        .expect("granted by three of five");
+    let refused = tokio::time::timeout(
+        Duration::from_secs(20),
+        other.acquire("stopped", AcquireOptions::new().wait(Wait::No)),
+    )
+    .await
+    .expect("the refusal waited for the stopped nodes");
+    assert!(matches!(refused, Err(Error::Held { .. })), "{refused:?}");
+    tokio::time::timeout(Duration::from_secs(20), lease.release())
+        .await
+        .expect("the release waited for the stopped nodes")
+        .expect("released on three of five");
+    for p in &procs[..2] {
+        p.signal("CONT");
+    }
+    // Each resumed node runs what its connection queued meanwhile: the vote, then the delete.
+    for h in &hosts {
+        until_no_lock_key(h, &prefix, "the lock key outlived the release").await;
+    }
+}
+
 // ---- client restarts ----
 
 /// A client that dies holding a lock (its lease leaked, the client dropped: no release) and a
@@ -502,16 +563,7 @@ async fn redlock_stopped_minority_keeps_the_lease_stopped_majority_loses_it() {
 async fn restart_while_holding(url: &str) {
     let ttl = Duration::from_secs(2);
     let old = lockkit::connect(url).await.expect("connect");
-    let lease = old
-        .acquire(
-            "restart",
-            AcquireOptions::new()
-                .ttl(ttl)
-                .keepalive(false)
-                .wait(Wait::No),
-        )
-        .await
-        .expect("acquire");
+    let lease = old.acquire("restart", unkept(ttl)).await.expect("acquire");
     let (t, until) = (lease.token(), lease.valid_until());
     lease.leak();
     drop(old);

@@ -399,6 +399,93 @@ async fn fenced_writes_with_a_hash_tagged_key() {
     b.release().await.unwrap();
 }
 
+/// A private cluster (no replicas) where `_locks` holds "moving" (the lease returned with it),
+/// `other` is a second client, and `dst` is a master other than the slot's owner `src`: the
+/// stage of the slot migration tests, which move the slot from `src` to `dst` in three steps.
+struct Migration {
+    cluster: PrivateCluster,
+    prefix: String,
+    _locks: RedisLock,
+    other: RedisLock,
+    key: String,
+    slot: u16,
+    src: Node,
+    dst: Node,
+}
+
+impl Migration {
+    async fn of_a_held_lock(ttl: Duration) -> (Self, lockkit::Lease) {
+        let cluster = PrivateCluster::start(false).await;
+        let seed = cluster.ports[0];
+        let prefix = fresh_prefix();
+        let locks = RedisLock::connect(&cluster.url(&prefix)).await.unwrap();
+        let other = RedisLock::connect(&cluster.url(&prefix)).await.unwrap();
+        let a = locks.acquire("moving", opts(ttl)).await.unwrap();
+        let key = locks.lock_key("moving");
+        let slot = slot_of(seed, &key);
+        let src = owner(seed, slot);
+        let dst = nodes(seed)
+            .into_iter()
+            .find(|n| n.master && n.id != src.id)
+            .unwrap();
+        let stage = Self {
+            cluster,
+            prefix,
+            _locks: locks,
+            other,
+            key,
+            slot,
+            src,
+            dst,
+        };
+        (stage, a)
+    }
+
+    /// `SETSLOT … IMPORTING` on `dst`, `SETSLOT … MIGRATING` on `src`.
+    fn start(&self) {
+        let s = self.slot.to_string();
+        assert_eq!(
+            cli(
+                self.dst.port,
+                &["cluster", "setslot", &s, "importing", &self.src.id]
+            ),
+            "OK"
+        );
+        assert_eq!(
+            cli(
+                self.src.port,
+                &["cluster", "setslot", &s, "migrating", &self.dst.id]
+            ),
+            "OK"
+        );
+    }
+
+    /// `MIGRATE`s every key of the slot from `src` to `dst`; the keys it found there.
+    fn move_keys(&self) -> Vec<String> {
+        let s = self.slot.to_string();
+        let keys: Vec<String> = cli(self.src.port, &["cluster", "getkeysinslot", &s, "100"])
+            .lines()
+            .map(str::to_owned)
+            .collect();
+        let port = self.dst.port.to_string();
+        let mut args = vec!["migrate", "127.0.0.1", &port, "", "0", "5000", "keys"];
+        args.extend(keys.iter().map(String::as_str));
+        assert_eq!(cli(self.src.port, &args), "OK");
+        keys
+    }
+
+    /// `SETSLOT … NODE dst` on every master.
+    fn finish(&self) {
+        let s = self.slot.to_string();
+        for n in nodes(self.cluster.ports[0]).iter().filter(|n| n.master) {
+            assert_eq!(
+                cli(n.port, &["cluster", "setslot", &s, "node", &self.dst.id]),
+                "OK"
+            );
+        }
+    }
+}
+
 /// The slot of a held lock moves to another master (`SETSLOT … IMPORTING/MIGRATING`, `MIGRATE`
 /// of all its keys, `SETSLOT … NODE`): nobody else gets the lock meanwhile (refused as held, or
 /// `TRYAGAIN` while the slot is half moved), the holder keeps it (its renewal after the move
@@ -406,52 +493,20 @@ async fn fenced_writes_with_a_hash_tagged_key() {
 /// its token is larger.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_held_locks_slot_migrates_and_the_holder_keeps_it() {
-    let cluster = PrivateCluster::start(false).await;
-    let seed = cluster.ports[0];
-    let prefix = fresh_prefix();
-    let locks = RedisLock::connect(&cluster.url(&prefix)).await.unwrap();
-    let other = RedisLock::connect(&cluster.url(&prefix)).await.unwrap();
     let ttl = Duration::from_secs(6);
-    let a = locks.acquire("moving", opts(ttl)).await.unwrap();
-    let key = locks.lock_key("moving");
-    let slot = slot_of(seed, &key);
-    let src = owner(seed, slot);
-    let dst = nodes(seed)
-        .into_iter()
-        .find(|n| n.master && n.id != src.id)
-        .unwrap();
-    let s = slot.to_string();
-    assert_eq!(
-        cli(dst.port, &["cluster", "setslot", &s, "importing", &src.id]),
-        "OK"
-    );
-    assert_eq!(
-        cli(src.port, &["cluster", "setslot", &s, "migrating", &dst.id]),
-        "OK"
-    );
+    let (m, a) = Migration::of_a_held_lock(ttl).await;
+    let Migration {
+        other, slot, dst, ..
+    } = &m;
+    m.start();
     // Mid-migration, keys still on the source: not granted.
     let e = other
         .acquire("moving", AcquireOptions::new().wait(Wait::No))
         .await
         .unwrap_err();
     assert!(refused_while_migrating(&e), "{e:?}");
-    let keys: Vec<String> = cli(src.port, &["cluster", "getkeysinslot", &s, "100"])
-        .lines()
-        .map(str::to_owned)
-        .collect();
-    assert!(keys.contains(&key), "{keys:?}");
-    let mut migrate = vec![
-        "migrate".to_owned(),
-        "127.0.0.1".to_owned(),
-        dst.port.to_string(),
-        String::new(),
-        "0".to_owned(),
-        "5000".to_owned(),
-        "keys".to_owned(),
-    ];
-    migrate.extend(keys.iter().cloned());
-    let args: Vec<&str> = migrate.iter().map(String::as_str).collect();
-    assert_eq!(cli(src.port, &args), "OK");
+    let keys = m.move_keys();
+    assert!(keys.contains(&m.key), "{keys:?}");
     // Keys on the target, slot still migrating (ASK, then TRYAGAIN for the missing keys):
     // not granted.
     let e = other
@@ -461,13 +516,8 @@ async fn a_held_locks_slot_migrates_and_the_holder_keeps_it() {
     assert!(refused_while_migrating(&e), "{e:?}");
     // Its renewals fail the same way meanwhile: Suspect, not Lost.
     assert_ne!(a.state(), LeaseState::Lost);
-    for n in nodes(seed).iter().filter(|n| n.master) {
-        assert_eq!(
-            cli(n.port, &["cluster", "setslot", &s, "node", &dst.id]),
-            "OK"
-        );
-    }
-    assert_eq!(owner(dst.port, slot).id, dst.id);
+    m.finish();
+    assert_eq!(owner(dst.port, *slot).id, dst.id);
     // Done: MOVED from the old owner, the client refreshes its map.
     let done = Instant::now();
     until("a renewal after MOVED", Duration::from_secs(5), || {
@@ -507,20 +557,14 @@ async fn a_held_locks_slot_migrates_and_the_holder_keeps_it() {
 /// is `SPUBLISH`ed there and reaches it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiters_shard_channel_follows_its_slot_to_the_new_master() {
-    let cluster = PrivateCluster::start(false).await;
-    let seed = cluster.ports[0];
-    let prefix = fresh_prefix();
-    let locks = RedisLock::connect(&cluster.url(&prefix)).await.unwrap();
-    let other = RedisLock::connect(&cluster.url(&prefix)).await.unwrap();
-    let ttl = Duration::from_secs(10);
-    let a = locks.acquire("moving", opts(ttl)).await.unwrap();
-    let key = locks.lock_key("moving");
-    let slot = slot_of(seed, &key);
-    let src = owner(seed, slot);
-    let dst = nodes(seed)
-        .into_iter()
-        .find(|n| n.master && n.id != src.id)
-        .unwrap();
+    let (m, a) = Migration::of_a_held_lock(Duration::from_secs(10)).await;
+    let Migration {
+        other,
+        src,
+        dst,
+        prefix,
+        ..
+    } = &m;
     let waiting = tokio::spawn({
         let other = other.clone();
         async move { other.acquire("moving", opts(Duration::from_secs(30))).await }
@@ -535,40 +579,9 @@ async fn a_waiters_shard_channel_follows_its_slot_to_the_new_master() {
         },
     )
     .await;
-    let s = slot.to_string();
-    assert_eq!(
-        cli(dst.port, &["cluster", "setslot", &s, "importing", &src.id]),
-        "OK"
-    );
-    assert_eq!(
-        cli(src.port, &["cluster", "setslot", &s, "migrating", &dst.id]),
-        "OK"
-    );
-    let keys: Vec<String> = cli(src.port, &["cluster", "getkeysinslot", &s, "100"])
-        .lines()
-        .map(str::to_owned)
-        .collect();
-    let mut migrate: Vec<String> = [
-        "migrate",
-        "127.0.0.1",
-        &dst.port.to_string(),
-        "",
-        "0",
-        "5000",
-        "keys",
-    ]
-    .iter()
-    .map(|a| (*a).to_owned())
-    .collect();
-    migrate.extend(keys.iter().cloned());
-    let args: Vec<&str> = migrate.iter().map(String::as_str).collect();
-    assert_eq!(cli(src.port, &args), "OK");
-    for n in nodes(seed).iter().filter(|n| n.master) {
-        assert_eq!(
-            cli(n.port, &["cluster", "setslot", &s, "node", &dst.id]),
-            "OK"
-        );
-    }
+    m.start();
+    m.move_keys();
+    m.finish();
     until(
         "the waiter subscribed on the new master",
         Duration::from_secs(10),

@@ -122,6 +122,26 @@ async fn raw(url: &str) -> redis::aio::MultiplexedConnection {
         .expect("raw connection")
 }
 
+/// A try-acquire's options (`Wait::No`) for a lease of `ttl` without keepalive: it lapses
+/// at `ttl` unless renewed by hand.
+fn unkept(ttl: Duration) -> AcquireOptions {
+    AcquireOptions::new()
+        .ttl(ttl)
+        .keepalive(false)
+        .wait(Wait::No)
+}
+
+/// `CLIENT KILL TYPE pubsub` on `conn`'s server: how many pub/sub connections it closed.
+async fn kill_pubsub_connections(conn: &mut redis::aio::MultiplexedConnection) -> i64 {
+    redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("TYPE")
+        .arg("pubsub")
+        .query_async(conn)
+        .await
+        .expect("CLIENT KILL")
+}
+
 async fn exists(conn: &mut redis::aio::MultiplexedConnection, key: &str) -> bool {
     redis::cmd("EXISTS")
         .arg(key)
@@ -540,13 +560,7 @@ async fn waiter_is_woken_by_the_release_message() {
     let channel = waiter.waiter_channel().to_owned();
     let name = "wake";
     let lease = holder
-        .acquire(
-            name,
-            AcquireOptions::new()
-                .ttl(Duration::from_secs(30))
-                .keepalive(false)
-                .wait(Wait::No),
-        )
+        .acquire(name, unkept(Duration::from_secs(30)))
         .await
         .expect("acquire");
     let conn = server.raw().await;
@@ -611,13 +625,7 @@ async fn waiter_resubscribes_after_its_pubsub_connection_dies() {
     let channel = waiter.waiter_channel().to_owned();
     let name = "resubscribe";
     let lease = holder
-        .acquire(
-            name,
-            AcquireOptions::new()
-                .ttl(Duration::from_secs(30))
-                .keepalive(false)
-                .wait(Wait::No),
-        )
+        .acquire(name, unkept(Duration::from_secs(30)))
         .await
         .expect("acquire");
     let waiting = tokio::spawn(async move {
@@ -652,13 +660,7 @@ async fn waiter_resubscribes_after_its_pubsub_connection_dies() {
         }
     };
     until_subscribed("the waiter never subscribed").await;
-    let killed: i64 = redis::cmd("CLIENT")
-        .arg("KILL")
-        .arg("TYPE")
-        .arg("pubsub")
-        .query_async(&mut conn.clone())
-        .await
-        .expect("CLIENT KILL");
+    let killed = kill_pubsub_connections(&mut conn.clone()).await;
     // The holder's too: both keep one up for keyspace notifications.
     assert!(
         killed >= 1,
@@ -685,16 +687,7 @@ async fn renew_after_expiry_is_not_held_and_does_not_retake() {
     let url = with_prefix(&server_url("LOCKKIT_REDIS_URL"), &fresh_prefix());
     let locks = RedisLock::connect(&url).await.expect("connect");
     let ttl = Duration::from_millis(200);
-    let lease = locks
-        .acquire(
-            "expire",
-            AcquireOptions::new()
-                .ttl(ttl)
-                .keepalive(false)
-                .wait(Wait::No),
-        )
-        .await
-        .expect("acquire");
+    let lease = locks.acquire("expire", unkept(ttl)).await.expect("acquire");
     let mut conn = raw(&url).await;
     let key = locks.lock_key("expire");
     assert!(exists(&mut conn, &key).await);

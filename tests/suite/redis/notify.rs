@@ -15,7 +15,7 @@ use lockkit::redis::{LOSS_NOTICE, RedisLock};
 use lockkit::{AcquireOptions, Error, Lease, LeaseState, Lock, LossReason, Wait};
 use tokio::time::Instant;
 
-use super::{PrivateRedis, exists};
+use super::{PrivateRedis, exists, kill_pubsub_connections};
 use crate::common::proxy::Proxy;
 use crate::common::{fresh_prefix, with_prefix};
 
@@ -54,6 +54,16 @@ async fn heard(lease: &Lease, at: tokio::task::JoinHandle<Instant>, since: Insta
             lease.state()
         ),
     }
+}
+
+/// `DEL key` by another client (the admin); the key existed.
+async fn delete(admin: &mut redis::aio::MultiplexedConnection, key: &str) {
+    let n: i64 = redis::cmd("DEL")
+        .arg(key)
+        .query_async(admin)
+        .await
+        .expect("DEL");
+    assert_eq!(n, 1, "{key} did not exist");
 }
 
 async fn config_get(conn: &mut redis::aio::MultiplexedConnection, name: &str) -> String {
@@ -144,12 +154,7 @@ async fn a_deleted_or_expired_lock_key_is_heard_within_milliseconds() {
                 .expect("PEXPIRE");
             assert_eq!(n, 1);
         } else {
-            let n: i64 = redis::cmd("DEL")
-                .arg(&key)
-                .query_async(&mut admin)
-                .await
-                .expect("DEL");
-            assert_eq!(n, 1);
+            delete(&mut admin, &key).await;
         }
         let took = heard(&lease, at, sent).await;
         if i % 4 >= 2 {
@@ -596,12 +601,7 @@ async fn only_the_holders_client_subscribes_to_its_key() {
 
     let at = lost_at(&x);
     let sent = Instant::now();
-    let n: i64 = redis::cmd("DEL")
-        .arg(&kx)
-        .query_async(&mut admin)
-        .await
-        .expect("DEL");
-    assert_eq!(n, 1);
+    delete(&mut admin, &kx).await;
     let took = heard(&x, at, sent).await;
     assert!(took < DELETE_HEARD, "DEL heard after {took:?}");
     assert_eq!(x.loss_reason(), Some(LossReason::NotHeldOnServer));
@@ -629,24 +629,13 @@ async fn a_key_deleted_while_the_pubsub_connection_was_down_is_found_when_it_is_
     let key = locks.lock_key("gap");
     until_subscribers(&mut admin, &key, 1).await;
     let at = lost_at(&lease);
-    let killed: i64 = redis::cmd("CLIENT")
-        .arg("KILL")
-        .arg("TYPE")
-        .arg("pubsub")
-        .query_async(&mut admin)
-        .await
-        .expect("CLIENT KILL");
+    let killed = kill_pubsub_connections(&mut admin).await;
     assert_eq!(
         killed, 1,
         "expected to kill the client's pub/sub connection"
     );
     let sent = Instant::now();
-    let n: i64 = redis::cmd("DEL")
-        .arg(&key)
-        .query_async(&mut admin)
-        .await
-        .expect("DEL");
-    assert_eq!(n, 1);
+    delete(&mut admin, &key).await;
     let took = heard(&lease, at, sent).await;
     eprintln!("deleted while the pub/sub connection was down: heard after {took:?}");
     assert_eq!(lease.loss_reason(), Some(LossReason::NotHeldOnServer));

@@ -294,11 +294,42 @@ async fn sentinel_urls_and_a_bad_service_name() {
     let wrong = topo
         .url(&fresh_prefix(), "")
         .replace("/lockkit?", "/no-such-service?");
-    match RedisLock::connect(&wrong).await {
-        Err(Error::Unavailable { source, .. }) => {
-            assert!(source.to_string().contains("no usable master"), "{source}")
+    unknown_service_is_invalid_config(&wrong, "no-such-service").await;
+}
+
+/// Connecting to a service the sentinels do not monitor fails with `InvalidConfig` that names
+/// it (each sentinel's `SENTINEL GET-MASTER-ADDR-BY-NAME` is nil), not as a server that is down.
+async fn unknown_service_is_invalid_config(url: &str, service: &str) {
+    match RedisLock::connect(url).await {
+        Err(Error::InvalidConfig { reason, .. }) => {
+            assert!(reason.contains(&format!("{service:?}")), "{reason}")
         }
         other => panic!("an unknown service: {other:?}"),
+    }
+}
+
+/// On the shared topology (`scripts/servers.sh`: three sentinels of service `lockkit`): a wrong
+/// service name is `InvalidConfig`; the same name with none of the sentinels reachable stays
+/// `Unavailable` (nobody said the service does not exist), and so does the right name then.
+#[tokio::test]
+async fn a_wrong_service_name_is_invalid_config_unless_no_sentinel_answers() {
+    let url = with_prefix(
+        &crate::common::server_url("LOCKKIT_REDIS_SENTINEL_URL"),
+        &fresh_prefix(),
+    );
+    assert!(url.contains("/lockkit?"), "{url}");
+    unknown_service_is_invalid_config(&url.replace("/lockkit?", "/lockkit-typo?"), "lockkit-typo")
+        .await;
+    let nobody = format!(
+        "redis+sentinel://127.0.0.1:{},127.0.0.1:{}/",
+        free_port(),
+        free_port()
+    );
+    for service in ["lockkit-typo", "lockkit"] {
+        match RedisLock::connect(&format!("{nobody}{service}")).await {
+            Err(Error::Unavailable { .. }) => {}
+            other => panic!("{service} with no sentinel up: {other:?}"),
+        }
     }
 }
 

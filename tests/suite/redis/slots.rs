@@ -13,7 +13,7 @@ use lockkit::{
 };
 use tokio::time::Instant;
 
-use super::PrivateRedis;
+use super::{PrivateRedis, kill_pubsub_connections};
 use crate::common::{ConnectUrl, SlotClients, fresh_prefix, with_prefix};
 
 /// The slot harness: a new `RedisLock` (its own connections) per client, all under one fresh
@@ -330,13 +330,7 @@ async fn an_observer_that_lost_its_connection_says_missed() {
         LeaderEvent::Leader(lockkit::LeaderInfo::new(la.term(), b"a".to_vec()))
     );
     let mut admin = server.raw().await;
-    let killed: i64 = redis::cmd("CLIENT")
-        .arg("KILL")
-        .arg("TYPE")
-        .arg("pubsub")
-        .query_async(&mut admin)
-        .await
-        .expect("CLIENT KILL");
+    let killed = kill_pubsub_connections(&mut admin).await;
     assert!(killed >= 1, "no pub/sub connection to kill");
     let term_a = la.term();
     la.resign().await.expect("resign");

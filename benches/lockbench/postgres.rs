@@ -3,8 +3,9 @@
 //! 2. sqlx's own `PgAdvisoryLock` (`try_acquire` + `release_now`), same two statements;
 //! 3. the SQL lockkit sends, by hand: the grant statement that also bumps and commits the
 //!    name's token in `lockkit.fence`, then `pg_advisory_unlock` (2 round trips, one commit);
-//!    3b. the same with lockkit's exact grant statement: row 3's plus its lock-delay handling
-//!    (it reads and clears the key's `lockkit.delay` row) and the name of a colliding key;
+//!    3b. the same with lockkit's exact grant statement (the text `grant_try_sql` gives, the
+//!    one lockkit sends): row 3's plus its lock-delay handling (it reads and clears the key's
+//!    `lockkit.delay` row) and the name of a colliding key;
 //! 4. lockkit try-once acquire + release (keepalive on, TTL 10 s): the issue's row; both
 //!    statements run on a shared holder session, by the caller's task under the session's
 //!    connection lock;
@@ -28,9 +29,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use lockkit::postgres::PgLock;
 use lockkit::postgres::sqlx::postgres::PgAdvisoryLock;
 use lockkit::postgres::sqlx::{self, Connection, Either, PgConnection};
+use lockkit::postgres::{PgLock, grant_try_sql};
 use lockkit::{AcquireOptions, Lock, Wait};
 use tokio::sync::Mutex;
 
@@ -44,34 +45,6 @@ const GRANT: &str = "WITH l AS MATERIALIZED (SELECT pg_try_advisory_lock($1) AS 
            WHERE f.name = excluded.name \
            RETURNING f.token) \
      SELECT l.ok, (SELECT token FROM b) FROM l";
-
-/// The grant statement lockkit sends (`grant_sql` in lockkit-postgres/src/core.rs, schema
-/// `lockkit`), with the lock-delay handling the simpler [`GRANT`] leaves out.
-const FULL: &str = "WITH l AS MATERIALIZED (SELECT pg_try_advisory_lock($1) AS ok), \
-         r AS MATERIALIZED (SELECT d.delay_ms, d.free_since FROM lockkit.delay d, l \
-                            WHERE l.ok AND d.key = $1 FOR UPDATE OF d), \
-         w AS MATERIALIZED (SELECT coalesce((SELECT CASE WHEN r.free_since IS NULL \
-                              THEN r.delay_ms \
-                              ELSE ceil(r.delay_ms \
-                                - extract(epoch FROM now() - r.free_since) * 1000)::bigint \
-                              END FROM r), 0) AS wait_ms), \
-         g AS MATERIALIZED (SELECT l.ok AND w.wait_ms <= 0 AS ok FROM l, w), \
-         s AS (UPDATE lockkit.delay d SET free_since = now() FROM l, w \
-               WHERE l.ok AND w.wait_ms > 0 AND d.key = $1 AND d.free_since IS NULL), \
-         x AS (DELETE FROM lockkit.delay d USING g WHERE g.ok AND $3::bigint = 0 AND d.key = $1), \
-         i AS (INSERT INTO lockkit.delay AS d (key, name, delay_ms) \
-               SELECT $1, $2, $3::bigint FROM g WHERE g.ok AND $3::bigint > 0 \
-                 AND NOT EXISTS (SELECT 1 FROM lockkit.fence f WHERE f.key = $1 AND f.name <> $2) \
-               ON CONFLICT (key) DO UPDATE \
-                 SET name = excluded.name, delay_ms = excluded.delay_ms, free_since = NULL), \
-         b AS (INSERT INTO lockkit.fence AS f (key, name, token) SELECT $1, $2, 1 FROM g WHERE g.ok \
-               ON CONFLICT (key) DO UPDATE SET token = f.token + 1 \
-               WHERE f.name = excluded.name \
-               RETURNING f.token) \
-         SELECT l.ok, (SELECT token FROM b), w.wait_ms, \
-                (SELECT f.name FROM lockkit.fence f WHERE f.key = $1 AND f.name <> $2 \
-                   AND NOT EXISTS (SELECT 1 FROM b)) \
-         FROM l, w";
 
 pub async fn run(iters: usize) -> Vec<Row> {
     let base = url("LOCKKIT_POSTGRES_URL");
@@ -87,6 +60,8 @@ pub async fn run(iters: usize) -> Vec<Row> {
     let sqlx_lock = Arc::new(PgAdvisoryLock::new(format!("{prefix}/sqlx")));
     let hand_name = format!("{prefix}/by-hand");
     let hand_key = locks.key("by-hand");
+    // Row 3b's statement is lockkit's own text (its default schema), not a copy of it.
+    let full_sql = grant_try_sql(locks.config().get_schema());
     let full_name = format!("{prefix}/full");
     let full_key = locks.key("full");
     let opts = AcquireOptions::new()
@@ -146,12 +121,12 @@ pub async fn run(iters: usize) -> Vec<Row> {
         })
     });
     let full_row: Op = Box::new(|| {
-        let (conn, name) = (conn.clone(), full_name.clone());
+        let (conn, name, sql) = (conn.clone(), full_name.clone(), &full_sql);
         Box::pin(async move {
             let mut g = conn.lock().await;
             let c = g.as_mut().expect("conn");
             let (ok, token, _w, _other): (bool, Option<i64>, i64, Option<String>) =
-                sqlx::query_as(FULL)
+                sqlx::query_as(sql)
                     .bind(full_key)
                     .bind(&name)
                     .bind(0i64)

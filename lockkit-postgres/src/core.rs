@@ -129,6 +129,16 @@ fn grant_sql(q: &str, lock: &str) -> String {
     )
 }
 
+/// The try-once grant statement lockkit sends for lockkit's tables in `schema` (`grant_sql`
+/// with `pg_try_advisory_lock($1)`): `$1` key, `$2` full name, `$3` lock-delay in ms (0 = none).
+///
+/// Not part of the API: lockbench runs this text by hand (`benches/lockbench/postgres.rs`) to
+/// compare lockkit's acquire with its own statement, so the two cannot drift apart.
+#[doc(hidden)]
+pub fn grant_try_sql(schema: &str) -> String {
+    grant_sql(&quote_ident(schema), "pg_try_advisory_lock($1)")
+}
+
 impl Sql {
     pub(crate) fn new(schema: &str) -> Self {
         // validate_schema allows only [a-z_][a-z0-9_]*, so quoting changes nothing but lets
@@ -137,7 +147,7 @@ impl Sql {
         Self {
             // A try-acquire never waits, so it holds its snapshot and its row locks only for
             // an instant.
-            grant_try: grant_sql(&q, "pg_try_advisory_lock($1)"),
+            grant_try: grant_try_sql(schema),
             grant_held: grant_sql(&q, "true"),
             // `count(*)` makes the DELETE run to completion before the unlock: the next
             // holder's grant then waits for this statement to commit (its `FOR UPDATE`) and

@@ -6,6 +6,10 @@
 //!    3b. the same with lockkit's exact grant statement (the text `grant_try_sql` gives, the
 //!    one lockkit sends): row 3's plus its lock-delay handling (it reads and clears the key's
 //!    `lockkit.delay` row) and the name of a colliding key;
+//!    3c. row 3b's statements on a connection with the session settings of lockkit's holder
+//!    sessions (`SESSION_SETTINGS`: `client_connection_check_interval`, TCP keepalives,
+//!    `synchronous_commit`, …; `idle_session_timeout` = the TTL): row 4 over this row is lockkit's client-side work,
+//!    this row over 3b the server's cost of those settings;
 //! 4. lockkit try-once acquire + release (keepalive on, TTL 10 s): the row; both
 //!    statements run on a shared holder session, by the caller's task under the session's
 //!    connection lock;
@@ -26,12 +30,13 @@
 //! [`spec`] describes PostgreSQL for the scenarios (`scenario.rs`): lockkit next to sqlx's
 //! `PgAdvisoryLock`.
 
+use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use lockkit::postgres::sqlx::postgres::PgAdvisoryLock;
+use lockkit::postgres::sqlx::postgres::{PgAdvisoryLock, PgConnectOptions};
 use lockkit::postgres::sqlx::{self, Connection, Either, PgConnection};
-use lockkit::postgres::{PgLock, grant_try_sql};
+use lockkit::postgres::{PgLock, SESSION_SETTINGS, grant_try_sql};
 use lockkit::{AcquireOptions, Lock, Wait};
 use tokio::sync::Mutex;
 
@@ -56,6 +61,19 @@ pub async fn run(iters: usize) -> Vec<Row> {
     let conn = Arc::new(Mutex::new(Some(
         PgConnection::connect(&base).await.expect("connect"),
     )));
+    // Row 3c's connection has the session settings of lockkit's holder sessions (the TTL as
+    // idle timeout).
+    let set_opts = PgConnectOptions::from_str(&base)
+        .expect("url")
+        .options(SESSION_SETTINGS)
+        .options([("idle_session_timeout", "10000")]);
+    let set_conn = Arc::new(Mutex::new(
+        PgConnection::connect_with(&set_opts)
+            .await
+            .expect("connect"),
+    ));
+    let set_name = format!("{prefix}/full-settings");
+    let set_key = locks.key("full-settings");
     let floor_key = locks.key("floor");
     let sqlx_lock = Arc::new(PgAdvisoryLock::new(format!("{prefix}/sqlx")));
     let hand_name = format!("{prefix}/by-hand");
@@ -142,6 +160,27 @@ pub async fn run(iters: usize) -> Vec<Row> {
             assert!(ok);
         })
     });
+    let settings_row: Op = Box::new(|| {
+        let (conn, name, sql) = (set_conn.clone(), set_name.clone(), &full_sql);
+        Box::pin(async move {
+            let mut c = conn.lock().await;
+            let (ok, token, _w, _other): (bool, Option<i64>, i64, Option<String>) =
+                sqlx::query_as(sql)
+                    .bind(set_key)
+                    .bind(&name)
+                    .bind(0i64)
+                    .fetch_one(&mut *c)
+                    .await
+                    .expect("grant");
+            assert!(ok && token.is_some());
+            let ok: bool = sqlx::query_scalar("SELECT pg_advisory_unlock($1)")
+                .bind(set_key)
+                .fetch_one(&mut *c)
+                .await
+                .expect("unlock");
+            assert!(ok);
+        })
+    });
     let lockkit_row: Op = Box::new(|| {
         let (locks, opts) = (&locks, opts.clone());
         Box::pin(async move {
@@ -168,6 +207,10 @@ pub async fn run(iters: usize) -> Vec<Row> {
             (
                 "lockkit's exact statements by hand: its grant (with lock-delay), unlock",
                 full_row,
+            ),
+            (
+                "the same on a connection with lockkit's session settings",
+                settings_row,
             ),
             (
                 "lockkit try-acquire + release (durable token, keepalive)",

@@ -253,7 +253,7 @@ pub use config::{
 };
 pub use core::SESSION_CHECK;
 #[doc(hidden)]
-pub use core::grant_try_sql;
+pub use core::{SESSION_SETTINGS, grant_try_sql};
 pub use fence::PgFence;
 pub use lease::PgLease;
 pub use lock::{PgLock, lock_key, lock_key_in};

@@ -3,8 +3,13 @@
 //! 2. sqlx's own `PgAdvisoryLock` (`try_acquire` + `release_now`), same two statements;
 //! 3. the SQL lockkit sends, by hand: the grant statement that also bumps and commits the
 //!    name's token in `lockkit.fence`, then `pg_advisory_unlock` (2 round trips, one commit);
-//!    3b. the same with lockkit's exact grant statement: row 3's plus its lock-delay handling
-//!    (it reads and clears the key's `lockkit.delay` row) and the name of a colliding key;
+//!    3b. the same with lockkit's exact grant statement (the text `grant_try_sql` gives, the
+//!    one lockkit sends): row 3's plus its lock-delay handling (it reads and clears the key's
+//!    `lockkit.delay` row) and the name of a colliding key;
+//!    3c. row 3b's statements on a connection with the session settings of lockkit's holder
+//!    sessions (`SESSION_SETTINGS`: `client_connection_check_interval`, TCP keepalives,
+//!    `synchronous_commit`, …; `idle_session_timeout` = the TTL): row 4 over this row is lockkit's client-side work,
+//!    this row over 3b the server's cost of those settings;
 //! 4. lockkit try-once acquire + release (keepalive on, TTL 10 s): the issue's row; both
 //!    statements run on a shared holder session, by the caller's task under the session's
 //!    connection lock;
@@ -25,12 +30,13 @@
 //! [`spec`] describes PostgreSQL for the scenarios (`scenario.rs`): lockkit next to sqlx's
 //! `PgAdvisoryLock`.
 
+use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use lockkit::postgres::PgLock;
-use lockkit::postgres::sqlx::postgres::PgAdvisoryLock;
+use lockkit::postgres::sqlx::postgres::{PgAdvisoryLock, PgConnectOptions};
 use lockkit::postgres::sqlx::{self, Connection, Either, PgConnection};
+use lockkit::postgres::{PgLock, SESSION_SETTINGS, grant_try_sql};
 use lockkit::{AcquireOptions, Lock, Wait};
 use tokio::sync::Mutex;
 
@@ -45,34 +51,6 @@ const GRANT: &str = "WITH l AS MATERIALIZED (SELECT pg_try_advisory_lock($1) AS 
            RETURNING f.token) \
      SELECT l.ok, (SELECT token FROM b) FROM l";
 
-/// The grant statement lockkit sends (`grant_sql` in lockkit-postgres/src/core.rs, schema
-/// `lockkit`), with the lock-delay handling the simpler [`GRANT`] leaves out.
-const FULL: &str = "WITH l AS MATERIALIZED (SELECT pg_try_advisory_lock($1) AS ok), \
-         r AS MATERIALIZED (SELECT d.delay_ms, d.free_since FROM lockkit.delay d, l \
-                            WHERE l.ok AND d.key = $1 FOR UPDATE OF d), \
-         w AS MATERIALIZED (SELECT coalesce((SELECT CASE WHEN r.free_since IS NULL \
-                              THEN r.delay_ms \
-                              ELSE ceil(r.delay_ms \
-                                - extract(epoch FROM now() - r.free_since) * 1000)::bigint \
-                              END FROM r), 0) AS wait_ms), \
-         g AS MATERIALIZED (SELECT l.ok AND w.wait_ms <= 0 AS ok FROM l, w), \
-         s AS (UPDATE lockkit.delay d SET free_since = now() FROM l, w \
-               WHERE l.ok AND w.wait_ms > 0 AND d.key = $1 AND d.free_since IS NULL), \
-         x AS (DELETE FROM lockkit.delay d USING g WHERE g.ok AND $3::bigint = 0 AND d.key = $1), \
-         i AS (INSERT INTO lockkit.delay AS d (key, name, delay_ms) \
-               SELECT $1, $2, $3::bigint FROM g WHERE g.ok AND $3::bigint > 0 \
-                 AND NOT EXISTS (SELECT 1 FROM lockkit.fence f WHERE f.key = $1 AND f.name <> $2) \
-               ON CONFLICT (key) DO UPDATE \
-                 SET name = excluded.name, delay_ms = excluded.delay_ms, free_since = NULL), \
-         b AS (INSERT INTO lockkit.fence AS f (key, name, token) SELECT $1, $2, 1 FROM g WHERE g.ok \
-               ON CONFLICT (key) DO UPDATE SET token = f.token + 1 \
-               WHERE f.name = excluded.name \
-               RETURNING f.token) \
-         SELECT l.ok, (SELECT token FROM b), w.wait_ms, \
-                (SELECT f.name FROM lockkit.fence f WHERE f.key = $1 AND f.name <> $2 \
-                   AND NOT EXISTS (SELECT 1 FROM b)) \
-         FROM l, w";
-
 pub async fn run(iters: usize) -> Vec<Row> {
     let base = url("LOCKKIT_POSTGRES_URL");
     let prefix = format!("lockbench-{:08x}", rand::random::<u32>());
@@ -83,10 +61,25 @@ pub async fn run(iters: usize) -> Vec<Row> {
     let conn = Arc::new(Mutex::new(Some(
         PgConnection::connect(&base).await.expect("connect"),
     )));
+    // Row 3c's connection has the session settings of lockkit's holder sessions (the TTL as
+    // idle timeout).
+    let set_opts = PgConnectOptions::from_str(&base)
+        .expect("url")
+        .options(SESSION_SETTINGS)
+        .options([("idle_session_timeout", "10000")]);
+    let set_conn = Arc::new(Mutex::new(
+        PgConnection::connect_with(&set_opts)
+            .await
+            .expect("connect"),
+    ));
+    let set_name = format!("{prefix}/full-settings");
+    let set_key = locks.key("full-settings");
     let floor_key = locks.key("floor");
     let sqlx_lock = Arc::new(PgAdvisoryLock::new(format!("{prefix}/sqlx")));
     let hand_name = format!("{prefix}/by-hand");
     let hand_key = locks.key("by-hand");
+    // Row 3b's statement is lockkit's own text (its default schema), not a copy of it.
+    let full_sql = grant_try_sql(locks.config().get_schema());
     let full_name = format!("{prefix}/full");
     let full_key = locks.key("full");
     let opts = AcquireOptions::new()
@@ -146,12 +139,12 @@ pub async fn run(iters: usize) -> Vec<Row> {
         })
     });
     let full_row: Op = Box::new(|| {
-        let (conn, name) = (conn.clone(), full_name.clone());
+        let (conn, name, sql) = (conn.clone(), full_name.clone(), &full_sql);
         Box::pin(async move {
             let mut g = conn.lock().await;
             let c = g.as_mut().expect("conn");
             let (ok, token, _w, _other): (bool, Option<i64>, i64, Option<String>) =
-                sqlx::query_as(FULL)
+                sqlx::query_as(sql)
                     .bind(full_key)
                     .bind(&name)
                     .bind(0i64)
@@ -161,6 +154,27 @@ pub async fn run(iters: usize) -> Vec<Row> {
             assert!(ok && token.is_some());
             let ok: bool = sqlx::query_scalar("SELECT pg_advisory_unlock($1)")
                 .bind(full_key)
+                .fetch_one(&mut *c)
+                .await
+                .expect("unlock");
+            assert!(ok);
+        })
+    });
+    let settings_row: Op = Box::new(|| {
+        let (conn, name, sql) = (set_conn.clone(), set_name.clone(), &full_sql);
+        Box::pin(async move {
+            let mut c = conn.lock().await;
+            let (ok, token, _w, _other): (bool, Option<i64>, i64, Option<String>) =
+                sqlx::query_as(sql)
+                    .bind(set_key)
+                    .bind(&name)
+                    .bind(0i64)
+                    .fetch_one(&mut *c)
+                    .await
+                    .expect("grant");
+            assert!(ok && token.is_some());
+            let ok: bool = sqlx::query_scalar("SELECT pg_advisory_unlock($1)")
+                .bind(set_key)
                 .fetch_one(&mut *c)
                 .await
                 .expect("unlock");
@@ -193,6 +207,10 @@ pub async fn run(iters: usize) -> Vec<Row> {
             (
                 "lockkit's exact statements by hand: its grant (with lock-delay), unlock",
                 full_row,
+            ),
+            (
+                "the same on a connection with lockkit's session settings",
+                settings_row,
             ),
             (
                 "lockkit try-acquire + release (durable token, keepalive)",

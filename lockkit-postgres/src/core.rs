@@ -129,6 +129,36 @@ fn grant_sql(q: &str, lock: &str) -> String {
     )
 }
 
+/// The settings every connection of lockkit starts its server session with (a holder session
+/// then sets `idle_session_timeout` to its TTL).
+///
+/// Not part of the API: lockbench runs its by-hand statements on a connection with these
+/// settings too (`benches/lockbench/postgres.rs`), to tell their server cost from lockkit's
+/// client-side work.
+#[doc(hidden)]
+pub const SESSION_SETTINGS: [(&str, &str); 10] = [
+    ("statement_timeout", "0"),
+    ("lock_timeout", "0"),
+    ("idle_in_transaction_session_timeout", "0"),
+    ("idle_session_timeout", "0"),
+    ("synchronous_commit", "on"),
+    ("client_connection_check_interval", CLIENT_CHECK_MS),
+    ("tcp_keepalives_idle", "10"),
+    ("tcp_keepalives_interval", "2"),
+    ("tcp_keepalives_count", "3"),
+    ("tcp_user_timeout", "10000"),
+];
+
+/// The try-once grant statement lockkit sends for lockkit's tables in `schema` (`grant_sql`
+/// with `pg_try_advisory_lock($1)`): `$1` key, `$2` full name, `$3` lock-delay in ms (0 = none).
+///
+/// Not part of the API: lockbench runs this text by hand (`benches/lockbench/postgres.rs`) to
+/// compare lockkit's acquire with its own statement, so the two cannot drift apart.
+#[doc(hidden)]
+pub fn grant_try_sql(schema: &str) -> String {
+    grant_sql(&quote_ident(schema), "pg_try_advisory_lock($1)")
+}
+
 impl Sql {
     pub(crate) fn new(schema: &str) -> Self {
         // validate_schema allows only [a-z_][a-z0-9_]*, so quoting changes nothing but lets
@@ -137,7 +167,7 @@ impl Sql {
         Self {
             // A try-acquire never waits, so it holds its snapshot and its row locks only for
             // an instant.
-            grant_try: grant_sql(&q, "pg_try_advisory_lock($1)"),
+            grant_try: grant_try_sql(schema),
             grant_held: grant_sql(&q, "true"),
             // `count(*)` makes the DELETE run to completion before the unlock: the next
             // holder's grant then waits for this statement to commit (its `FOR UPDATE`) and
@@ -261,19 +291,12 @@ impl Inner {
 
     async fn open_untimed(&self) -> Result<Conn> {
         let probe = format!("{:016x}", rand::random::<u64>());
-        let mut opts = self.config.connect.clone().options([
-            ("statement_timeout", "0"),
-            ("lock_timeout", "0"),
-            ("idle_in_transaction_session_timeout", "0"),
-            ("idle_session_timeout", "0"),
-            ("synchronous_commit", "on"),
-            ("client_connection_check_interval", CLIENT_CHECK_MS),
-            ("tcp_keepalives_idle", "10"),
-            ("tcp_keepalives_interval", "2"),
-            ("tcp_keepalives_count", "3"),
-            ("tcp_user_timeout", "10000"),
-            ("lockkit.session", probe.as_str()),
-        ]);
+        let mut opts = self
+            .config
+            .connect
+            .clone()
+            .options(SESSION_SETTINGS)
+            .options([("lockkit.session", probe.as_str())]);
         if opts.get_application_name().is_none() {
             opts = opts.application_name("lockkit");
         }

@@ -252,6 +252,8 @@ pub use config::{
     DEFAULT_CONNECT_TIMEOUT, DEFAULT_PREFIX, DEFAULT_SCHEMA, MIN_CONNECT_TIMEOUT, PgConfig,
 };
 pub use core::SESSION_CHECK;
+#[doc(hidden)]
+pub use core::{SESSION_SETTINGS, grant_try_sql};
 pub use fence::PgFence;
 pub use lease::PgLease;
 pub use lock::{PgLock, lock_key, lock_key_in};

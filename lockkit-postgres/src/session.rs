@@ -1114,6 +1114,23 @@ async fn watch_loop(sessions: Weak<Sessions>, inner: Weak<Inner>) {
     }
 }
 
+/// The keeper's last step (an error, the server's close, or the session failed or retired
+/// elsewhere): if the session still has its connection, its leases are lost and the
+/// connection is closed; either way it leaves its pool and the watch. Whoever took the
+/// connection before (`die`, `retire`, a dropped solo renewal) also took it out of both, so
+/// `remove` again changes nothing; a session the watch failed still has its connection, and
+/// `fail` again finds only leases granted since.
+async fn end(h: &Holder) {
+    let mut g = h.conn.lock().await;
+    if g.is_some() {
+        h.fail();
+        drop(g.take());
+    }
+    if let Some(s) = h.sessions.upgrade() {
+        s.remove(h);
+    }
+}
+
 /// What woke the keeper.
 enum Event {
     /// Owed unlocks, a lease no longer renewed, or the session ended.
@@ -1138,12 +1155,8 @@ async fn keeper(h: Arc<Holder>) {
             (st.dead, !st.pending.is_empty() || st.dirty, st.closed)
         };
         if dead {
-            // Failed elsewhere (the watch, a caller): close the connection.
-            let mut g = h.conn.lock().await;
-            drop(g.take());
-            if let Some(s) = h.sessions.upgrade() {
-                s.remove(&h);
-            }
+            // Failed or retired elsewhere (the watch, a caller): close the connection.
+            end(&h).await;
             return;
         }
         let ev = if closed {
@@ -1167,26 +1180,12 @@ async fn keeper(h: Arc<Holder>) {
                 }
                 // Settles what is owed; an error ends the session (in `settle`).
                 if h.op().await.is_err() {
-                    let mut g = h.conn.lock().await;
-                    if g.is_some() {
-                        h.fail();
-                        drop(g.take());
-                        if let Some(s) = h.sessions.upgrade() {
-                            s.remove(&h);
-                        }
-                    }
+                    end(&h).await;
                     return;
                 }
             }
             Event::Closed => {
-                let mut g = h.conn.lock().await;
-                if g.is_some() {
-                    h.fail();
-                    drop(g.take());
-                }
-                if let Some(s) = h.sessions.upgrade() {
-                    s.remove(&h);
-                }
+                end(&h).await;
                 return;
             }
             Event::Tick => match h.op().await {

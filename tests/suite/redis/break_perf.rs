@@ -176,3 +176,232 @@ async fn until_subscribers(admin: &mut redis::aio::MultiplexedConnection, key: &
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
+
+/// The keyspace channels of `prefix`'s lock keys that some client subscribes to, without the
+/// probe channel every client subscribes to at connect (`__keyspace@0__:P:lock:`).
+async fn lock_channels(admin: &mut redis::aio::MultiplexedConnection, prefix: &str) -> Vec<String> {
+    let probe = format!("__keyspace@0__:{prefix}:lock:");
+    let mut all: Vec<String> = redis::cmd("PUBSUB")
+        .arg("CHANNELS")
+        .arg(format!("{probe}*"))
+        .query_async(admin)
+        .await
+        .expect("PUBSUB CHANNELS");
+    all.retain(|c| *c != probe);
+    all
+}
+
+/// Waits (bounded by [`SOON`]) until no client subscribes to a lock key channel of `prefix`.
+async fn until_no_lock_channels(admin: &mut redis::aio::MultiplexedConnection, prefix: &str) {
+    let start = Instant::now();
+    loop {
+        let left = lock_channels(admin, prefix).await;
+        if left.is_empty() {
+            return;
+        }
+        assert!(
+            start.elapsed() < SOON,
+            "{} keyspace channels still subscribed {SOON:?} after the last release: {:?}",
+            left.len(),
+            &left[..left.len().min(5)]
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Two clients, eight tasks each, take and give back four names for a few seconds, holding
+/// each lease for 0 to 60 ms (around `WATCH_AFTER`, so grants are released before, during and
+/// after their subscription, and a name is often granted again to the same client while its
+/// channel is being subscribed or unsubscribed). Never two holders at once, tokens increase
+/// per name, no lease is lost (no event of an earlier lease is taken for a loss of a later
+/// one), and once all is released no lock key channel is left subscribed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fast_grants_and_releases_around_the_subscription_leave_no_channel_and_no_loss() {
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex};
+    let server = PrivateRedis::start(None).await;
+    let prefix = fresh_prefix();
+    let url = with_prefix(&server.url(), &prefix);
+    let mut admin = server.raw().await;
+    let clients = [
+        Arc::new(RedisLock::connect(&url).await.expect("connect")),
+        Arc::new(RedisLock::connect(&url).await.expect("connect")),
+    ];
+    // Per name: who holds it now, and the last token granted.
+    let held: Arc<Mutex<HashMap<String, (bool, u64)>>> = Arc::default();
+    let until = Instant::now() + Duration::from_secs(4);
+    let mut tasks = Vec::new();
+    for (c, locks) in clients.iter().enumerate() {
+        for t in 0..8u64 {
+            let locks = locks.clone();
+            let held = held.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut grants = 0u64;
+                let mut i = t;
+                while Instant::now() < until {
+                    i += 1;
+                    let name = format!("churn{}", (i + c as u64) % 4);
+                    let opts = AcquireOptions::new()
+                        .ttl(Duration::from_secs(30))
+                        .wait(Wait::Timeout(Duration::from_secs(10)));
+                    let lease = locks.acquire(&name, opts).await.expect("acquire");
+                    let token = lease.token().get();
+                    {
+                        let mut h = held.lock().unwrap();
+                        let e = h.entry(name.clone()).or_insert((false, 0));
+                        assert!(!e.0, "{name}: two holders at once");
+                        assert!(token > e.1, "{name}: token {token} not above {}", e.1);
+                        *e = (true, token);
+                    }
+                    tokio::time::sleep(Duration::from_millis((i * 7919) % 61)).await;
+                    assert_eq!(
+                        lease.state(),
+                        LeaseState::Held,
+                        "{name}: lost ({:?}) while held",
+                        lease.loss_reason()
+                    );
+                    held.lock().unwrap().get_mut(&name).expect("held").0 = false;
+                    lease.release().await.expect("release");
+                    grants += 1;
+                }
+                grants
+            }));
+        }
+    }
+    let mut grants = 0;
+    for t in tasks {
+        grants += t.await.expect("task");
+    }
+    eprintln!("{grants} grants");
+    until_no_lock_channels(&mut admin, &prefix).await;
+}
+
+/// The pub/sub connection killed (`CLIENT KILL TYPE pubsub`) while twenty leases are younger
+/// than `WATCH_AFTER` (not subscribed yet): once it is back, every key is subscribed and
+/// checked, so keys deleted while it was down and keys deleted after it came back are heard
+/// long before a renewal (20 s away), the other leases stay held, and releasing them all
+/// leaves no channel.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pubsub_killed_while_grants_are_young_loses_no_notice() {
+    let server = PrivateRedis::start(None).await;
+    let prefix = fresh_prefix();
+    let locks = RedisLock::connect(&with_prefix(&server.url(), &prefix))
+        .await
+        .expect("connect");
+    let mut admin = server.raw().await;
+    let opts = AcquireOptions::new()
+        .ttl(Duration::from_secs(60))
+        .wait(Wait::No);
+    for round in 0..3 {
+        let mut leases = Vec::new();
+        for i in 0..20 {
+            leases.push(
+                locks
+                    .acquire(&format!("young{round}-{i}"), opts.clone())
+                    .await
+                    .expect("acquire"),
+            );
+        }
+        let killed: i64 = redis::cmd("CLIENT")
+            .arg("KILL")
+            .arg("TYPE")
+            .arg("pubsub")
+            .query_async(&mut admin)
+            .await
+            .expect("CLIENT KILL");
+        assert_eq!(
+            killed, 1,
+            "expected to kill the client's pub/sub connection"
+        );
+        // Deleted while the connection is down (or coming back).
+        for l in leases.iter().step_by(4) {
+            let _: i64 = redis::cmd("DEL")
+                .arg(locks.lock_key(l.name()))
+                .query_async(&mut admin)
+                .await
+                .expect("DEL");
+        }
+        for l in leases.iter().step_by(4) {
+            until_lost(l, "deleted while the pub/sub connection was down").await;
+        }
+        // Subscribed again (every key still held): a deletion now is heard by its event.
+        for l in leases.iter().skip(2).step_by(4) {
+            until_subscribers(&mut admin, &locks.lock_key(l.name()), 1).await;
+            let _: i64 = redis::cmd("DEL")
+                .arg(locks.lock_key(l.name()))
+                .query_async(&mut admin)
+                .await
+                .expect("DEL");
+        }
+        for l in leases.iter().skip(2).step_by(4) {
+            until_lost(l, "deleted after the pub/sub connection came back").await;
+        }
+        for (i, l) in leases.iter().enumerate() {
+            if i % 2 == 0 {
+                assert_eq!(l.loss_reason(), Some(LossReason::NotHeldOnServer), "{i}");
+            } else {
+                assert_eq!(l.state(), LeaseState::Held, "{i}");
+                l.check().await.expect("still held");
+            }
+        }
+        for l in leases {
+            let _ = l.release().await;
+        }
+        until_no_lock_channels(&mut admin, &prefix).await;
+    }
+}
+
+/// The server stops answering (`DEBUG SLEEP`) while a young lease's channel is being
+/// subscribed: the `SUBSCRIBE` times out on the client (response timeout 200 ms), and the
+/// lease is released while the server still sleeps. When the server wakes it carries out the
+/// `SUBSCRIBE`s it was sent; the channel must still be unsubscribed (a timed-out `SUBSCRIBE`
+/// may have been carried out, so the release must not take the channel for unsubscribed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscribe_that_timed_out_during_a_server_sleep_leaves_no_channel() {
+    let server = PrivateRedis::start_with(None, &["--enable-debug-command", "yes"]).await;
+    let prefix = fresh_prefix();
+    let url = format!(
+        "{}&response_timeout_ms=200",
+        with_prefix(&server.url(), &prefix)
+    );
+    let locks = RedisLock::connect(&url).await.expect("connect");
+    let mut admin = server.raw().await;
+    let opts = AcquireOptions::new()
+        .ttl(Duration::from_secs(60))
+        .wait(Wait::No);
+    for round in 0..3 {
+        let lease = locks
+            .acquire(&format!("asleep{round}"), opts.clone())
+            .await
+            .expect("acquire");
+        // redis-cli waits out the sleep (the redis crate's connection would time out).
+        let port = server.port.to_string();
+        let sleep = tokio::task::spawn_blocking(move || {
+            std::process::Command::new("redis-cli")
+                .args(["-p", &port, "DEBUG", "SLEEP", "1.5"])
+                .output()
+                .expect("redis-cli DEBUG SLEEP")
+        });
+        // Inside the sleep, after the lease's first SUBSCRIBE (25-50 ms after the grant) timed
+        // out (200 ms): a fault's timing, nothing is measured.
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        // Times out (200 ms) unless the sleep ended first; a timed-out release may or may not
+        // run (its connection is replaced), and then the key is left to its TTL.
+        let released = lease.release().await;
+        let out = sleep.await.expect("sleep task");
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).trim(),
+            "OK",
+            "DEBUG SLEEP"
+        );
+        until_no_lock_channels(&mut admin, &prefix).await;
+        let key: Option<String> = redis::cmd("GET")
+            .arg(locks.lock_key(&format!("asleep{round}")))
+            .query_async(&mut admin)
+            .await
+            .expect("GET");
+        if released.is_ok() {
+            assert_eq!(key, None, "the released lock key is still there");
+        }
+    }
+}

@@ -99,3 +99,155 @@ async fn a_grant_stuck_on_a_table_lock_does_not_starve_the_sessions_renewal() {
             .expect("release");
     }
 }
+
+/// Two clients, six tasks each, take and give back four names (try-once and waited grants,
+/// so shared and adopted holder sessions) while a killer task `pg_terminate_backend`s the
+/// session of a lease just granted, every 100 ms. A lease whose session was killed must be
+/// lost; any other holder must never overlap the next one (a grant while the previous holder
+/// is live means its session was killed); tokens increase per name; and at the end every
+/// name can be taken at once by another client (nothing left on the server).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn terminated_sessions_during_concurrent_grants_and_releases() {
+    use std::collections::{HashMap, HashSet};
+    use std::sync::{Arc, Mutex};
+    let url = with_prefix(&base_url(), &fresh_prefix());
+    let clients = [
+        PgLock::connect(&url).await.expect("connect"),
+        PgLock::connect(&url).await.expect("connect"),
+    ];
+    let ttl = Duration::from_secs(3);
+    // Per name: the live holder's (token, pid), and the largest token seen.
+    let held: Arc<Mutex<HashMap<String, (Option<(u64, i32)>, u64)>>> = Arc::default();
+    let killed: Arc<Mutex<HashSet<i32>>> = Arc::default();
+    let victims: Arc<Mutex<Vec<i32>>> = Arc::default();
+    let until = Instant::now() + Duration::from_secs(4);
+    let mut tasks = Vec::new();
+    for (c, locks) in clients.iter().enumerate() {
+        for t in 0..6u64 {
+            let (locks, held, killed, victims) =
+                (locks.clone(), held.clone(), killed.clone(), victims.clone());
+            tasks.push(tokio::spawn(async move {
+                let mut i = t;
+                let mut grants = 0u32;
+                while Instant::now() < until {
+                    i += 1;
+                    let name = format!("kill{}", (i + c as u64) % 4);
+                    let got = if i % 2 == 0 {
+                        locks.try_acquire(&name, ttl).await
+                    } else {
+                        locks
+                            .acquire_timeout(&name, ttl, Duration::from_secs(2))
+                            .await
+                    };
+                    let lease = match got {
+                        Ok(l) => l,
+                        Err(e)
+                            if e.is_retryable()
+                                || matches!(
+                                    e,
+                                    lockkit::Error::Held { .. } | lockkit::Error::Timeout { .. }
+                                ) =>
+                        {
+                            continue;
+                        }
+                        Err(e) => panic!("{name}: acquire: {e:?}"),
+                    };
+                    let token = lease.token().get();
+                    let pid = super::pid_of(&lease);
+                    {
+                        let mut h = held.lock().unwrap();
+                        let e = h.entry(name.clone()).or_insert((None, 0));
+                        let k = killed.lock().unwrap();
+                        if let Some((old, old_pid)) = e.0 {
+                            assert!(
+                                k.contains(&old_pid),
+                                "{name}: granted ({token}) while {old} of a live session held it"
+                            );
+                        }
+                        assert!(
+                            token > e.1 || k.contains(&pid),
+                            "{name}: token {token} not above {}",
+                            e.1
+                        );
+                        e.0 = Some((token, pid));
+                        e.1 = e.1.max(token);
+                    }
+                    victims.lock().unwrap().push(pid);
+                    tokio::time::sleep(Duration::from_millis((i * 7919) % 21)).await;
+                    {
+                        let mut h = held.lock().unwrap();
+                        let e = h.get_mut(&name).expect("held");
+                        if e.0 == Some((token, pid)) {
+                            e.0 = None;
+                        }
+                    }
+                    if killed.lock().unwrap().contains(&pid) {
+                        tokio::time::timeout(Duration::from_secs(2), lease.lost())
+                            .await
+                            .unwrap_or_else(|_| {
+                                panic!(
+                                    "{name}: its session was killed, the lease is {:?}",
+                                    lease.state()
+                                )
+                            });
+                        let _ = lease.release().await;
+                    } else if lease.state() == LeaseState::Held {
+                        // Killed just now (after the look) is possible: then NotHeld.
+                        let r = lease.release().await;
+                        assert!(
+                            r.is_ok() || killed.lock().unwrap().contains(&pid),
+                            "{name}: release: {r:?}"
+                        );
+                    } else {
+                        assert!(
+                            killed.lock().unwrap().contains(&pid),
+                            "{name}: lost ({:?}) but its session was not killed",
+                            lease.loss_reason()
+                        );
+                    }
+                    grants += 1;
+                }
+                grants
+            }));
+        }
+    }
+    let killer = {
+        let (killed, victims) = (killed.clone(), victims.clone());
+        tokio::spawn(async move {
+            let mut db = admin(&base_url()).await;
+            let mut kills = 0u32;
+            while Instant::now() < until {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let Some(pid) = victims.lock().unwrap().pop() else {
+                    continue;
+                };
+                // Marked first: a grant seen overlapping this session's lease is allowed.
+                killed.lock().unwrap().insert(pid);
+                let _: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+                    .bind(pid)
+                    .fetch_one(&mut db)
+                    .await
+                    .expect("pg_terminate_backend");
+                kills += 1;
+            }
+            kills
+        })
+    };
+    let mut grants = 0;
+    for t in tasks {
+        grants += t.await.expect("task");
+    }
+    let kills = killer.await.expect("killer");
+    eprintln!("{grants} grants, {kills} sessions terminated");
+    let other = PgLock::connect(&url).await.expect("connect");
+    for i in 0..4 {
+        let name = format!("kill{i}");
+        other
+            .acquire_timeout(&name, ttl, ttl * 2)
+            .await
+            .unwrap_or_else(|e| panic!("{name} is not free: {e}"))
+            .release()
+            .await
+            .expect("release");
+    }
+}

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use lockkit::postgres::PgLock;
 use lockkit::postgres::sqlx::{self, PgConnection};
-use lockkit::{LeaseState, Lock, LockExt};
+use lockkit::{LeaseState, LockExt};
 use tokio::time::Instant;
 
 use super::base_url;
@@ -116,8 +116,9 @@ async fn terminated_sessions_during_concurrent_grants_and_releases() {
         PgLock::connect(&url).await.expect("connect"),
     ];
     let ttl = Duration::from_secs(3);
-    // Per name: the live holder's (token, pid), and the largest token seen.
-    let held: Arc<Mutex<HashMap<String, (Option<(u64, i32)>, u64)>>> = Arc::default();
+    /// Per name: the live holder's (token, pid), and the largest token seen.
+    type Holders = HashMap<String, (Option<(u64, i32)>, u64)>;
+    let held: Arc<Mutex<Holders>> = Arc::default();
     let killed: Arc<Mutex<HashSet<i32>>> = Arc::default();
     let victims: Arc<Mutex<Vec<i32>>> = Arc::default();
     let until = Instant::now() + Duration::from_secs(4);

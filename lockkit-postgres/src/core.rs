@@ -168,7 +168,9 @@ impl Sql {
             // A try-acquire never waits, so it holds its snapshot and its row locks only for
             // an instant.
             grant_try: grant_try_sql(schema),
-            grant_held: grant_sql(&q, "true"),
+            // `$4`: the session's `lock_timeout` from now on (a holder session's, see
+            // `holder_lock_timeout_ms`; the wait ran with the time left to wait).
+            grant_held: grant_sql(&q, "set_config('lock_timeout', $4, false) IS NOT NULL"),
             // `count(*)` makes the DELETE run to completion before the unlock: the next
             // holder's grant then waits for this statement to commit (its `FOR UPDATE`) and
             // finds no row. Only a session that holds the lock deletes the row, and only
@@ -351,14 +353,19 @@ impl Inner {
         }
     }
 
-    /// Sets the session's `idle_session_timeout` to `ms` (one statement).
+    /// Sets the session's `idle_session_timeout` to `ms`, and its `lock_timeout` to
+    /// [`holder_lock_timeout_ms`] of it (one statement).
     pub(crate) async fn set_idle(&self, c: &mut Conn, ms: u64) -> Result<()> {
         c.last_sent = Instant::now();
-        sqlx::query("SELECT set_config('idle_session_timeout', $1, false)")
-            .bind(ms.to_string())
-            .execute(&mut c.conn)
-            .await
-            .map_err(from_sqlx)?;
+        sqlx::query(
+            "SELECT set_config('idle_session_timeout', $1, false), \
+                    set_config('lock_timeout', $2, false)",
+        )
+        .bind(ms.to_string())
+        .bind(holder_lock_timeout_ms(ms).to_string())
+        .execute(&mut c.conn)
+        .await
+        .map_err(from_sqlx)?;
         c.idle_ms = ms;
         Ok(())
     }
@@ -543,6 +550,15 @@ impl Drop for Inner {
 pub(crate) fn duration_ms(d: Duration) -> u64 {
     let ms = d.as_nanos().div_ceil(1_000_000);
     u64::try_from(ms).unwrap_or(u64::MAX).max(1)
+}
+
+/// The `lock_timeout` of a holder session of TTL `ttl_ms`: TTL/6 (at least 1 ms). A statement
+/// on it that waits for a table or row lock (an operator's `LOCK TABLE`, `VACUUM FULL` or
+/// `ALTER TABLE` on lockkit's tables) gives up after that with `lock_not_available`, so the
+/// session is renewed (every TTL/3) before its leases turn suspect (TTL/2 without a renewal):
+/// one stuck grant must not starve the renewal of the session's other leases.
+pub(crate) fn holder_lock_timeout_ms(ttl_ms: u64) -> u64 {
+    (ttl_ms / 6).max(1)
 }
 
 pub(crate) fn ttl_ms(ttl: Duration) -> u64 {

@@ -30,6 +30,10 @@ pub(crate) fn from_sqlx(e: sqlx::Error) -> Error {
                 // connection exceptions, too many connections, operator intervention
                 // (admin/crash shutdown, cannot connect now, idle session timeout)
                 c if c.starts_with("08") || c == "53300" || c.starts_with("57P") => unavailable(e),
+                // lock_not_available: a holder session's `lock_timeout` ran out while a
+                // statement waited for a lock on lockkit's tables (an operator's `LOCK TABLE`,
+                // `VACUUM FULL`): the tables are busy for now, retrying may help.
+                "55P03" => unavailable(e),
                 _ => backend(e),
             }
         }

@@ -63,7 +63,11 @@
 //!   if another statement ran since) every TTL/3 restarts the session's idle timer and confirms
 //!   all its leases at once; their leases are
 //!   [`self_renewing`](lockkit_core::backend::LeaseOps::self_renewing), so the core schedules
-//!   nothing for them. 10,000 leases of TTL 3 s: about 10 statements per second.
+//!   nothing for them. 10,000 leases of TTL 3 s: about 10 statements per second. A holder
+//!   session's `lock_timeout` is TTL/6, so a grant or release that waits for a lock on
+//!   lockkit's tables (an operator's `LOCK TABLE`, `VACUUM FULL`) gives up with
+//!   [`Unavailable`](lockkit_core::Error::Unavailable) before the session's other leases miss
+//!   their renewal.
 //! - **Waiting** acquires first try once on a shared session; if the lock is held, they wait in
 //!   the server's queue on a connection of their own (a blocking `pg_advisory_lock` cannot
 //!   share a session), and that connection, which now holds the lock, becomes a holder session

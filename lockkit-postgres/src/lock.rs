@@ -338,10 +338,12 @@ impl Inner {
         c: &mut Conn,
         req: &Request<'_>,
     ) -> std::result::Result<(Option<i64>, i64, Option<String>), sqlx::Error> {
+        let lock_timeout = crate::core::holder_lock_timeout_ms(ttl_ms(req.opts.ttl));
         let (_, token, wait_ms, other): GrantRow = sqlx::query_as(&self.sql.grant_held)
             .bind(req.key)
             .bind(req.full)
             .bind(req.delay_ms())
+            .bind(lock_timeout.to_string())
             .fetch_one(&mut c.conn)
             .await?;
         Ok((token, wait_ms, other))

@@ -146,11 +146,12 @@ pub(crate) fn hash_tag(key: &str) -> &str {
 /// Compare-and-pexpire. `KEYS[1]` lock key, `KEYS[2]` lock-delay key; `ARGV[1]` owner value,
 /// `ARGV[2]` TTL in ms, `ARGV[3]` TTL + lock-delay in ms (`0`: no delay). Returns 1 if the key
 /// held our owner value and its expiry was set (and the delay key's, to TTL + delay), 0
-/// otherwise. A lapsed lock (key gone or someone else's value) is never re-taken.
+/// otherwise. A lapsed lock (key gone, someone else's value, or a key of another type: the
+/// `GET` is a `pcall`) is never re-taken.
 pub(crate) static RENEW: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
-if redis.call('GET', KEYS[1]) == ARGV[1] then
+if redis.pcall('GET', KEYS[1]) == ARGV[1] then
   if ARGV[3] ~= '0' then
     redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[3])
   end
@@ -261,11 +262,12 @@ end
 /// prefix, `ARGV[2]` owner value, `ARGV[3]` `0` for a release (the lock-delay key is deleted:
 /// a release frees the lock at once), or a lock-delay in ms for a lease given back as lapsed
 /// (the lock key is deleted and the delay key set to expire after the delay; nobody is served).
-/// Returns 1 if our value was deleted (or handed on), 0 otherwise.
+/// Returns 1 if our value was deleted (or handed on), 0 otherwise (also for a lock key of another
+/// type: its `GET` is a `pcall`).
 pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(&format!(
         r"{SERVE_LUA}
-if redis.call('GET', KEYS[1]) ~= ARGV[2] then
+if redis.pcall('GET', KEYS[1]) ~= ARGV[2] then
   return 0
 end
 if ARGV[3] ~= '0' then
@@ -297,7 +299,7 @@ fn cancel_script() -> String {
 redis.call('SET', KEYS[5], '1', 'PX', ARGV[3])
 redis.call('ZREM', KEYS[3], ARGV[2])
 redis.call('DEL', ARGV[1] .. ARGV[2])
-if redis.call('GET', KEYS[1]) == ARGV[2] then
+if redis.pcall('GET', KEYS[1]) == ARGV[2] then
   if not serve(false) then
     redis.call('DEL', KEYS[1], KEYS[4])
   end
@@ -431,16 +433,20 @@ pub(crate) async fn compare_and_delete(
 }
 
 /// Whether the lock key `lock_key` holds `owner` now (one `GET`), for `lease.check()` and the
-/// fence.
+/// fence. A key of another type (`WRONGTYPE`) is not held.
 ///
 /// # Errors
 /// [`Error::Unavailable`] and others from the server.
 pub(crate) async fn holds(conn: &Conn, lock_key: &str, owner: &str) -> Result<bool> {
-    let held: Option<String> = conn
-        .query(redis::cmd("GET").arg(lock_key))
+    match conn
+        .query::<Option<String>>(redis::cmd("GET").arg(lock_key))
         .await
-        .map_err(from_redis)?;
-    Ok(held.as_deref() == Some(owner))
+    {
+        Ok(held) => Ok(held.as_deref() == Some(owner)),
+        // The key holds another type now (replaced by someone else): not ours.
+        Err(e) if e.code() == Some("WRONGTYPE") => Ok(false),
+        Err(e) => Err(from_redis(e)),
+    }
 }
 
 /// A lease's place in its connection's batched renewal (a `renewer::Batched`) or in its

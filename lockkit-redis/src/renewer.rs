@@ -45,13 +45,14 @@ pub const BATCH: usize = 1000;
 /// `ARGV[3i-2]` owner value, `ARGV[3i-1]` TTL in ms, `ARGV[3i]` TTL + lock-delay in ms (`0`: no
 /// delay, the delay key is not touched). Returns one integer per lease: 1 if its lock key held
 /// our value and was extended (with its delay key), 0 otherwise (a lapsed lock is never
-/// re-taken).
+/// re-taken). The `GET` is a `pcall`: a lock key replaced by another type (`WRONGTYPE`) is 0
+/// for that lease, not an error that fails the batch's other leases.
 static RENEW_BATCH: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
 local r = {}
 for i = 1, #KEYS / 2 do
-  if redis.call('GET', KEYS[2 * i - 1]) == ARGV[3 * i - 2] then
+  if redis.pcall('GET', KEYS[2 * i - 1]) == ARGV[3 * i - 2] then
     if ARGV[3 * i] ~= '0' then
       redis.call('SET', KEYS[2 * i], ARGV[3 * i - 2], 'PX', ARGV[3 * i])
     end

@@ -113,6 +113,10 @@ struct State {
     resubscribe: bool,
     /// Keys whose channel is subscribed (or being subscribed) on the current connection.
     subscribed: HashSet<String>,
+    /// Keys whose `SUBSCRIBE` timed out on the current connection: the server may still carry
+    /// it out (a server that stalled answers late), so they are unsubscribed like `subscribed`
+    /// ones when no lease here holds them any more.
+    doubtful: HashSet<String>,
     /// Grants since the last tick (`young`) and during the tick before (`old`, subscribed at
     /// the next tick if still held), by key and registration.
     young: Vec<(String, u64)>,
@@ -205,7 +209,7 @@ impl Drop for Watched {
         v.retain(|e| e.id != self.id);
         if v.is_empty() {
             st.by_key.remove(&self.key);
-            if st.subscribed.contains(&self.key) {
+            if st.subscribed.contains(&self.key) || st.doubtful.contains(&self.key) {
                 let wake = st.idle();
                 st.unsub.push(self.key.clone());
                 if wake {
@@ -286,6 +290,7 @@ impl Watch {
         st.sink = Some((generation, sink));
         st.timeout = timeout;
         st.subscribed.clear();
+        st.doubtful.clear();
         st.young.clear();
         st.old.clear();
         st.unsub.clear();
@@ -305,6 +310,7 @@ impl Watch {
             st.sink = None;
             st.resubscribe = false;
             st.subscribed.clear();
+            st.doubtful.clear();
             st.young.clear();
             st.old.clear();
             st.unsub.clear();
@@ -376,7 +382,8 @@ impl Watch {
     /// subscribes the keys of leases held since the tick before (or, on a new connection,
     /// every key held, once the server's run is checked), then checks the newly subscribed
     /// leases with one `MGET`: a loss before the subscription was confirmed is found there.
-    /// A `SUBSCRIBE` that times out is tried again at the next tick.
+    /// A `SUBSCRIBE` that times out is tried again at the next tick (and its keys are
+    /// unsubscribed once no lease here holds them: the server may have carried it out late).
     async fn tick(&self) {
         let fresh = {
             let st = lock(&self.state);
@@ -411,7 +418,8 @@ impl Watch {
             };
             let mut unsub = std::mem::take(&mut st.unsub);
             unsub.retain(|k| !st.by_key.contains_key(k));
-            unsub.retain(|k| st.subscribed.remove(k));
+            // (`|`, not `||`: out of both sets.)
+            unsub.retain(|k| st.subscribed.remove(k) | st.doubtful.remove(k));
             st.subscribed.extend(sub.iter().cloned());
             (generation, sink, timeout, unsub, sub)
         };
@@ -454,7 +462,9 @@ impl Watch {
     }
 
     /// `keys`, whose `SUBSCRIBE` on connection `generation` failed, are not subscribed; with
-    /// `retry` they are subscribed at the next tick if still held.
+    /// `retry` (it timed out, so the server may still carry it out) they are subscribed at the
+    /// next tick if still held, and unsubscribed when no longer held (at the next tick if no
+    /// lease here holds them now).
     fn unsubscribed(&self, generation: u64, keys: &[String], retry: bool) {
         let mut st = lock(&self.state);
         if st.sink.as_ref().is_none_or(|s| s.0 != generation) {
@@ -464,6 +474,9 @@ impl Watch {
             st.subscribed.remove(k);
             if !retry {
                 continue;
+            }
+            if st.doubtful.insert(k.clone()) && !st.by_key.contains_key(k) {
+                st.unsub.push(k.clone());
             }
             let ids: Vec<u64> = st
                 .by_key

@@ -2,6 +2,7 @@
 //! bad connects, the fence, key collisions, migration, pooler detection, and (in `failures`)
 //! paused holders, killed sessions, server restarts and cancelled waits.
 
+mod break_perf;
 mod break_slots;
 mod cancelled_wait;
 mod delay;

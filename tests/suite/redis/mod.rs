@@ -13,6 +13,7 @@ use tokio::time::Instant;
 use crate::common::{ServerProcess, free_port, fresh_prefix, server_url, wait_until, with_prefix};
 
 mod break_modes;
+mod break_perf;
 mod break_slots;
 mod cluster;
 mod delay;

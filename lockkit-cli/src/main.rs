@@ -326,6 +326,17 @@ fn rounded(d: Duration) -> String {
     humantime::format_duration(Duration::from_secs(d.as_secs())).to_string()
 }
 
+/// `d` to a tenth of a second below a minute (cut, not rounded: `2.97s` is `2.9s`), else as
+/// [`rounded`]: where a time is set beside the TTL, whole seconds mislead ("sent 2s ago, and the
+/// TTL is 3s" for a lease lost at its deadline).
+fn tenths(d: Duration) -> String {
+    if d < Duration::from_secs(1) || d >= Duration::from_secs(60) {
+        return rounded(d);
+    }
+    let t = d.as_millis() / 100;
+    format!("{}.{}s", t / 10, t % 10)
+}
+
 fn parse_duration(s: &str) -> Result<Duration, String> {
     humantime::parse_duration(s).map_err(|e| match e {
         humantime::DurationError::NumberExpected(_)
@@ -1035,7 +1046,7 @@ fn loss_text(lease: &Lease, what: &str) -> String {
         "lease on {what} (token {}) was lost ({why}): the last renewal the server \
          acknowledged was sent {} ago, and the TTL is {}",
         lease.token(),
-        rounded(t.confirmed_at().elapsed()),
+        tenths(t.confirmed_at().elapsed()),
         human(lease.ttl()),
     )
 }
@@ -1285,5 +1296,23 @@ async fn leader(
             }
             _ = sigs.recv() => return Ok(0),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn times_beside_the_ttl_keep_tenths() {
+        assert_eq!(tenths(Duration::from_millis(2970)), "2.9s");
+        assert_eq!(tenths(Duration::from_millis(3000)), "3.0s");
+        assert_eq!(tenths(Duration::from_millis(1050)), "1.0s");
+        assert_eq!(tenths(Duration::from_millis(59_990)), "59.9s");
+        assert_eq!(tenths(Duration::from_millis(250)), "250ms");
+        assert_eq!(
+            tenths(Duration::from_secs(90)),
+            rounded(Duration::from_secs(90))
+        );
     }
 }

@@ -111,7 +111,7 @@ pub enum Error {
     InvalidName {
         /// What the name was for: `"lock"`, `"election"` or `"semaphore"`.
         what: &'static str,
-        /// The rejected name (possibly truncated for display).
+        /// The rejected name; a longer one than 64 characters is cut to its first 64 and `…`.
         name: String,
         /// Why it was rejected.
         reason: &'static str,

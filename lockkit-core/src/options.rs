@@ -349,15 +349,46 @@ pub(crate) fn validate_name_of(what: &'static str, name: &str) -> Result<()> {
         None => Ok(()),
         Some(reason) => Err(Error::InvalidName {
             what,
-            name: name.chars().take(64).collect(),
+            name: shown_name(name),
             reason,
         }),
     }
 }
 
+/// At most the first [`SHOWN_NAME_CHARS`] characters of a rejected name, for its error, with `…`
+/// where the rest was cut (without it, a long name's error would seem to quote all of it).
+fn shown_name(name: &str) -> String {
+    let mut chars = name.chars();
+    let mut shown: String = chars.by_ref().take(SHOWN_NAME_CHARS).collect();
+    if chars.next().is_some() {
+        shown.push('…');
+    }
+    shown
+}
+
+/// How many characters of a rejected name its error shows.
+const SHOWN_NAME_CHARS: usize = 64;
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_long_names_error_marks_the_cut() {
+        let e = validate_name(&"a".repeat(300)).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            format!(
+                "invalid lock name \"{}…\": name is longer than 256 bytes",
+                "a".repeat(64)
+            )
+        );
+        // A name short enough to show whole is shown without the mark.
+        let e = validate_name("a/b").unwrap_err().to_string();
+        assert!(!e.contains('…'), "{e}");
+        let e = validate_name(&format!("{}/", "b".repeat(63))).unwrap_err();
+        assert!(!e.to_string().contains('…'), "{e}");
+    }
 
     #[test]
     fn name_errors_say_what_the_name_was_for() {

@@ -13,6 +13,9 @@
 //! - `NOPERM` (the ACL user lacks a command, key or channel permission,
 //!   <https://redis.io/docs/latest/operate/oss_and_stack/management/security/acl/>) →
 //!   [`Error::Backend`] saying so.
+//! - `CROSSSLOT` (in Cluster mode, a [`RedisFence`](crate::RedisFence) write of a key without a
+//!   hash tag: the key and its guard record are in different slots) → [`Error::Backend`]
+//!   saying to give the key a hash tag.
 //! - A client configuration the redis crate rejects, or a database number the server does not
 //!   have → [`Error::InvalidConfig`].
 //! - Anything else → [`Error::Backend`].
@@ -64,6 +67,17 @@ pub(crate) fn from_redis(e: RedisError) -> Error {
         return Error::Backend {
             backend: BACKEND,
             source: format!("permission denied by the server's ACL ({e})").into(),
+        };
+    }
+    if e.kind() == ErrorKind::Server(ServerErrorKind::CrossSlot) {
+        return Error::Backend {
+            backend: BACKEND,
+            source: format!(
+                "on redis+cluster:// a fenced key and its guard record must share a slot: give \
+                 the key a hash tag, e.g. {{reports}}:today (the same tag for every key of one \
+                 set_all) ({e})"
+            )
+            .into(),
         };
     }
     if e.to_string().contains("DB index is out of range") {

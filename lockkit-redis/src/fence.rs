@@ -65,7 +65,7 @@ return {0, 0, ''}
 /// In Cluster mode (`redis+cluster://`) a key and its guard record must share a slot: give every
 /// key a hash tag (`{report}:today`, guard record `{prefix}:guard:{report}:today`), the same
 /// tag for all keys of one [`set_all`](Self::set_all); without one the server refuses the
-/// script (`CROSSSLOT`, an [`Error::Backend`]).
+/// script (`CROSSSLOT`, an [`Error::Backend`] saying to give the key a hash tag).
 ///
 /// ```no_run
 /// use std::time::Duration;

@@ -395,6 +395,39 @@ async fn fenced_writes_with_a_hash_tagged_key() {
     b.release().await.unwrap();
 }
 
+/// `RedisFence` on a cluster with a key without a hash tag: its guard record is in another
+/// slot, the server refuses the script (`CROSSSLOT`), and the error says to give the key a hash
+/// tag instead of only quoting the server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fenced_key_without_a_hash_tag_is_refused_with_a_hint() {
+    use lockkit::redis::RedisFence;
+    let prefix = fresh_prefix();
+    let url = with_prefix(&server_url("LOCKKIT_REDIS_CLUSTER_URL"), &prefix);
+    let locks = lockkit::connect(&url).await.unwrap();
+    let lease = locks
+        .acquire(&format!("untagged-{prefix}"), opts(Duration::from_secs(2)))
+        .await
+        .unwrap();
+    let fence = RedisFence::from_lease(&lease).unwrap();
+    // "reports:today" and "{prefix}:guard:reports:today" hash to different slots (checked, so
+    // that the test does not pass by a lucky slot).
+    let seed: u16 = url
+        .split("//")
+        .nth(1)
+        .and_then(|h| h.split([',', '/', '?']).next())
+        .and_then(|h| h.rsplit(':').next())
+        .and_then(|p| p.parse().ok())
+        .expect("a seed port");
+    assert_ne!(
+        slot_of(seed, "reports:today"),
+        slot_of(seed, &fence.guard_key("reports:today"))
+    );
+    let e = fence.set("reports:today", "rows").await.unwrap_err();
+    assert!(matches!(e, Error::Backend { .. }), "{e:?}");
+    assert!(e.to_string().contains("hash tag"), "{e}");
+    lease.release().await.unwrap();
+}
+
 /// The slot of a held lock moves to another master (`SETSLOT … IMPORTING/MIGRATING`, `MIGRATE`
 /// of all its keys, `SETSLOT … NODE`): nobody else gets the lock meanwhile (refused as held, or
 /// `TRYAGAIN` while the slot is half moved), the holder keeps it (its renewal after the move

@@ -258,8 +258,10 @@ fn signalled_holder_ends_before_the_waiter_starts(url: &str, sig: Signal) {
     );
 }
 
-/// The other order: the *waiter* is signalled. It exits 128+N without running its command, and
-/// leaves nothing queued: once the holder exits, a try-once `lockkit run` gets the lock at once.
+/// The other order: the *waiter* is signalled. It exits 128+N without running its command, its
+/// cancelled acquire's cleanup ran to its end (not cut short by the CLI's cleanup limit: on
+/// PostgreSQL it was, as the dropped wait stayed queued on the server until the lock freed), and
+/// it leaves nothing queued: once the holder exits, a try-once `lockkit run` gets the lock at once.
 fn signalled_waiter_gives_up_and_leaves_nothing_queued(url: &str, sig: Signal) {
     let tmp = scratch("sigw");
     let dir = tmp.path();
@@ -280,11 +282,11 @@ fn signalled_waiter_gives_up_and_leaves_nothing_queued(url: &str, sig: Signal) {
     await_line(&b_err, "waiting for lock", Duration::from_secs(15));
     kill(Pid::from_raw(b.id() as i32), sig).unwrap();
     let b_status = wait_exit(&mut b, Duration::from_secs(10), "B to exit");
-    assert_eq!(
-        b_status.code(),
-        Some(128 + sig as i32),
-        "B: {}",
-        rest(&b_err)
+    let b_rest = rest(&b_err);
+    assert_eq!(b_status.code(), Some(128 + sig as i32), "B: {b_rest}");
+    assert!(
+        !b_rest.contains("cleanup was still running"),
+        "B's cancelled acquire did not finish its cleanup: {b_rest}"
     );
     drop(a.stdin.take()); // A's command reads EOF, ends, A releases
     let a_status = wait_exit(&mut a, Duration::from_secs(10), "A to exit");

@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use lockkit_core::{Error, Instant, Result};
 use sha2::{Digest, Sha256};
-use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
+use sqlx::Connection;
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgListener, PgPoolOptions};
 
 use crate::config::PgConfig;
 use crate::error::{BACKEND, Msg, from_sqlx, unavailable};
@@ -526,6 +527,79 @@ impl Conn {
         // No LISTEN was sent, so no notification comes; the FATAL ErrorResponse that
         // precedes the close is skipped by `try_recv`, which then reads the end of the stream.
         while let Ok(Some(_)) = self.conn.try_recv().await {}
+    }
+}
+
+/// Armed while a statement that may wait in the server's lock queue runs on session `pid`: if
+/// dropped armed (the acquire's future was dropped, or gave up on the statement), it cancels the
+/// statement on another connection (`pg_cancel_backend`, in a task of its own, within the
+/// connect timeout).
+///
+/// Dropping the connection alone does not end the wait: sqlx's drop of a [`PgListener`] first
+/// waits for the reply to the statement in flight before it closes the connection, so the
+/// statement would stay queued until the lock frees, be granted it, and only then give it
+/// back. Once cancelled, the drop closes the connection at once, and the server ends the
+/// session. A grant that races the cancel is given back the same way (the session ends
+/// with the close); if the close cannot reach the server, the session's idle timeout (the
+/// TTL, set before the lock is asked for) ends it.
+///
+/// Only a session waiting on a lock (`wait_event_type = 'Lock'`) is cancelled: an idle one (the
+/// grant came first) is left alone, and so is another session that took over the pid after
+/// this one ended.
+pub(crate) struct CancelOnDrop<'a> {
+    inner: &'a Inner,
+    pid: i32,
+    armed: bool,
+}
+
+impl<'a> CancelOnDrop<'a> {
+    pub(crate) fn new(inner: &'a Inner, pid: i32) -> Self {
+        Self {
+            inner,
+            pid,
+            armed: true,
+        }
+    }
+
+    /// The statement is over: nothing to cancel.
+    pub(crate) fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for CancelOnDrop<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        // Outside a runtime the process is ending: the server ends the session when its socket
+        // closes (noticed within `client_connection_check_interval`).
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let opts = self.inner.config.connect.clone();
+        let t = self.inner.config.connect_timeout;
+        let pid = self.pid;
+        rt.spawn(async move {
+            let cancel = async {
+                let mut db = PgConnection::connect_with(&opts).await?;
+                sqlx::query(
+                    "SELECT pg_cancel_backend(pid) FROM pg_stat_activity \
+                     WHERE pid = $1 AND wait_event_type = 'Lock'",
+                )
+                .bind(pid)
+                .execute(&mut db)
+                .await?;
+                db.close().await
+            };
+            match tokio::time::timeout(t, cancel).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    tracing::debug!(pid, error = %e, "cancelling a dropped wait failed");
+                }
+                Err(_) => tracing::debug!(pid, "cancelling a dropped wait timed out"),
+            }
+        });
     }
 }
 

@@ -153,8 +153,10 @@
 //!   against the wait: a timed acquire returns
 //!   [`Error::Timeout`](lockkit_core::Error::Timeout) at its deadline even if the server does
 //!   not answer the connect, and a try-once (`Wait::No`) gets the connect timeout in all,
-//!   retries included. Dropping a waiting acquire closes its connection, which ends the session
-//!   and so its place in the queue and any lock granted meanwhile.
+//!   retries included. Dropping a waiting acquire cancels its statement on another connection
+//!   (`pg_cancel_backend`; closing the connection alone would wait for the statement's reply,
+//!   i.e. for the grant) and closes its connection, which ends the session and so its place in
+//!   the queue and any lock granted just before the cancel.
 //!
 //! ## Fencing tokens
 //! A token is a per-name counter in lockkit's table `{schema}.fence` (created by

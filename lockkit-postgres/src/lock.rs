@@ -15,7 +15,7 @@ use lockkit_core::{
 };
 
 use crate::config::PgConfig;
-use crate::core::{Conn, GrantRow, Inner, Sql, duration_ms, key_of, ttl_ms};
+use crate::core::{CancelOnDrop, Conn, GrantRow, Inner, Sql, duration_ms, key_of, ttl_ms};
 use crate::error::{BACKEND, Msg, backend, cancelled, from_sqlx, sqlstate, unavailable};
 use crate::lease::PgLease;
 use crate::session::{Adopted, Grant, Sessions, TryGrant};
@@ -423,12 +423,19 @@ impl Inner {
     /// keepalive / `tcp_user_timeout` (about 16 s), and a cut-off client cannot open the check
     /// connection. Either way the wait ends with [`Error::Unavailable`] (the caller drops the
     /// connection).
+    ///
+    /// Dropped (or given up) before `wait` ends, it cancels the statement on the server
+    /// ([`CancelOnDrop`]), so that the session leaves the lock queue at once.
     pub(crate) async fn watched<T>(&self, pid: i32, wait: impl Future<Output = T>) -> Result<T> {
         tokio::pin!(wait);
+        let cancel = CancelOnDrop::new(self, pid);
         loop {
             tokio::select! {
                 biased;
-                r = &mut wait => return Ok(r),
+                r = &mut wait => {
+                    cancel.disarm();
+                    return Ok(r);
+                }
                 () = tokio::time::sleep(WAIT_CHECK) => {
                     if !self.session_alive(pid).await {
                         return Err(unavailable(Msg(
@@ -735,11 +742,14 @@ impl LockBackend for PgLock {
     /// Cancel safe. A try on a shared holder session runs on the caller's task, holding the
     /// session's connection lock: if the future is dropped, a lock granted meanwhile is
     /// unlocked by the session before its next statement (the session is not closed, its
-    /// other leases stay). A wait runs on a connection owned by the attempt, and
-    /// dropping the future closes it. The server then ends the session, which drops its place in the lock
-    /// queue (noticed within 250 ms through `client_connection_check_interval`) and any lock it
-    /// was granted meanwhile. If the close cannot reach the server, the session's
-    /// `idle_session_timeout` (the TTL, set before the lock is requested) ends it.
+    /// other leases stay). A wait runs on a connection owned by the attempt. Dropping the
+    /// future cancels the waiting statement on another connection (`pg_cancel_backend`, in a
+    /// spawned task, within the connect timeout), which takes it out of the lock queue at once,
+    /// and closes the connection: the server ends the session, and with it any lock it was
+    /// granted just before the cancel. If the cancel or the close cannot reach the server, the
+    /// session's `idle_session_timeout` (the TTL, set before the lock is requested) ends it.
+    /// (Without a Tokio runtime to spawn the cancel on, the process is ending: the server ends
+    /// the session when its socket closes.)
     async fn grant(&self, name: &str, opts: AcquireOptions) -> Result<Lease> {
         validate_name(name)?;
         opts.validate()?;

@@ -898,11 +898,41 @@ pub(crate) struct Sessions {
     watch: Mutex<Watch>,
 }
 
+impl Drop for Sessions {
+    /// The [`PgLock`](crate::PgLock) and its leases are gone: a session with nothing on it
+    /// (e.g. the one a waiting acquire tried first, before it was dropped) is closed now, not
+    /// kept open by its keeper until it would retire (a third of its TTL after its last grant).
+    fn drop(&mut self) {
+        for h in self
+            .pools
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .flatten()
+        {
+            let mut st = h.state();
+            let empty = st.leases.is_empty()
+                && st.reserved == 0
+                && st.unlocking == 0
+                && st.pending.is_empty()
+                && !st.dirty;
+            if empty && !st.dead {
+                st.dead = true;
+                drop(st);
+                h.wake.notify_one();
+            }
+        }
+    }
+}
+
 #[derive(Default)]
 struct Watch {
     next_id: u64,
     holders: HashMap<u64, Weak<Holder>>,
     running: bool,
+    /// Dropped with the `Sessions`: ends the watch loop at once (it ends at its next check
+    /// otherwise, up to [`SESSION_CHECK`] later).
+    ended: Option<tokio::sync::watch::Sender<()>>,
 }
 
 impl Sessions {
@@ -1050,7 +1080,15 @@ impl Sessions {
             w.holders.insert(id, Arc::downgrade(&h));
             if !w.running {
                 w.running = true;
-                tokio::spawn(watch_loop(Arc::downgrade(self), Arc::downgrade(inner)));
+                let ended = w
+                    .ended
+                    .get_or_insert_with(|| tokio::sync::watch::channel(()).0)
+                    .subscribe();
+                tokio::spawn(watch_loop(
+                    Arc::downgrade(self),
+                    Arc::downgrade(inner),
+                    ended,
+                ));
             }
             id
         };
@@ -1086,9 +1124,17 @@ fn timed_out() -> sqlx::Error {
 /// The watch of one `PgLock`'s holder sessions (see [`SESSION_CHECK`]): every 5 s, one query
 /// for all of them; a session that no longer exists has all its leases marked lost. Ends when
 /// no session is left or the `PgLock` is gone.
-async fn watch_loop(sessions: Weak<Sessions>, inner: Weak<Inner>) {
+async fn watch_loop(
+    sessions: Weak<Sessions>,
+    inner: Weak<Inner>,
+    mut ended: tokio::sync::watch::Receiver<()>,
+) {
     loop {
-        tokio::time::sleep(SESSION_CHECK).await;
+        tokio::select! {
+            () = tokio::time::sleep(SESSION_CHECK) => {}
+            // Nothing is sent: this is the `Sessions` (the `PgLock`) being dropped.
+            _ = ended.changed() => return,
+        }
         let (Some(sessions), Some(inner)) = (sessions.upgrade(), inner.upgrade()) else {
             return;
         };

@@ -1154,7 +1154,8 @@ impl SlotBackend for PgLock {
     /// As [`Lock::acquire`](lockkit_core::Lock::acquire), plus [`Error::PermitsMismatch`].
     ///
     /// # Cancel safety
-    /// Cancel safe: the acquire runs on a connection it owns; dropping it closes the
+    /// Cancel safe: the acquire runs on a connection it owns; dropping it cancels a wait for
+    /// the gate on another connection (`pg_cancel_backend`, as a lock's wait) and closes the
     /// connection, which ends the session and so its place in line, its members and gate
     /// locks and any slot granted meanwhile.
     async fn grant_slot(&self, req: SlotRequest<'_>, opts: AcquireOptions) -> Result<SlotGrant> {

@@ -1,5 +1,6 @@
 //! A waiter (of a lock, a permit, a leadership) whose waiting statement an admin cancels
-//! (`pg_cancel_backend`) keeps waiting.
+//! (`pg_cancel_backend`) keeps waiting; a waiter whose acquire is dropped leaves the server's
+//! lock queue at once.
 
 use std::time::Duration;
 
@@ -9,7 +10,7 @@ use lockkit::{AcquireOptions, Election, Lock, LockExt, Semaphore, Wait};
 use tokio::time::Instant;
 
 use super::server::admin;
-use super::{advisory_locks, base_url, waiting_pid};
+use super::{advisory_locks, base_url, wait_no_advisory_lock, waiting_pid};
 use crate::common::{fresh_prefix, with_prefix};
 
 /// A waiter queued in the server's lock queue (`SELECT pg_advisory_lock($1)`) whose statement
@@ -150,4 +151,65 @@ async fn candidate_survives_pg_cancel_backend() {
         "the candidate's campaign ended after pg_cancel_backend of its wait: {got:?}"
     );
     got.unwrap().resign().await.unwrap();
+}
+
+/// Sessions `pid` that wait on a lock (`pg_stat_activity`), on the shared server.
+async fn waiting_on_a_lock(pid: i32) -> i64 {
+    let mut db = admin(&base_url()).await;
+    sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity WHERE pid = $1 AND wait_event_type = 'Lock'",
+    )
+    .bind(pid)
+    .fetch_one(&mut db)
+    .await
+    .expect("pg_stat_activity")
+}
+
+/// An acquire waiting in the server's lock queue, dropped (here by a `select!`, as a
+/// `tokio::time::timeout` or a Ctrl-C handler does), leaves the queue at once: its statement
+/// no longer waits, no lock of its session is left in `pg_locks`, and when the holder releases,
+/// a try-once of a third client gets the lock. Before the fix the statement stayed queued
+/// (sqlx's drop of the connection first waits for the statement's reply): the ghost waiter was
+/// granted the lock at the release and gave it back only then, so the try-once got `Held`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_waiter_leaves_the_lock_queue() {
+    let url = with_prefix(&base_url(), &fresh_prefix());
+    let (a, b, c) = (
+        PgLock::connect(&url).await.unwrap(),
+        PgLock::connect(&url).await.unwrap(),
+        PgLock::connect(&url).await.unwrap(),
+    );
+    let ttl = Duration::from_secs(30);
+    let held = a.try_acquire("dw", ttl).await.unwrap();
+    let key = a.key("dw");
+    let base = base_url();
+    // Boxed, so that dropping it really drops the acquire.
+    let mut waiter = Box::pin(b.acquire("dw", AcquireOptions::new().ttl(ttl).wait(Wait::Forever)));
+    let pid = tokio::select! {
+        r = &mut waiter => panic!("the waiter returned while the lock is held: {r:?}"),
+        pid = waiting_pid(&base, key) => pid,
+    };
+    drop(waiter);
+    // No signal for "the server ended the wait": poll its view of the session.
+    let until = Instant::now() + Duration::from_secs(5);
+    while waiting_on_a_lock(pid).await > 0 {
+        assert!(
+            Instant::now() < until,
+            "the dropped waiter's session {pid} still waits on a lock after 5 s"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        advisory_locks(&base_url(), key).await,
+        1,
+        "pg_locks has more than the holder's lock on the key after the waiter was dropped"
+    );
+    held.release().await.unwrap();
+    let got = c.try_acquire("dw", ttl).await;
+    assert!(
+        got.is_ok(),
+        "a try-once after the release found the lock taken (by the dropped waiter?): {got:?}"
+    );
+    got.unwrap().release().await.unwrap();
+    wait_no_advisory_lock(&base_url(), key, Duration::from_secs(3)).await;
 }

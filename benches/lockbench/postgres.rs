@@ -143,42 +143,14 @@ pub async fn run(iters: usize) -> Vec<Row> {
         Box::pin(async move {
             let mut g = conn.lock().await;
             let c = g.as_mut().expect("conn");
-            let (ok, token, _w, _other): (bool, Option<i64>, i64, Option<String>) =
-                sqlx::query_as(sql)
-                    .bind(full_key)
-                    .bind(&name)
-                    .bind(0i64)
-                    .fetch_one(&mut *c)
-                    .await
-                    .expect("grant");
-            assert!(ok && token.is_some());
-            let ok: bool = sqlx::query_scalar("SELECT pg_advisory_unlock($1)")
-                .bind(full_key)
-                .fetch_one(&mut *c)
-                .await
-                .expect("unlock");
-            assert!(ok);
+            exact_statements(c, sql, full_key, &name).await;
         })
     });
     let settings_row: Op = Box::new(|| {
         let (conn, name, sql) = (set_conn.clone(), set_name.clone(), &full_sql);
         Box::pin(async move {
             let mut c = conn.lock().await;
-            let (ok, token, _w, _other): (bool, Option<i64>, i64, Option<String>) =
-                sqlx::query_as(sql)
-                    .bind(set_key)
-                    .bind(&name)
-                    .bind(0i64)
-                    .fetch_one(&mut *c)
-                    .await
-                    .expect("grant");
-            assert!(ok && token.is_some());
-            let ok: bool = sqlx::query_scalar("SELECT pg_advisory_unlock($1)")
-                .bind(set_key)
-                .fetch_one(&mut *c)
-                .await
-                .expect("unlock");
-            assert!(ok);
+            exact_statements(&mut c, sql, set_key, &name).await;
         })
     });
     let lockkit_row: Op = Box::new(|| {
@@ -405,4 +377,23 @@ pub async fn spec(prefix: &str) -> Spec {
                 (each backend publishes its counts at most once a second, so ±25 %).",
         procs_only: false,
     }
+}
+
+/// Rows 3b and 3c: lockkit-postgres's grant statement `sql` for advisory key `key` and lock
+/// `name`, then the unlock, on `c`.
+async fn exact_statements(c: &mut sqlx::PgConnection, sql: &str, key: i64, name: &str) {
+    let (ok, token, _w, _other): (bool, Option<i64>, i64, Option<String>) = sqlx::query_as(sql)
+        .bind(key)
+        .bind(name)
+        .bind(0i64)
+        .fetch_one(&mut *c)
+        .await
+        .expect("grant");
+    assert!(ok && token.is_some());
+    let ok: bool = sqlx::query_scalar("SELECT pg_advisory_unlock($1)")
+        .bind(key)
+        .fetch_one(&mut *c)
+        .await
+        .expect("unlock");
+    assert!(ok);
 }

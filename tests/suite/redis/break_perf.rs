@@ -1,4 +1,4 @@
-//! Attempts to break session 8's Redis performance changes (per-key keyspace subscriptions
+//! Attempts to break the Redis performance changes of issue #11 (per-key keyspace subscriptions
 //! after `WATCH_AFTER`, the batched renewal, the FIFO queue) against private `redis-server`s:
 //! lock keys replaced by another type, subscriptions left behind by fast grants and releases,
 //! the pub/sub connection killed while grants are young, a server that sleeps.
@@ -35,6 +35,25 @@ async fn replace_by_hash(admin: &mut redis::aio::MultiplexedConnection, key: &st
         .expect("DEL + HSET");
 }
 
+/// A private server, a client on it under a fresh prefix, and an admin connection to it.
+async fn private() -> (PrivateRedis, RedisLock, redis::aio::MultiplexedConnection) {
+    let server = PrivateRedis::start(None).await;
+    let locks = RedisLock::connect(&with_prefix(&server.url(), &fresh_prefix()))
+        .await
+        .expect("connect");
+    let admin = server.raw().await;
+    (server, locks, admin)
+}
+
+/// `TYPE key`.
+async fn key_type(admin: &mut redis::aio::MultiplexedConnection, key: &str) -> String {
+    redis::cmd("TYPE")
+        .arg(key)
+        .query_async(admin)
+        .await
+        .expect("TYPE")
+}
+
 /// Waits (bounded by [`SOON`]) until `lease` is lost.
 async fn until_lost(lease: &Lease, what: &str) {
     if tokio::time::timeout(SOON, lease.lost()).await.is_err() {
@@ -51,11 +70,7 @@ async fn until_lost(lease: &Lease, what: &str) {
 /// each tick, and all of them were lost at their deadline.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lock_key_of_another_type_loses_only_its_own_lease_in_a_batch() {
-    let server = PrivateRedis::start(None).await;
-    let locks = RedisLock::connect(&with_prefix(&server.url(), &fresh_prefix()))
-        .await
-        .expect("connect");
-    let mut admin = server.raw().await;
+    let (_server, locks, mut admin) = private().await;
     let ttl = Duration::from_millis(1_500);
     let kept = AcquireOptions::new().ttl(ttl).wait(Wait::No);
     let mut leases = Vec::new();
@@ -85,12 +100,10 @@ async fn a_lock_key_of_another_type_loses_only_its_own_lease_in_a_batch() {
         let _ = l.release().await;
     }
     // The hash is not ours: the release of the lost lease left it alone.
-    let kind: String = redis::cmd("TYPE")
-        .arg(locks.lock_key("typed1"))
-        .query_async(&mut admin)
-        .await
-        .expect("TYPE");
-    assert_eq!(kind, "hash");
+    assert_eq!(
+        key_type(&mut admin, &locks.lock_key("typed1")).await,
+        "hash"
+    );
 }
 
 /// A lock key replaced by a hash is not the holder's any more: a renewal by hand says
@@ -98,11 +111,7 @@ async fn a_lock_key_of_another_type_loses_only_its_own_lease_in_a_batch() {
 /// is gone, not a `WRONGTYPE` backend error.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lock_key_of_another_type_is_not_held_by_hand() {
-    let server = PrivateRedis::start(None).await;
-    let locks = RedisLock::connect(&with_prefix(&server.url(), &fresh_prefix()))
-        .await
-        .expect("connect");
-    let mut admin = server.raw().await;
+    let (_server, locks, mut admin) = private().await;
     let by_hand = AcquireOptions::new()
         .ttl(Duration::from_secs(60))
         .keepalive(false)
@@ -115,23 +124,14 @@ async fn a_lock_key_of_another_type_is_not_held_by_hand() {
     }
     assert_eq!(lease.state(), LeaseState::Lost);
     let _ = lease.release().await;
-    let kind: String = redis::cmd("TYPE")
-        .arg(locks.lock_key("typed"))
-        .query_async(&mut admin)
-        .await
-        .expect("TYPE");
-    assert_eq!(kind, "hash");
+    assert_eq!(key_type(&mut admin, &locks.lock_key("typed")).await, "hash");
 }
 
 /// A subscribed lock key replaced by a hash is heard at once (its `del` event, then a check
 /// that finds another type), within [`LOSS_NOTICE`], long before the renewal (20 s away).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_subscribed_key_replaced_by_another_type_is_heard_within_the_loss_notice() {
-    let server = PrivateRedis::start(None).await;
-    let locks = RedisLock::connect(&with_prefix(&server.url(), &fresh_prefix()))
-        .await
-        .expect("connect");
-    let mut admin = server.raw().await;
+    let (_server, locks, mut admin) = private().await;
     let opts = AcquireOptions::new()
         .ttl(Duration::from_secs(60))
         .wait(Wait::No);

@@ -10,7 +10,7 @@ use lockkit::redis::{LOSS_NOTICE, RedisLock};
 use lockkit::{AcquireOptions, Lease, LeaseState, Lock, LossReason, Wait};
 use tokio::time::Instant;
 
-use super::PrivateRedis;
+use super::{PrivateRedis, until_subscribers};
 use crate::common::{fresh_prefix, with_prefix};
 
 /// Bounds every wait for something the client must do soon (a loss notice, a subscription):
@@ -152,29 +152,6 @@ async fn a_subscribed_key_replaced_by_another_type_is_heard_within_the_loss_noti
     let took = at.saturating_duration_since(sent);
     assert!(took < LOSS_NOTICE, "heard after {took:?}");
     assert_eq!(lease.loss_reason(), Some(LossReason::NotHeldOnServer));
-}
-
-/// How many clients are subscribed to `key`'s keyspace channel (database 0).
-async fn keyspace_subscribers(admin: &mut redis::aio::MultiplexedConnection, key: &str) -> i64 {
-    let (_, n): (String, i64) = redis::cmd("PUBSUB")
-        .arg("NUMSUB")
-        .arg(format!("__keyspace@0__:{key}"))
-        .query_async(admin)
-        .await
-        .expect("PUBSUB NUMSUB");
-    n
-}
-
-/// Waits (bounded by [`SOON`]) until `n` clients are subscribed to `key`'s keyspace channel.
-async fn until_subscribers(admin: &mut redis::aio::MultiplexedConnection, key: &str, n: i64) {
-    let start = Instant::now();
-    while keyspace_subscribers(admin, key).await != n {
-        assert!(
-            start.elapsed() < SOON,
-            "{key}: its keyspace channel never had {n} subscribers"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
 }
 
 /// The keyspace channels of `prefix`'s lock keys that some client subscribes to, without the

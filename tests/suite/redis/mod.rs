@@ -797,3 +797,33 @@ async fn names_map_verbatim_under_the_prefix() {
         l.release().await.expect("release");
     }
 }
+
+/// How many clients are subscribed to `key`'s keyspace channel (database 0).
+pub(super) async fn keyspace_subscribers(
+    admin: &mut redis::aio::MultiplexedConnection,
+    key: &str,
+) -> i64 {
+    let (_, n): (String, i64) = redis::cmd("PUBSUB")
+        .arg("NUMSUB")
+        .arg(format!("__keyspace@0__:{key}"))
+        .query_async(admin)
+        .await
+        .expect("PUBSUB NUMSUB");
+    n
+}
+
+/// Waits (up to 5 s) until `n` clients are subscribed to `key`'s keyspace channel.
+pub(super) async fn until_subscribers(
+    admin: &mut redis::aio::MultiplexedConnection,
+    key: &str,
+    n: i64,
+) {
+    let start = Instant::now();
+    while keyspace_subscribers(admin, key).await != n {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "{key}: its keyspace channel never had {n} subscribers"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}

@@ -15,7 +15,7 @@ use lockkit::redis::{LOSS_NOTICE, RedisLock};
 use lockkit::{AcquireOptions, Error, Lease, LeaseState, Lock, LossReason, Wait};
 use tokio::time::Instant;
 
-use super::{PrivateRedis, exists, kill_pubsub_connections};
+use super::{PrivateRedis, exists, kill_pubsub_connections, until_subscribers};
 use crate::common::proxy::Proxy;
 use crate::common::{fresh_prefix, with_prefix};
 
@@ -85,29 +85,6 @@ fn report(what: &str, mut took: Vec<Duration>) {
         took[took.len() / 2],
         took[took.len() - 1]
     );
-}
-
-/// How many clients are subscribed to `key`'s keyspace channel (database 0).
-async fn keyspace_subscribers(admin: &mut redis::aio::MultiplexedConnection, key: &str) -> i64 {
-    let (_, n): (String, i64) = redis::cmd("PUBSUB")
-        .arg("NUMSUB")
-        .arg(format!("__keyspace@0__:{key}"))
-        .query_async(admin)
-        .await
-        .expect("PUBSUB NUMSUB");
-    n
-}
-
-/// Waits (bounded by [`HEARD`]) until `n` clients are subscribed to `key`'s keyspace channel.
-async fn until_subscribers(admin: &mut redis::aio::MultiplexedConnection, key: &str, n: i64) {
-    let start = Instant::now();
-    while keyspace_subscribers(admin, key).await != n {
-        assert!(
-            start.elapsed() < HEARD,
-            "{key}: its keyspace channel never had {n} subscribers"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
 }
 
 /// A lock key deleted by another client (an admin's `DEL`) or given a short expiry

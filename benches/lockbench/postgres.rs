@@ -364,7 +364,8 @@ pub async fn spec(prefix: &str) -> Spec {
                        own database; every statement outside a transaction block is one), \
                        counted per block of windows from before the clients connect to after \
                        they disconnected (PostgreSQL publishes a backend's counts late), \
-                       connection setup included",
+                       connection setup included; for many leases, over 4 s that start 11 s \
+                       after the last grant, so that no grant is counted",
             writes: None,
             wakes: None,
         },

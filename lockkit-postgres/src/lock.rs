@@ -282,10 +282,11 @@ impl Inner {
         }
         let lock_timeout_ms = remaining.map(duration_ms).unwrap_or(0);
         let ttl_ms = ttl_ms(req.opts.ttl);
-        // The wait is a statement that touches no table, so a waiting session holds no
-        // snapshot and no table lock (it would hold back VACUUM and queue DDL on the fence
-        // table, and every acquire behind that DDL). The token is bumped afterwards, while the
-        // lock is held. The same statement first sets the session's idle timeout (in place
+        // The wait is a statement that touches no table, so a waiting session holds no table
+        // lock (one would queue DDL on the fence table, and every acquire behind that DDL).
+        // Like any statement it runs with a snapshot, so a long wait holds back VACUUM's
+        // horizon (`backend_xmin` of the waiting backend in `pg_stat_activity`; the README
+        // says so). The token is bumped afterwards, while the lock is held. The same statement first sets the session's idle timeout (in place
         // before the lock can be granted, see `try_once`) and `lock_timeout` (read when the
         // wait starts); the materialized CTE runs before the lock is asked for.
         c.last_sent = Instant::now();

@@ -5,6 +5,8 @@
 #   - client CPU per cycle: `perf stat` task-clock of a long run minus a short one (connects and
 #     warm-up cancel out), repeated;
 #   - the server's µs per call of every command, scripts included (`INFO commandstats`);
+#   - client instructions per cycle (`valgrind --tool=callgrind`, a long run minus a short one):
+#     unlike CPU time, the same on a loaded machine;
 #   - the client's top symbols (`perf record`, self time, no call graph).
 # Starts its own Redis (scripts/servers.sh), builds lockbench in release, writes
 # docs/profile-redis.md (PROFILE_REPORT to change). PROFILE_REPS (3), PROFILE_ITERS (5000).
@@ -18,11 +20,13 @@ case "${1:-}" in
 esac
 
 scripts/install-deps.sh
-if ! command -v perf >/dev/null; then
-  SUDO=""
-  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-  $SUDO apt-get install -y -qq --no-install-recommends linux-perf >/dev/null
-fi
+for tool in perf:linux-perf valgrind:valgrind; do
+  if ! command -v "${tool%%:*}" >/dev/null; then
+    SUDO=""
+    [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    $SUDO apt-get install -y -qq --no-install-recommends "${tool#*:}" >/dev/null
+  fi
+done
 report="${PROFILE_REPORT:-$PWD/docs/profile-redis.md}"
 reps="${PROFILE_REPS:-3}"
 iters="${PROFILE_ITERS:-5000}"
@@ -46,6 +50,11 @@ bin=$(cargo bench -p lockbench --bench lockbench --no-run --message-format=json 
 
 run() { # run ONLY ITERS: the bench's uncontended rows, only those whose name contains ONLY
   LOCKBENCH_ONLY="$1" LOCKBENCH_NO_SCENARIOS=1 LOCKBENCH_ITERS="$2" "$bin" redis
+}
+instructions() { # instructions callgrind counted in one run
+  LOCKBENCH_ONLY="$1" LOCKBENCH_NO_SCENARIOS=1 LOCKBENCH_ITERS="$2" \
+    valgrind --tool=callgrind --callgrind-out-file="$dir/cg.out" "$bin" redis 2>&1 |
+    sed -n 's/.*Collected : \([0-9]*\).*/\1/p'
 }
 cpu_ms() { # task-clock in ms of one run
   LOCKBENCH_ONLY="$1" LOCKBENCH_NO_SCENARIOS=1 LOCKBENCH_ITERS="$2" \
@@ -73,6 +82,16 @@ sequences=("floor:" "lockkit acquire" "rslock")
         'BEGIN { printf "%.0f", (b - a) * 1000 / ((n - m) * 1.1) }')")
     done
     echo "| $s | ${vals[*]} |"
+  done
+  echo
+  echo "## Client instructions per cycle (callgrind, user space only)"
+  echo
+  echo "| sequence | instructions per acquire + release |"
+  echo "|---|---|"
+  for s in "${sequences[@]}"; do
+    a=$(instructions "$s" 100)
+    b=$(instructions "$s" 1100)
+    echo "| $s | $(awk -v a="$a" -v b="$b" 'BEGIN { printf "%.0f", (b - a) / 1100 }') |"
   done
   echo
   echo "## Server time per call (\`INFO commandstats\`, one run of each)"

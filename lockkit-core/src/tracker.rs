@@ -7,7 +7,7 @@ use std::any::Any;
 use std::fmt;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -161,6 +161,9 @@ struct Shared {
     tx: watch::Sender<Validity>,
     ttl: Duration,
     meta: OnceLock<Meta>,
+    /// Held from publishing a change of state until it is reported, so whoever sees the new
+    /// state (and waits for this lock when it is not `Held`) also sees its event and metrics.
+    reporting: Mutex<()>,
 }
 
 /// A state change to report, computed under the watch lock and reported outside it.
@@ -175,6 +178,7 @@ impl Shared {
     /// Applies `f` to the state (after latching a deadline that passed), wakes the watchers if
     /// anything changed, reports the change of state, if any, and returns what `f` returned.
     fn update<R: Default>(&self, f: impl FnOnce(&mut Validity, Instant) -> R) -> R {
+        let _reporting = self.reporting();
         let now = Instant::now();
         let mut change = None;
         let mut out = R::default();
@@ -210,10 +214,20 @@ impl Shared {
             (state_at(&v, self.ttl, now), v.reported)
         };
         if state == reported {
+            if state != LeaseState::Held {
+                // Its event may still be being written by whoever published it.
+                drop(self.reporting());
+            }
             return state;
         }
         self.update(|_, _| ());
         state_at(&self.tx.borrow(), self.ttl, Instant::now())
+    }
+
+    fn reporting(&self) -> MutexGuard<'_, ()> {
+        self.reporting
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 
     fn report(&self, c: Change, now: Instant) {
@@ -437,6 +451,7 @@ impl TrackerHandle {
                     tx: watch::Sender::new(v),
                     ttl,
                     meta: OnceLock::new(),
+                    reporting: Mutex::new(()),
                 }),
             },
         }
@@ -568,6 +583,7 @@ impl TrackerHandle {
             m.labels.granted();
         }
         // Report what happened between the grant and now (a loss seen by the backend's session).
+        let reporting = shared.reporting();
         let pending = {
             let v = shared.tx.borrow();
             (v.reported != LeaseState::Held).then_some(*v)
@@ -583,6 +599,7 @@ impl TrackerHandle {
                 Instant::now(),
             );
         }
+        drop(reporting);
         shared.observe();
     }
 

@@ -8,7 +8,8 @@ cd "$(dirname "$0")/.."
 
 scripts/install-deps.sh
 env_file=$(scripts/servers.sh start)
-trap 'scripts/servers.sh stop' EXIT
+log=$(mktemp)
+trap 'scripts/servers.sh stop; rm -f "$log"' EXIT
 set -a
 # shellcheck disable=SC1090
 . "$env_file"
@@ -17,12 +18,15 @@ set +a
 fail() {
   echo "---- server logs ----"
   scripts/servers.sh logs || true
+  # Last, so a log that keeps only the tail still names what failed.
+  echo "---- what failed ----"
+  grep -E 'FAILED|panicked at|^---- .* stdout ----$|^error(\[|:)' "$log" | awk '!seen[$0]++' | head -n 60 || true
   exit 1
 }
 
 # --no-fail-fast: one failing test binary does not hide the others' results.
 failed=0
-cargo test --workspace --all-features --no-fail-fast "$@" || failed=1
+cargo test --workspace --all-features --no-fail-fast "$@" 2>&1 | tee "$log" || failed=1
 
 # The examples as `cargo test --workspace --all-features` built them (a `cargo run` without
 # `--workspace` resolves features differently and would rebuild lockkit for minutes).
@@ -33,24 +37,24 @@ examples="${CARGO_TARGET_DIR:-target}/debug/examples"
 # write with another lock's token must be rejected.
 for url in memory:// "$LOCKKIT_REDIS_URL" "$LOCKKIT_REDIS_SENTINEL_URL" "$LOCKKIT_REDLOCK_URL" "$LOCKKIT_REDIS_CLUSTER_URL" "$LOCKKIT_ETCD_URL" "$LOCKKIT_ZK_URL" "$LOCKKIT_POSTGRES_URL"; do
   if ! out=$("$examples/fencing" --backend "$url" 2>&1); then
-    echo "$out"; failed=1; continue
+    echo "$out"; echo "fencing demo on ${url%%://*}: FAILED" | tee -a "$log"; failed=1; continue
   fi
   if grep -q "REJECTED A's write" <<<"$out" && grep -q "REJECTED C's write" <<<"$out"; then
     echo "fencing demo on ${url%%://*}: stale and foreign writes rejected"
   else
-    echo "$out"; echo "demo on ${url%%:*}: stale or foreign write not rejected"; failed=1
+    echo "$out"; echo "fencing demo on ${url%%://*}: stale or foreign write not rejected, FAILED" | tee -a "$log"; failed=1
   fi
 done
 
 # The election and semaphore example of the README, on every backend.
 for url in memory:// "$LOCKKIT_POSTGRES_URL" "$LOCKKIT_ETCD_URL" "$LOCKKIT_REDIS_URL" "$LOCKKIT_REDIS_SENTINEL_URL" "$LOCKKIT_ZK_URL"; do
   if ! out=$("$examples/election" --backend "$url" 2>&1); then
-    echo "$out"; echo "election example on ${url%%://*}: FAILED"; failed=1
+    echo "$out"; echo "election example on ${url%%://*}: FAILED" | tee -a "$log"; failed=1
   fi
 done
 
 # The fault matrix (its own private servers; writes docs/faults.md): a failing cell fails the run.
-LOCKKIT_FAULTS_BUILT=1 scripts/faults.sh || failed=1
+LOCKKIT_FAULTS_BUILT=1 scripts/faults.sh || { echo "fault matrix (scripts/faults.sh): FAILED" | tee -a "$log"; failed=1; }
 
 if [ "$failed" != 0 ]; then
   echo "scripts/test.sh: FAILED (see above)"

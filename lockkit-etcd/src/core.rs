@@ -22,7 +22,7 @@ use std::time::Duration;
 use etcd_client::{
     Client, Compare, CompareOp, DeleteOptions, EventType, GetOptions, PutOptions, SortOrder,
     SortTarget, Txn, TxnOp, WatchFilterType, WatchOptions, WatchRequestSender, WatchResponse,
-    WatchResponseStream,
+    WatchResponseStream, WatchStream,
 };
 use lockkit_core::backend::{Backoff, SuspectReason, TrackerHandle};
 use lockkit_core::{Error, Instant, LeaseState, LossReason, Result};
@@ -100,6 +100,27 @@ where
             Err(e) => return Err(e),
         }
     }
+}
+
+/// Opens a watch stream with its first watcher (`key`, `opts`), as [`with_retries`] runs a
+/// request: a member that is frozen (or cut off) never answers the stream's headers, so each
+/// attempt gets a fifth of `total` and the next one most likely opens the stream on a live
+/// member. Opening a stream again is safe: a stream that was dropped cancels its watchers.
+///
+/// # Errors
+/// [`Error::Unavailable`] if no attempt opened the stream within `total`.
+pub(crate) async fn open_watch(
+    client: &Client,
+    total: Duration,
+    key: &[u8],
+    opts: WatchOptions,
+) -> Result<WatchStream> {
+    let wc = client.watch_client();
+    with_retries(total, "a watch", || {
+        let (mut wc, key, opts) = (wc.clone(), key.to_vec(), opts.clone());
+        async move { wc.watch(key, Some(opts)).await }
+    })
+    .await
 }
 
 /// Whole seconds for etcd: the TTL rounded up, at least 1.
@@ -1150,8 +1171,9 @@ async fn key_watch_task(
                 .next()
                 .map(|(id, w)| (*id, w.key.clone(), w.from));
             if let Some((id, key, from)) = first {
+                // A fifth of the limit per try: a frozen member never answers (see open_watch).
                 let opened = tokio::time::timeout(
-                    limit,
+                    (limit / 5).max(Duration::from_millis(100)),
                     client
                         .watch_client()
                         .watch(key, Some(watcher_opts(id, from))),

@@ -44,7 +44,7 @@ use tokio::sync::watch;
 use crate::config::EtcdConfig;
 use crate::core::{
     KeyWatch, Marker, Reservation, SharedLease, TaskCtx, delete_key_ops, delete_while_lease_lives,
-    holder_read, keepalive_task, marker_key, timed, ttl_secs, with_retries,
+    holder_read, keepalive_task, marker_key, open_watch, timed, ttl_secs, with_retries,
 };
 use crate::error::{self, BACKEND, from_client, is_lease_not_found};
 use crate::lease::{Binding, EtcdLease};
@@ -701,7 +701,6 @@ impl EtcdLock {
             else {
                 return Ok(Turn::Mine);
             };
-            let mut wc = self.inner.client.watch_client();
             let mut wopts = WatchOptions::new().with_filters([WatchFilterType::NoPut]);
             let mut from = target.clone();
             if queue.last {
@@ -713,12 +712,8 @@ impl EtcdLock {
                 to.push(0);
                 wopts = wopts.with_range(to);
             }
-            let mut stream = timed(
-                self.request_timeout(),
-                "a watch",
-                wc.watch(from, Some(wopts)),
-            )
-            .await?;
+            let mut stream =
+                open_watch(&self.inner.client, self.request_timeout(), &from, wopts).await?;
             if let Some(second) = &queue.second {
                 let wopts = WatchOptions::new().with_filters([WatchFilterType::NoPut]);
                 timed(

@@ -33,7 +33,7 @@ use lockkit_core::{
     AcquireOptions, Error, FencingToken, Instant, Lease, MAX_PERMITS, Result, Wait, async_trait,
 };
 
-use crate::core::{timed, with_retries};
+use crate::core::{open_watch, timed, with_retries};
 use crate::error::from_client;
 use crate::lease::EtcdLease;
 use crate::lock::{EtcdLock, Space};
@@ -293,18 +293,12 @@ impl EtcdLock {
 
     /// Waits for a delete under the slots (from revision `from`), at most `recheck`.
     async fn slot_freed(&self, n: &Names, from: i64, recheck: Duration) -> Result<()> {
-        let mut wc = self.client().watch_client();
         let opts = WatchOptions::new()
             .with_prefix()
             .with_start_revision(from)
             .with_filters([WatchFilterType::NoPut]);
         let until = Instant::now() + recheck;
-        let mut stream = timed(
-            self.limit(),
-            "a watch",
-            wc.watch(n.holders_prefix(), Some(opts)),
-        )
-        .await?;
+        let mut stream = open_watch(self.client(), self.limit(), &n.holders_prefix(), opts).await?;
         loop {
             match tokio::time::timeout_at(until, stream.message()).await {
                 Err(_) | Ok(Ok(None)) => return Ok(()),
@@ -562,14 +556,14 @@ impl EtcdWatch {
     }
 
     async fn open(&mut self) -> Result<()> {
-        let mut wc = self.lock.client().watch_client();
         let opts = WatchOptions::new()
             .with_prefix()
             .with_start_revision(self.next_rev);
-        let stream = timed(
+        let stream = open_watch(
+            self.lock.client(),
             self.lock.limit(),
-            "a watch",
-            wc.watch(self.names.holders_prefix(), Some(opts)),
+            &self.names.holders_prefix(),
+            opts,
         )
         .await?;
         self.stream = Some(stream);

@@ -248,11 +248,12 @@ return {{0, pttl, first}}
 });
 
 /// Compare-and-delete of a slot, handing it to the next live waiter ([`SLOT_LUA`]'s `free`).
-/// `ARGV[7]` owner value, `ARGV[8]` slot. Returns 1 if the slot held our value.
+/// `ARGV[7]` owner value, `ARGV[8]` slot. Returns 1 if the slot held our value (its `GET` is a
+/// `pcall`: a slot key of another type is not ours).
 static RELEASE_SLOT: LazyLock<Script> = LazyLock::new(|| {
     Script::new(&format!(
         r"{SLOT_LUA}
-if redis.call('GET', lk(ARGV[8])) ~= ARGV[7] then
+if redis.pcall('GET', lk(ARGV[8])) ~= ARGV[7] then
   return 0
 end
 free(ARGV[8])
@@ -273,7 +274,7 @@ redis.call('ZREM', KEYS[2], ARGV[7])
 redis.call('DEL', ARGV[3] .. ARGV[7])
 redis.call('HDEL', KEYS[1], 'w' .. ARGV[7])
 for k = 0, tonumber(ARGV[6]) - 1 do
-  if redis.call('GET', lk(k)) == ARGV[7] then
+  if redis.pcall('GET', lk(k)) == ARGV[7] then
     free(k)
     return 1
   end
@@ -290,7 +291,7 @@ static PROCLAIM: LazyLock<Script> = LazyLock::new(|| {
     Script::new(&format!(
         r"{SLOT_LUA}
 local k, me = ARGV[8], ARGV[7]
-if redis.call('GET', lk(k)) ~= me then
+if redis.pcall('GET', lk(k)) ~= me then
   return 0
 end
 local t, ver

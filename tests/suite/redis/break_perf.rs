@@ -382,3 +382,28 @@ async fn a_subscribe_that_timed_out_during_a_server_sleep_leaves_no_channel() {
         }
     }
 }
+
+/// A permit's slot key replaced by a hash is not the holder's any more: its release says
+/// `NotHeld`, as for a slot key that is gone, not a `WRONGTYPE` backend error, and leaves the
+/// hash alone. (The cancel and proclaim scripts read slot keys the same way.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_permit_slot_key_of_another_type_is_released_as_not_ours() {
+    use lockkit::Semaphore;
+    use lockkit::backend::SlotKind;
+    let (_server, locks, mut admin) = private().await;
+    let by_hand = AcquireOptions::new()
+        .ttl(Duration::from_secs(60))
+        .keepalive(false)
+        .wait(Wait::No);
+    let permit = locks
+        .acquire_permit("typed-pool", 1, by_hand)
+        .await
+        .expect("acquire");
+    let key = locks.slot_key(SlotKind::Semaphore, "typed-pool", 0);
+    replace_by_hash(&mut admin, &key).await;
+    match permit.release().await {
+        Err(lockkit::Error::NotHeld { .. }) => {}
+        other => panic!("release of a slot key that is a hash now: {other:?}"),
+    }
+    assert_eq!(key_type(&mut admin, &key).await, "hash");
+}

@@ -471,7 +471,8 @@ impl Topology {
     /// Every data node up and answering, every replica linked to its master, the lock's
     /// master known (Sentinel: by all three sentinels alike, each seeing the replica linked,
     /// which after a fault happens at its next INFO of the replica, ≤ 10 s; Cluster:
-    /// `cluster_state:ok` on every node), within [`RECOVERY`]: awaited before each server
+    /// `cluster_state:ok` on every node and the lock's master listing its replica), within
+    /// [`RECOVERY`]: awaited before each server
     /// fault, so that a master's failure can be failed over.
     pub async fn healthy(&self) -> Result<(), String> {
         let ok = until(RECOVERY, || {
@@ -528,7 +529,12 @@ impl Topology {
                             .iter()
                             .filter(|n| n.master && !n.failed)
                             .count();
-                        masters == 3 && self.slot_master().is_some()
+                        // The lock's master lists a replica of its own (after a restart, the
+                        // master's view of its new replica comes by gossip, after the link).
+                        masters == 3
+                            && self
+                                .slot_master()
+                                .is_some_and(|m| self.replica_of(m).is_some())
                     }
                     Mode::Redlock => true,
                 }

@@ -5,8 +5,9 @@ use lockkit_core::Error;
 pub(crate) const BACKEND: &str = "postgres";
 
 /// Classifies a sqlx error: unreachable server, broken connection and timeouts →
-/// [`Error::Unavailable`]; refused credentials → [`Error::Auth`]; bad connection options →
-/// [`Error::InvalidConfig`]; everything else → [`Error::Backend`].
+/// [`Error::Unavailable`]; refused credentials → [`Error::Auth`]; bad connection options and a
+/// database that does not exist → [`Error::InvalidConfig`]; everything else →
+/// [`Error::Backend`].
 pub(crate) fn from_sqlx(e: sqlx::Error) -> Error {
     match &e {
         sqlx::Error::Configuration(_) => {
@@ -27,6 +28,9 @@ pub(crate) fn from_sqlx(e: sqlx::Error) -> Error {
                     backend: BACKEND,
                     source: Box::new(e),
                 },
+                // invalid_catalog_name: the database in the URL does not exist (a typo or a
+                // database not created yet): a configuration error, not a server fault.
+                "3D000" => Error::config_with("the database named in the URL does not exist", e),
                 // connection exceptions, too many connections, operator intervention
                 // (admin/crash shutdown, cannot connect now, idle session timeout)
                 c if c.starts_with("08") || c == "53300" || c.starts_with("57P") => unavailable(e),

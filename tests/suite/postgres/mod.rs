@@ -443,15 +443,19 @@ async fn wrong_password_is_auth() {
         .await
         .unwrap();
     lease.release().await.unwrap();
-    // Unknown database: a backend error, not a hang.
+    // Unknown database: a configuration error that says so (the CLI's exit 64), not a hang.
     match lockkit::connect(&format!(
         "postgres://postgres:right-pw@127.0.0.1:{}/no_such_db",
         srv.port
     ))
     .await
     {
-        Err(Error::Backend { .. }) => {}
-        other => panic!("expected Backend, got {other:?}"),
+        Err(e @ Error::InvalidConfig { .. }) => {
+            let shown = format!("{e} {:?}", std::error::Error::source(&e));
+            assert!(shown.contains("does not exist"), "{shown}");
+            assert!(!shown.contains("right-pw"), "password printed: {shown}");
+        }
+        other => panic!("expected InvalidConfig, got {other:?}"),
     }
 }
 

@@ -33,9 +33,14 @@ pub(crate) const BACKEND: &str = "redis";
 /// Converts a redis client error (see the module docs for the mapping).
 pub(crate) fn from_redis(e: RedisError) -> Error {
     if is_auth(&e) {
+        let source: lockkit_core::BoxError = if e.kind() == ErrorKind::AuthenticationFailed {
+            Box::new(Refused(e))
+        } else {
+            e.into()
+        };
         return Error::Auth {
             backend: BACKEND,
-            source: e.into(),
+            source,
         };
     }
     if e.kind() == ErrorKind::Parse {
@@ -109,6 +114,27 @@ impl std::fmt::Display for NotRedis {
 }
 
 impl std::error::Error for NotRedis {}
+
+/// Credentials the server refused while connecting. The client reports a wrong password and a
+/// password sent to a server that has none (`AUTH … called without any password configured`)
+/// alike, so the message names both.
+#[derive(Debug)]
+struct Refused(RedisError);
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(
+            "the server refused the URL's user name or password (a wrong one, or one given to a \
+             server that has no password set)",
+        )
+    }
+}
+
+impl std::error::Error for Refused {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.0)
+    }
+}
 
 fn is_auth(e: &RedisError) -> bool {
     e.kind() == ErrorKind::AuthenticationFailed || matches!(e.code(), Some("WRONGPASS" | "NOAUTH"))

@@ -301,6 +301,16 @@ async fn wrong_or_missing_password_is_auth_and_right_one_works() {
         }
         fast(start, "connect with bad credentials");
     }
+    // A password for a server that has none: Auth, and the message says it may be that.
+    let none = PrivateRedis::start(None).await;
+    match lockkit::connect(&format!("redis://:extra-pw@127.0.0.1:{}", none.port)).await {
+        Err(e @ Error::Auth { .. }) => {
+            let shown = format!("{e} {e:?}");
+            assert!(shown.contains("no password set"), "{shown}");
+            assert!(!shown.contains("extra-pw"), "password leaked: {shown}");
+        }
+        other => panic!("a password for a server without one: expected Auth, got {other:?}"),
+    }
     let locks = lockkit::connect(&with_prefix(&server.url(), &fresh_prefix()))
         .await
         .expect("connect with the right password");

@@ -4,6 +4,7 @@
 //! neither of them.
 
 use std::any::Any;
+use std::cell::Cell;
 use std::fmt;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -166,6 +167,22 @@ struct Shared {
     reporting: Mutex<()>,
 }
 
+thread_local! {
+    /// This thread holds some tracker's reporting lock.
+    static REPORTING: Cell<bool> = const { Cell::new(false) };
+}
+
+/// A held reporting lock (see [`Shared::reporting`]); `None` when this thread held one already.
+struct Reporting<'a>(Option<MutexGuard<'a, ()>>);
+
+impl Drop for Reporting<'_> {
+    fn drop(&mut self) {
+        if self.0.is_some() {
+            REPORTING.set(false);
+        }
+    }
+}
+
 /// A state change to report, computed under the watch lock and reported outside it.
 struct Change {
     from: LeaseState,
@@ -224,10 +241,20 @@ impl Shared {
         state_at(&self.tx.borrow(), self.ttl, Instant::now())
     }
 
-    fn reporting(&self) -> MutexGuard<'_, ()> {
-        self.reporting
+    /// Takes the reporting lock, unless this thread is reporting already (a tracing layer or a
+    /// metrics recorder that reads a lease's state from the event being reported): then
+    /// nothing, so a thread never waits for a reporting lock while it holds one (no
+    /// self-deadlock, and no two threads each waiting for the other's).
+    fn reporting(&self) -> Reporting<'_> {
+        if REPORTING.get() {
+            return Reporting(None);
+        }
+        let guard = self
+            .reporting
             .lock()
-            .unwrap_or_else(PoisonError::into_inner)
+            .unwrap_or_else(PoisonError::into_inner);
+        REPORTING.set(true);
+        Reporting(Some(guard))
     }
 
     fn report(&self, c: Change, now: Instant) {
@@ -565,6 +592,9 @@ impl TrackerHandle {
     ) {
         let shared = &self.view.shared;
         let granted_at = shared.tx.borrow().confirmed_sent_at;
+        // Taken before the labels are set: a change published meanwhile is reported either by
+        // its `update` (after this) or below (before it), never by both.
+        let reporting = shared.reporting();
         let fresh = shared
             .meta
             .set(Meta {
@@ -583,7 +613,6 @@ impl TrackerHandle {
             m.labels.granted();
         }
         // Report what happened between the grant and now (a loss seen by the backend's session).
-        let reporting = shared.reporting();
         let pending = {
             let v = shared.tx.borrow();
             (v.reported != LeaseState::Held).then_some(*v)

@@ -407,3 +407,32 @@ async fn a_permit_slot_key_of_another_type_is_released_as_not_ours() {
     }
     assert_eq!(key_type(&mut admin, &key).await, "hash");
 }
+
+/// A leader's slot key replaced by a hash is not the leader's any more: proclaim and resign say
+/// `NotHeld` (their scripts `pcall` the GET), not a `WRONGTYPE` backend error, and leave the
+/// hash alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_slot_key_of_another_type_is_not_held_for_proclaim_or_resign() {
+    use lockkit::Election;
+    use lockkit::backend::SlotKind;
+    let (_server, locks, mut admin) = private().await;
+    let by_hand = AcquireOptions::new()
+        .ttl(Duration::from_secs(60))
+        .keepalive(false)
+        .wait(Wait::No);
+    let mut leader = locks
+        .campaign("typed-elect", b"a", by_hand)
+        .await
+        .expect("campaign");
+    let key = locks.slot_key(SlotKind::Election, "typed-elect", 0);
+    replace_by_hash(&mut admin, &key).await;
+    match leader.proclaim(b"b").await {
+        Err(lockkit::Error::NotHeld { .. }) => {}
+        other => panic!("proclaim on a slot key that is a hash now: {other:?}"),
+    }
+    match leader.resign().await {
+        Err(lockkit::Error::NotHeld { .. }) => {}
+        other => panic!("resign on a slot key that is a hash now: {other:?}"),
+    }
+    assert_eq!(key_type(&mut admin, &key).await, "hash");
+}

@@ -224,21 +224,27 @@ impl Shared {
     }
 
     /// The state now; reports a change the clock alone made since the last report.
+    ///
+    /// Returns only a state that was reported: after reporting one, it looks again, since the
+    /// clock may have moved on meanwhile (a Suspect reported just before the deadline, on a
+    /// loaded machine, is Lost by the time its event is written). At most as many rounds as
+    /// there are states.
     fn observe(&self) -> LeaseState {
-        let now = Instant::now();
-        let (state, reported) = {
-            let v = self.tx.borrow();
-            (state_at(&v, self.ttl, now), v.reported)
-        };
-        if state == reported {
-            if state != LeaseState::Held {
-                // Its event may still be being written by whoever published it.
-                drop(self.reporting());
+        loop {
+            let now = Instant::now();
+            let (state, reported) = {
+                let v = self.tx.borrow();
+                (state_at(&v, self.ttl, now), v.reported)
+            };
+            if state == reported {
+                if state != LeaseState::Held {
+                    // Its event may still be being written by whoever published it.
+                    drop(self.reporting());
+                }
+                return state;
             }
-            return state;
+            self.update(|_, _| ());
         }
-        self.update(|_, _| ());
-        state_at(&self.tx.borrow(), self.ttl, Instant::now())
     }
 
     /// Takes the reporting lock, unless this thread is reporting already (a tracing layer or a

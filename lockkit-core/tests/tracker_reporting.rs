@@ -207,3 +207,57 @@ fn whoever_sees_the_loss_finds_its_warning_written_once() {
         "leases whose loss was reported more than once"
     );
 }
+
+/// The `to` field of lockkit's lease events, and a pause on the "suspect" one.
+struct SlowSuspect(Arc<Mutex<Vec<String>>>, Duration);
+
+struct To(Option<String>);
+
+impl tracing::field::Visit for To {
+    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+        if field.name() == "to" {
+            self.0 = Some(value.to_owned());
+        }
+    }
+    fn record_debug(&mut self, _: &tracing::field::Field, _: &dyn std::fmt::Debug) {}
+}
+
+impl<S: Subscriber> Layer<S> for SlowSuspect {
+    fn on_event(&self, ev: &tracing::Event<'_>, _: Context<'_, S>) {
+        if ev.metadata().target() != "lockkit" {
+            return;
+        }
+        let mut to = To(None);
+        ev.record(&mut to);
+        if let Some(to) = to.0 {
+            if to == "suspect" {
+                // Writing this event takes as long as a loaded machine may take.
+                std::thread::sleep(self.1);
+            }
+            self.0.lock().unwrap().push(to);
+        }
+    }
+}
+
+/// A Suspect reported just before the deadline, its event slow to write, is Lost by the time
+/// it is written: the loss is reported too before `lost()` resolves (it resolved with no loss
+/// event, CI's `observability::loss_warning_names_lock_leadership_or_permit`).
+#[test]
+fn a_loss_during_a_slow_suspect_report_is_reported_before_lost_resolves() {
+    let ttl = Duration::from_millis(200);
+    let seen: Arc<Mutex<Vec<String>>> = Arc::default();
+    let sub = tracing_subscriber::registry().with(SlowSuspect(seen.clone(), ttl));
+    tracing::subscriber::with_default(sub, || {
+        tracing::callsite::rebuild_interest_cache();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let (l, _t) = lease("slow-suspect", ttl);
+            l.lost().await;
+            // Before anything else looks at the lease (which would report the loss).
+            assert_eq!(*seen.lock().unwrap(), ["suspect", "lost"]);
+        });
+    });
+}

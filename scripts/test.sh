@@ -20,7 +20,10 @@ fail() {
   scripts/servers.sh logs || true
   # Last, so a log that keeps only the tail still names what failed.
   echo "---- what failed ----"
-  grep -E 'FAILED|panicked at|^---- .* stdout ----$|^error(\[|:)' "$log" | awk '!seen[$0]++' | head -n 60 || true
+  # A panic's message follows its "panicked at" line: keep its first three lines too.
+  awk '/panicked at/ { after = 4 }
+       /FAILED|^---- .* stdout ----$|^error(\[|:)/ || after-- > 0 { if (!seen[$0]++) print substr($0, 1, 400) }' \
+    "$log" | head -n 80 || true
   exit 1
 }
 

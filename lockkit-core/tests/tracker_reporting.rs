@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use lockkit_core::backend::{LeaseOps, SuspectReason, TrackerHandle};
+use lockkit_core::observe::testing;
 use lockkit_core::{
     AcquireOptions, FencingToken, Instant, Lease, LeaseState, LeaseTracker, LossReason, Result,
     async_trait,
@@ -30,6 +31,13 @@ impl LeaseOps for Noop {
     fn as_any(&self) -> &dyn Any {
         self
     }
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap()
 }
 
 fn lease(name: &str, ttl: Duration) -> (Lease, TrackerHandle) {
@@ -66,12 +74,8 @@ fn finishes(f: impl FnOnce(&TrackerHandle) + Send + 'static) -> bool {
         let slot = Arc::new(OnceLock::new());
         let seen = Arc::new(AtomicUsize::new(0));
         let sub = tracing_subscriber::registry().with(ReadsState(slot.clone(), seen.clone()));
-        tracing::subscriber::with_default(sub, || {
-            tracing::callsite::rebuild_interest_cache();
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_time()
-                .build()
-                .unwrap();
+        testing::with_subscriber(sub, || {
+            let rt = runtime();
             let _g = rt.enter();
             let (l, t) = lease("reentrant", Duration::from_secs(30));
             slot.set(l.tracker().clone()).unwrap();
@@ -247,13 +251,8 @@ fn a_loss_during_a_slow_suspect_report_is_reported_before_lost_resolves() {
     let ttl = Duration::from_millis(200);
     let seen: Arc<Mutex<Vec<String>>> = Arc::default();
     let sub = tracing_subscriber::registry().with(SlowSuspect(seen.clone(), ttl));
-    tracing::subscriber::with_default(sub, || {
-        tracing::callsite::rebuild_interest_cache();
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_time()
-            .build()
-            .unwrap();
-        rt.block_on(async {
+    testing::with_subscriber(sub, || {
+        runtime().block_on(async {
             let (l, _t) = lease("slow-suspect", ttl);
             l.lost().await;
             // Before anything else looks at the lease (which would report the loss).

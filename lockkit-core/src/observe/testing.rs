@@ -8,7 +8,7 @@
 
 use std::collections::BTreeSet;
 use std::future::Future;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 pub use metrics_util::debugging::DebugValue;
 use metrics_util::debugging::DebuggingRecorder;
@@ -64,14 +64,31 @@ pub fn traced<T>(rt: &Runtime, f: impl Future<Output = T>) -> (T, String) {
         .with_span_events(FmtSpan::FULL)
         .with_ansi(false)
         .finish();
-    let res = tracing::subscriber::with_default(subscriber, || {
-        // A callsite first hit on another thread while no subscriber wanted it may have cached
-        // "never": ask again now that this one is installed.
-        tracing::callsite::rebuild_interest_cache();
-        rt.block_on(f)
-    });
+    let res = with_subscriber(subscriber, || rt.block_on(f));
     let text = String::from_utf8_lossy(&crate::lock_unpoisoned(&out.0)).into_owned();
     (res, text)
+}
+
+/// Runs `f` on this thread with `subscriber` as its default, so that every event and span of
+/// this thread reaches it, whatever other threads log meanwhile.
+///
+/// `tracing::subscriber::with_default` alone may lose events: while a single `Dispatch` exists
+/// in the process, tracing-core 0.1 decides whether a callsite is wanted by asking the default
+/// subscriber of whichever thread hits it first; a thread with none answers "never", cached for
+/// good ([tokio-rs/tracing#3611](https://github.com/tokio-rs/tracing/issues/3611)). So this
+/// keeps a second, idle `Dispatch` alive for the life of the process (which makes tracing-core
+/// ask every live subscriber), and rebuilds the cache once `subscriber` is installed (for
+/// callsites first hit before it existed).
+pub fn with_subscriber<T>(
+    subscriber: impl tracing::Subscriber + Send + Sync + 'static,
+    f: impl FnOnce() -> T,
+) -> T {
+    static SECOND: OnceLock<tracing::Dispatch> = OnceLock::new();
+    SECOND.get_or_init(|| tracing::Dispatch::new(tracing::subscriber::NoSubscriber::default()));
+    tracing::subscriber::with_default(subscriber, || {
+        tracing::callsite::rebuild_interest_cache();
+        f()
+    })
 }
 
 /// A `MakeWriter` collecting everything a fmt subscriber writes.

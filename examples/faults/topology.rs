@@ -472,8 +472,8 @@ impl Topology {
     /// master known (Sentinel: by all three sentinels alike, each seeing the replica linked,
     /// which after a fault happens at its next INFO of the replica, ≤ 10 s; Cluster:
     /// `cluster_state:ok` on every node and the lock's master listing its replica), within
-    /// [`RECOVERY`]: awaited before each server
-    /// fault, so that a master's failure can be failed over.
+    /// [`RECOVERY`]: awaited before each server fault, so that a master's failure can be
+    /// failed over.
     pub async fn healthy(&self) -> Result<(), String> {
         let ok = until(RECOVERY, || {
             let data_ok = self.data_nodes().all(|i| {

@@ -67,7 +67,13 @@ where
     F: FnMut() -> Fut,
     Fut: Future<Output = std::result::Result<T, etcd_client::Error>>,
 {
-    with_retries_every(total, (total / 5).max(Duration::from_millis(100)), what, f).await
+    with_retries_every(total, per_attempt(total), what, f).await
+}
+
+/// A fifth of `total`, at least 100 ms: the time one attempt of a retried request gets, so
+/// that a frozen member (which never answers) leaves time for four more tries elsewhere.
+pub(crate) fn per_attempt(total: Duration) -> Duration {
+    (total / 5).max(Duration::from_millis(100))
 }
 
 /// [`with_retries`] with each attempt limited to `per`.
@@ -1171,9 +1177,9 @@ async fn key_watch_task(
                 .next()
                 .map(|(id, w)| (*id, w.key.clone(), w.from));
             if let Some((id, key, from)) = first {
-                // A fifth of the limit per try: a frozen member never answers (see open_watch).
+                // A frozen member never answers (see open_watch).
                 let opened = tokio::time::timeout(
-                    (limit / 5).max(Duration::from_millis(100)),
+                    per_attempt(limit),
                     client
                         .watch_client()
                         .watch(key, Some(watcher_opts(id, from))),

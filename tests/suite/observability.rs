@@ -310,11 +310,13 @@ fn loss_warning_names_lock_leadership_or_permit() {
         "permit of semaphore \"lapse-s\" lost",
     ] {
         let line = text.lines().find(|l| l.contains(what));
-        let about: Vec<&str> = text.lines().filter(|l| l.contains("lapse-")).collect();
         assert!(
             line.is_some_and(|l| l.contains("WARN")),
             "no warning {what:?}; the lines about these leases:\n{}",
-            about.join("\n")
+            text.lines()
+                .filter(|l| l.contains("lapse-"))
+                .collect::<Vec<_>>()
+                .join("\n")
         );
     }
 }

@@ -35,6 +35,14 @@ async fn replace_by_hash(admin: &mut redis::aio::MultiplexedConnection, key: &st
         .expect("DEL + HSET");
 }
 
+/// Options for a lease renewed only by hand: a 60 s TTL, no keepalive, no waiting.
+fn by_hand() -> AcquireOptions {
+    AcquireOptions::new()
+        .ttl(Duration::from_secs(60))
+        .keepalive(false)
+        .wait(Wait::No)
+}
+
 /// A private server, a client on it under a fresh prefix, and an admin connection to it.
 async fn private() -> (PrivateRedis, RedisLock, redis::aio::MultiplexedConnection) {
     let server = PrivateRedis::start(None).await;
@@ -112,10 +120,7 @@ async fn a_lock_key_of_another_type_loses_only_its_own_lease_in_a_batch() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lock_key_of_another_type_is_not_held_by_hand() {
     let (_server, locks, mut admin) = private().await;
-    let by_hand = AcquireOptions::new()
-        .ttl(Duration::from_secs(60))
-        .keepalive(false)
-        .wait(Wait::No);
+    let by_hand = by_hand();
     let lease = locks.acquire("typed", by_hand).await.expect("acquire");
     replace_by_hash(&mut admin, &locks.lock_key("typed")).await;
     match lease.renew().await {
@@ -391,10 +396,7 @@ async fn a_permit_slot_key_of_another_type_is_released_as_not_ours() {
     use lockkit::Semaphore;
     use lockkit::backend::SlotKind;
     let (_server, locks, mut admin) = private().await;
-    let by_hand = AcquireOptions::new()
-        .ttl(Duration::from_secs(60))
-        .keepalive(false)
-        .wait(Wait::No);
+    let by_hand = by_hand();
     let permit = locks
         .acquire_permit("typed-pool", 1, by_hand)
         .await
@@ -416,10 +418,7 @@ async fn a_leader_slot_key_of_another_type_is_not_held_for_proclaim_or_resign() 
     use lockkit::Election;
     use lockkit::backend::SlotKind;
     let (_server, locks, mut admin) = private().await;
-    let by_hand = AcquireOptions::new()
-        .ttl(Duration::from_secs(60))
-        .keepalive(false)
-        .wait(Wait::No);
+    let by_hand = by_hand();
     let mut leader = locks
         .campaign("typed-elect", b"a", by_hand)
         .await

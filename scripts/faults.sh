@@ -7,7 +7,8 @@
 #
 #   scripts/faults.sh                         # every backend: redis, redis-sentinel,
 #                                             # redis-cluster, redlock, etcd, zk, postgres
-#   scripts/faults.sh --backends redis,etcd   # a subset (then docs/faults.md holds only those)
+#   scripts/faults.sh --backends redis,etcd   # a subset: its table goes to target/faults-subset.md,
+#                                             # docs/faults.md keeps the whole matrix
 #   scripts/faults.sh --help                  # TTL, stress size, parallel backends
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,4 +19,17 @@ scripts/install-deps.sh >/dev/null
 if [ -z "${LOCKKIT_FAULTS_BUILT:-}" ]; then
   cargo build -q --workspace --all-features --example faults
 fi
-exec "${CARGO_TARGET_DIR:-target}/debug/examples/faults" run --out docs/faults.md "$@"
+# A subset's table would replace the whole matrix in docs/faults.md: it goes next to the build.
+# An --out of the caller's wins.
+out=(--out docs/faults.md)
+for arg in "$@"; do
+  case $arg in
+    --backends | --backends=*) out=(--out "${CARGO_TARGET_DIR:-target}/faults-subset.md") ;;
+  esac
+done
+for arg in "$@"; do
+  case $arg in
+    --out | --out=*) out=() ;;
+  esac
+done
+exec "${CARGO_TARGET_DIR:-target}/debug/examples/faults" run "${out[@]}" "$@"

@@ -22,9 +22,12 @@ pub(crate) fn from_zk(e: zk::Error) -> Error {
             backend: BACKEND,
             source: Box::new(e),
         },
+        // zookeeper-client's own text is "authentication failed", which the variant says.
         zk::Error::AuthFailed => Error::Auth {
             backend: BACKEND,
-            source: Box::new(e),
+            source: "the server refused the URL's user name or password (digest scheme, or SASL \
+                     DIGEST-MD5 with sasl=digest-md5)"
+                .into(),
         },
         // Not a failed authentication: the credentials (or their absence) were accepted, but a
         // node's ACL does not grant them this operation.
@@ -61,6 +64,15 @@ pub(crate) fn unavailable(msg: &'static str) -> Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The refusal says what was refused, once (it read "authentication failed: authentication
+    /// failed").
+    #[test]
+    fn auth_failure_names_the_credentials_once() {
+        let text = from_zk(zk::Error::AuthFailed).to_string();
+        assert_eq!(text.matches("authentication failed").count(), 1, "{text}");
+        assert!(text.contains("user name or password"), "{text}");
+    }
 
     #[test]
     fn classification() {

@@ -1,9 +1,21 @@
 #!/usr/bin/env bash
-# The whole test suite: installs what is missing (Debian packages), starts private Redis (also a
-# Sentinel topology), etcd, ZooKeeper and PostgreSQL instances on loopback, runs every test
-# against them, stops them.
+# The whole test suite: installs what is missing (Debian packages), starts private Redis (also
+# Sentinel, Cluster and Redlock topologies and a TLS server), etcd, ZooKeeper and PostgreSQL
+# instances (also with TLS and SASL) on loopback, runs every test against them, the fencing and
+# election demos on every backend and the fault matrix (scripts/faults.sh), stops them.
 # Extra arguments go to `cargo test` (e.g. scripts/test.sh -- contract_name_filter).
+# -h or --help prints this and starts nothing.
 set -euo pipefail
+for arg in "$@"; do
+  case $arg in
+    --) break ;;
+    -h | --help)
+      # The comment block above, without its "# ".
+      awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"
+      exit 0
+      ;;
+  esac
+done
 cd "$(dirname "$0")/.."
 
 scripts/install-deps.sh

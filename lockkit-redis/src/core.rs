@@ -263,7 +263,10 @@ end
 /// a release frees the lock at once), or a lock-delay in ms for a lease given back as lapsed
 /// (the lock key is deleted and the delay key set to expire after the delay; nobody is served).
 /// Returns 1 if our value was deleted (or handed on), 0 otherwise (also for a lock key of another
-/// type: its `GET` is a `pcall`).
+/// type: its `GET` is a `pcall`). A hand-over that fails (a queue or fence counter key of another
+/// type, a counter that is not an integer: `serve` is `pcall`ed) fails before it writes the lock
+/// key, which is then deleted as if nobody waited: the holder's release is never held up by
+/// them.
 pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(&format!(
         r"{SERVE_LUA}
@@ -275,7 +278,8 @@ if ARGV[3] ~= '0' then
   redis.call('DEL', KEYS[1])
   return 1
 end
-if not serve(false) then
+local ok, h = pcall(serve, false)
+if not (ok and h) then
   redis.call('DEL', KEYS[1], KEYS[4])
 end
 return 1
@@ -292,15 +296,17 @@ return 1
 /// connection, finds it and does nothing), takes the ID out of the queue, and if the lock is
 /// held by the ID (it took it, or it was handed to it) gives the lock to the next live waiter
 /// or deletes it with its lock-delay key (the grant never reached a caller: no lock-delay):
-/// then 1, else 0.
+/// then 1, else 0. A queue or fence counter key of another type fails neither the cleanup nor
+/// the deletion (`pcall`s, as in [`RELEASE`]).
 fn cancel_script() -> String {
     format!(
         r"{SERVE_LUA}
 redis.call('SET', KEYS[5], '1', 'PX', ARGV[3])
-redis.call('ZREM', KEYS[3], ARGV[2])
+redis.pcall('ZREM', KEYS[3], ARGV[2])
 redis.call('DEL', ARGV[1] .. ARGV[2])
 if redis.pcall('GET', KEYS[1]) == ARGV[2] then
-  if not serve(false) then
+  local ok, h = pcall(serve, false)
+  if not (ok and h) then
     redis.call('DEL', KEYS[1], KEYS[4])
   end
   return 1

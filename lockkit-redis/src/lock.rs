@@ -75,7 +75,8 @@ pub const WAITER_TTL: Duration = Duration::from_secs(3);
 ///   us (the holder's key expired, nobody released), the first is handed the lock instead and we
 ///   go on as for a held lock. Otherwise the counter is bumped (a counter that is not an
 ///   integer fails the script, and the lock key is deleted again) and we leave the queue:
-///   `{1, token, ''}`.
+///   `{1, token, ''}`. A queue or counter key of another type fails the script too, with the
+///   lock key deleted again.
 /// - Held lock: with a channel, we join the queue's tail (`ZADD NX` scored by the server's
 ///   `TIME` in µs: a script takes longer than a µs, so scores increase in arrival order; an
 ///   existing entry keeps its place) and refresh our waiter key; `{0, PTTL, holder}` (the holder's remaining TTL in ms, or -1 for a key without
@@ -136,7 +137,12 @@ if redis.call('EXISTS', KEYS[4]) == 1 then
   return wait(redis.call('PTTL', KEYS[4]), '')
 end
 redis.call('SET', KEYS[1], me, 'PX', ARGV[3])
-v = serve(me)
+local ok
+ok, v = pcall(serve, me)
+if not ok then
+  redis.call('DEL', KEYS[1])
+  return redis.error_reply('lockkit: the queue key is not a sorted set or the fence counter not an integer')
+end
 if not v then
   return granted()
 end

@@ -114,6 +114,34 @@ async fn a_lock_key_of_another_type_loses_only_its_own_lease_in_a_batch() {
     );
 }
 
+/// A lock's queue key replaced by a hash holds up neither the release nor the cleanup: the
+/// release script's hand-over fails before it writes, and the lock key is deleted as if nobody
+/// waited (it stayed, held by nobody, until its TTL). An acquire meanwhile is a typed backend
+/// error that leaves no lock key behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queue_key_of_another_type_does_not_hold_up_the_release() {
+    let (_server, locks, mut admin) = private().await;
+    let lease = locks.acquire("typed-q", by_hand()).await.expect("acquire");
+    replace_by_hash(&mut admin, &locks.queue_key("typed-q")).await;
+    lease.release().await.expect("release");
+    assert_eq!(
+        key_type(&mut admin, &locks.lock_key("typed-q")).await,
+        "none"
+    );
+    match locks.acquire("typed-q", by_hand()).await {
+        Err(lockkit::Error::Backend { .. }) => {}
+        other => panic!("acquire with a queue key that is a hash: {other:?}"),
+    }
+    assert_eq!(
+        key_type(&mut admin, &locks.lock_key("typed-q")).await,
+        "none"
+    );
+    assert_eq!(
+        key_type(&mut admin, &locks.queue_key("typed-q")).await,
+        "hash"
+    );
+}
+
 /// A lock key replaced by a hash is not the holder's any more: a renewal by hand says
 /// `NotHeld` and the lease is lost, and the release leaves the hash alone — as for a key that
 /// is gone, not a `WRONGTYPE` backend error.

@@ -122,7 +122,9 @@ impl HolderInfo {
 ///   grant's for that name.
 /// - Waiting follows [`AcquireOptions::wait`]; transient errors are retried per
 ///   [`AcquireOptions::retry`].
-/// - Dropping the acquire future at any await point leaves nothing behind on the server.
+/// - Dropping the acquire future at any await point leaves nothing held or queued on the
+///   server (a backend may keep a short-lived marker of the cancelled attempt, such as Redis's
+///   tombstone, so that a request still in flight does nothing when it arrives).
 ///
 /// The contract suite (`lockkit_core::contract`, feature `contract`) tests all of this.
 #[async_trait]

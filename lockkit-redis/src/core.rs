@@ -188,9 +188,15 @@ return 0
 /// becomes the waiter's ID with its TTL (and the delay key its ID with TTL + delay, if it asked
 /// for a delay; else the delay key is deleted), the counter is bumped, and
 /// `"ID TOKEN"` is `PUBLISH`ed on that waiter's client channel only (a `pcall`: an ACL without
-/// channel permission still hands over; the waiter then finds its ID by polling); a channel
-/// that starts with `:` (Cluster mode: the client's channel in the lock's slot, `shard.rs`) is
-/// `SPUBLISH`ed without the `:`, and stays on the slot's shard. Returns the
+/// channel permission still hands over; the waiter then finds its ID by polling). A `PUBLISH`
+/// that reached nobody means the waiter's client has no pub/sub connection (a client
+/// subscribes to its channel before any of its waiters queues and stays subscribed): its
+/// process died and the server closed its sockets, or it is reconnecting. That waiter is dropped
+/// and the next one served, so a dead waiter does not hold the lock for its TTL (a live one
+/// looks again within [`MAX_WAIT_POLL`](crate::MAX_WAIT_POLL) and queues at the tail); only
+/// the token it was to get is skipped. A channel that starts with `:` (Cluster mode: the
+/// client's channel in the lock's slot, `shard.rs`) is `SPUBLISH`ed without the `:`, and stays
+/// on the slot's shard; its count (of the node's own subscribers) is not used. Returns the
 /// new holder's ID, or `false` if no other waiter is live. With `me` (a waiter's own acquire),
 /// the queue is only looked at up to `me`, which is removed: then the caller takes the lock.
 pub(crate) const SERVE_LUA: &str = r"
@@ -237,19 +243,24 @@ local function serve(me)
         ttl, ch = string.match(w, '^(%d+) (.*)$')
       end
       local t = bump()
-      redis.call('SET', KEYS[1], h, 'PX', ttl)
-      if dpx ~= '0' then
-        redis.call('SET', KEYS[4], h, 'PX', dpx)
-      else
-        redis.call('DEL', KEYS[4])
-      end
       local msg = h .. ' ' .. string.format('%d', t)
+      local sent = 1
       if string.sub(ch, 1, 1) == ':' then
         redis.pcall('SPUBLISH', string.sub(ch, 2), msg)
       else
-        redis.pcall('PUBLISH', ch, msg)
+        sent = redis.pcall('PUBLISH', ch, msg)
       end
-      return h
+      -- Nobody is subscribed to the waiter's channel: its client is gone (or reconnecting,
+      -- and looks again within MAX_WAIT_POLL): the next waiter is served instead.
+      if sent ~= 0 then
+        redis.call('SET', KEYS[1], h, 'PX', ttl)
+        if dpx ~= '0' then
+          redis.call('SET', KEYS[4], h, 'PX', dpx)
+        else
+          redis.call('DEL', KEYS[4])
+        end
+        return h
+      end
     end
   end
 end

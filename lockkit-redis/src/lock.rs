@@ -49,8 +49,10 @@ pub const EXPIRY_SLACK: Duration = Duration::from_millis(50);
 
 /// How long a queued waiter's key (`P:waiter:ID`) lives unless the waiter looks at the lock
 /// again (it does at least every [`MAX_WAIT_POLL`]): 3 s. A waiter whose process died drops out
-/// of the queue this long after its last look; until then a release may still hand it the lock,
-/// which then waits out that lease's TTL.
+/// of the queue this long after its last look. Until then a release passes it over if the
+/// server has closed its client's connections (a killed process: the hand-off `PUBLISH` reaches
+/// nobody), but hands it the lock if they look alive (a frozen process, a partition), and then
+/// the lock waits out that lease's TTL.
 pub const WAITER_TTL: Duration = Duration::from_secs(3);
 
 /// The acquire script (with [`SERVE_LUA`]). `KEYS[1]` lock key, `KEYS[2]` fence counter key,

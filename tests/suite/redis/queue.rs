@@ -222,6 +222,67 @@ async fn dead_waiter_does_not_block_the_queue_past_its_ttl() {
     }
 }
 
+/// A queued waiter whose client is gone (its process was killed and the server closed its
+/// sockets: nobody is subscribed to its channel, while its queue entry and waiter key live on
+/// for up to WAITER_TTL) is passed over: the release's PUBLISH reaches nobody, so the live
+/// waiter behind it gets the lock at once, not after the dead waiter's 30 s lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_whose_client_is_gone_is_passed_over_at_once() {
+    let (server, url) = private_server().await;
+    let holder = RedisLock::connect(&url).await.expect("connect");
+    let live = RedisLock::connect(&url).await.expect("connect");
+    let prefix = holder.prefix().to_owned();
+    let mut conn = server.raw().await;
+    let name = "gone";
+    let queue = holder.queue_key(name);
+    let lease = holder
+        .acquire(name, opts(30_000, Wait::No))
+        .await
+        .expect("acquire");
+    // What a killed client's waiter leaves: first in the queue (scores are the server's TIME in
+    // µs), its waiter key "TTL_MS DELAY_MS CHANNEL" on a channel nobody subscribes to.
+    let ghost_key = format!("{prefix}:waiter:ghost");
+    let _: () = redis::pipe()
+        .cmd("ZADD")
+        .arg(&queue)
+        .arg(1)
+        .arg("ghost")
+        .ignore()
+        .cmd("SET")
+        .arg(&ghost_key)
+        .arg(format!("30000 0 {prefix}:client:ghost"))
+        .arg("PX")
+        .arg(60_000)
+        .ignore()
+        .query_async(&mut conn)
+        .await
+        .expect("ZADD + SET");
+    let waiting = tokio::spawn(async move {
+        let l = live
+            .acquire(name, opts(30_000, Wait::Timeout(Duration::from_secs(20))))
+            .await;
+        (Instant::now(), l)
+    });
+    await_queue(&mut conn, &queue, 2).await;
+    let released = Instant::now();
+    lease.release().await.expect("release");
+    let (at, l) = waiting.await.expect("live waiter");
+    let l = l.expect("the live waiter got the lock");
+    let took = at - released;
+    // A PUBLISH to the live waiter: no poll (MAX_WAIT_POLL, 1 s) is needed.
+    assert!(
+        took < Duration::from_millis(900),
+        "the live waiter waited {took:?}"
+    );
+    assert_eq!(l.state(), LeaseState::Held);
+    assert!(
+        !exists(&mut conn, &ghost_key).await,
+        "the ghost's waiter key"
+    );
+    assert_eq!(queue_len(&mut conn, &queue).await, 0);
+    l.release().await.expect("release");
+}
+
 /// One batched keepalive renews every lease of the connection; a lease whose key is gone is
 /// marked lost alone (soon, not at its deadline), while the others of the same batch stay held.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -670,7 +670,8 @@ async fn handed(route: &mut Option<Waiting>) -> Option<u64> {
 
 /// One sleep of a lock's or slot's waiter between two looks ([`Subscription::sleep`]) on `hub`
 /// (subscribed for the slot of the lock `keys`, in Cluster mode; slots pass `None`):
-/// woken by a hand-off on `route`, after `poll`, or at `deadline`. A SUBSCRIBE that fails is
+/// woken by a hand-off on `route`, after `poll`, or at `deadline`. A queued waiter has the
+/// pub/sub connection checked first ([`Hub::probe_while_waiting`]). A SUBSCRIBE that fails is
 /// tried again after [`MAX_WAIT_POLL`] if the error is transient, else after
 /// [`REFUSED_SUBSCRIBE_RETRY`] (and the hub is told of the refusal).
 pub(crate) async fn wait_turn(
@@ -699,6 +700,9 @@ pub(crate) async fn wait_turn(
         }
     };
     let queued = route.is_some();
+    if queued {
+        hub.probe_while_waiting();
+    }
     subscription
         .sleep(
             queued,

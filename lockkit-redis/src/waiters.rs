@@ -53,6 +53,8 @@ struct State {
     /// Number of the next registration.
     next_route: u64,
     reader: Option<AbortHandle>,
+    /// When a waiter last had the connection checked ([`Hub::probe_while_waiting`]).
+    waiter_probe: Option<tokio::time::Instant>,
 }
 
 /// The shared pub/sub connection of one `RedisLock` and its waiters' routes.
@@ -245,6 +247,31 @@ impl Hub {
             let _ = futures_util::future::join(hub.probe(), hub.watch.check_run()).await;
             hub.ticking.store(false, Ordering::Release);
         });
+    }
+
+    /// For a queued waiter, at most once per [`MAX_WAIT_POLL`](crate::MAX_WAIT_POLL) per
+    /// client: [`probe`](Self::probe) in the background. A release passes over a waiter whose
+    /// hand-off `PUBLISH` reaches nobody, so a connection the server dropped without the client
+    /// hearing of it (half-open: a NAT or proxy lost it) must be found and replaced while the
+    /// client only waits, too: the keepalive's [`tick`](Self::tick) runs only while a lease is
+    /// held.
+    pub(crate) fn probe_while_waiting(self: &Arc<Self>) {
+        let now = tokio::time::Instant::now();
+        {
+            let mut st = lock(&self.state);
+            if st
+                .waiter_probe
+                .is_some_and(|t| now.duration_since(t) < crate::MAX_WAIT_POLL)
+            {
+                return;
+            }
+            st.waiter_probe = Some(now);
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let hub = self.clone();
+        rt.spawn(async move { hub.probe().await });
     }
 
     /// Checks that the connection still answers (one `PING`, bounded by the response timeout);

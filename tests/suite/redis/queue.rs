@@ -283,6 +283,67 @@ async fn a_waiter_whose_client_is_gone_is_passed_over_at_once() {
     l.release().await.expect("release");
 }
 
+/// A live waiter whose pub/sub connection went half-open (the server dropped it, the client
+/// never heard: the close is held in a frozen proxy connection) while two other clients take
+/// turns on the lock: every hand-off's PUBLISH to it reaches nobody and passes it over, so it
+/// must find the dead connection by itself (a PING while it waits, with no lease held) and
+/// resubscribe. Without that it was passed over until its 8 s timeout (the breaker's run).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_with_a_half_open_pubsub_connection_still_gets_the_lock() {
+    let (server, url) = private_server().await;
+    let holder = RedisLock::connect(&url).await.expect("connect");
+    let prefix = holder.prefix().to_owned();
+    let mut admin = server.raw().await;
+    let proxy = Proxy::start_local(server.port).await;
+    let name = "half-open";
+    let queue = holder.queue_key(name);
+    let lease = holder
+        .acquire(name, opts(10_000, Wait::No))
+        .await
+        .expect("acquire");
+    let b = RedisLock::connect(&format!("redis://127.0.0.1:{}?prefix={prefix}", proxy.port))
+        .await
+        .expect("connect");
+    let waiting = tokio::spawn(async move {
+        b.acquire(name, opts(10_000, Wait::Timeout(Duration::from_secs(8))))
+            .await
+            .map(|l| l.token())
+    });
+    await_queue(&mut admin, &queue, 1).await;
+    // B's pub/sub connection is the one it opened last (to subscribe before queueing).
+    proxy.freeze_connection(proxy.connections() - 1);
+    let _: () = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("TYPE")
+        .arg("pubsub")
+        .query_async(&mut admin)
+        .await
+        .expect("CLIENT KILL");
+    let stop = Instant::now() + Duration::from_secs(9);
+    let mut others = Vec::new();
+    for _ in 0..2 {
+        let url = url.clone();
+        others.push(tokio::spawn(async move {
+            let c = RedisLock::connect(&url).await.expect("connect");
+            while Instant::now() < stop {
+                let l = c
+                    .acquire(name, opts(10_000, Wait::Timeout(Duration::from_secs(20))))
+                    .await
+                    .expect("contender");
+                tokio::time::sleep(Duration::from_millis(30)).await;
+                l.release().await.expect("release");
+            }
+        }));
+    }
+    lease.release().await.expect("release");
+    let got = waiting.await.expect("waiter task");
+    for o in others {
+        o.await.expect("contender");
+    }
+    proxy.thaw();
+    got.expect("the waiter with a half-open pub/sub connection got the lock");
+}
+
 /// One batched keepalive renews every lease of the connection; a lease whose key is gone is
 /// marked lost alone (soon, not at its deadline), while the others of the same batch stay held.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -10,7 +10,7 @@ use lockkit::redis::{LOSS_NOTICE, RedisLock};
 use lockkit::{AcquireOptions, Lease, LeaseState, Lock, LossReason, Wait};
 use tokio::time::Instant;
 
-use super::{PrivateRedis, until_subscribers};
+use super::{PrivateRedis, kill_pubsub_connections, until_subscribers};
 use crate::common::{fresh_prefix, with_prefix};
 
 /// Bounds every wait for something the client must do soon (a loss notice, a subscription):
@@ -312,13 +312,7 @@ async fn pubsub_killed_while_grants_are_young_loses_no_notice() {
                     .expect("acquire"),
             );
         }
-        let killed: i64 = redis::cmd("CLIENT")
-            .arg("KILL")
-            .arg("TYPE")
-            .arg("pubsub")
-            .query_async(&mut admin)
-            .await
-            .expect("CLIENT KILL");
+        let killed = kill_pubsub_connections(&mut admin).await;
         assert_eq!(
             killed, 1,
             "expected to kill the client's pub/sub connection"

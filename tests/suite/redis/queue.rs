@@ -9,7 +9,7 @@ use lockkit::redis::{RedisLock, WAITER_TTL};
 use lockkit::{AcquireOptions, LeaseState, Lock, Wait};
 use tokio::time::Instant;
 
-use super::{PrivateRedis, await_exists, exists};
+use super::{PrivateRedis, await_exists, exists, kill_pubsub_connections};
 use crate::common::proxy::Proxy;
 use crate::common::{fresh_prefix, with_prefix};
 
@@ -312,13 +312,7 @@ async fn a_waiter_with_a_half_open_pubsub_connection_still_gets_the_lock() {
     await_queue(&mut admin, &queue, 1).await;
     // B's pub/sub connection is the one it opened last (to subscribe before queueing).
     proxy.freeze_connection(proxy.connections() - 1);
-    let _: () = redis::cmd("CLIENT")
-        .arg("KILL")
-        .arg("TYPE")
-        .arg("pubsub")
-        .query_async(&mut admin)
-        .await
-        .expect("CLIENT KILL");
+    kill_pubsub_connections(&mut admin).await;
     let stop = Instant::now() + Duration::from_secs(9);
     let mut others = Vec::new();
     for _ in 0..2 {

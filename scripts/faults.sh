@@ -24,12 +24,11 @@ fi
 out=(--out docs/faults.md)
 for arg in "$@"; do
   case $arg in
+    --out | --out=*)
+      out=()
+      break
+      ;;
     --backends | --backends=*) out=(--out "${CARGO_TARGET_DIR:-target}/faults-subset.md") ;;
-  esac
-done
-for arg in "$@"; do
-  case $arg in
-    --out | --out=*) out=() ;;
   esac
 done
 exec "${CARGO_TARGET_DIR:-target}/debug/examples/faults" run "${out[@]}" "$@"

@@ -65,16 +65,16 @@
 //!   only (<https://redis.io/docs/latest/develop/interact/pubsub/>); a release with nobody
 //!   waiting publishes nothing. A `PUBLISH` that reaches nobody (the waiter's client is gone:
 //!   killed, its sockets closed by the server) passes that waiter over to the next, so a dead
-//!   waiter does not hold the lock for its TTL. Each [`RedisLock`] subscribes to its own channel once, on one
-//!   shared pub/sub connection, before its first waiter queues; no SUBSCRIBE per wait. Pub/sub
-//!   delivery is at-most-once, so a waiter also looks again just after the holder's `PTTL`
-//!   (plus up to [`EXPIRY_JITTER`]) and at least every [`MAX_WAIT_POLL`] (≈1 s, jittered): a
-//!   waiter that was handed the lock finds its ID in the lock key. A `SUBSCRIBE` that gets no
-//!   reply within the response timeout drops the pub/sub connection (the next waiter opens a
-//!   new one). Waiters are served in FIFO order; one that stops looking (its process died)
-//!   leaves the queue after [`WAITER_TTL`], and a lock handed to it in that window is free
-//!   again after that lease's TTL, plus its lock-delay if it asked for one (it failed before it
-//!   could release: nobody can tell it never saw the grant).
+//!   waiter does not hold the lock for its TTL. Each [`RedisLock`] subscribes to its own
+//!   channel once, on one shared pub/sub connection, before its first waiter queues; no
+//!   SUBSCRIBE per wait. Pub/sub delivery is at-most-once, so a waiter also looks again just
+//!   after the holder's `PTTL` (plus up to [`EXPIRY_JITTER`]) and at least every
+//!   [`MAX_WAIT_POLL`] (≈1 s, jittered): a waiter that was handed the lock finds its ID in the
+//!   lock key. A `SUBSCRIBE` that gets no reply within the response timeout drops the pub/sub
+//!   connection (the next waiter opens a new one). Waiters are served in FIFO order; one that
+//!   stops looking (its process died) leaves the queue after [`WAITER_TTL`], and a lock handed
+//!   to it in that window is free again after that lease's TTL, plus its lock-delay if it
+//!   asked for one (it failed before it could release: nobody can tell it never saw the grant).
 //! - **Lock-delay** ([`AcquireOptions::lock_delay`](lockkit_core::AcquireOptions::lock_delay)):
 //!   a grant with a delay `d` also sets the key `P:delay:N` (to its waiter ID) with `PX` TTL +
 //!   `d`, and every renewal sets it again with the lock key, so it outlives the lock key by `d`.

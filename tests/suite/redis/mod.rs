@@ -837,3 +837,30 @@ pub(super) async fn until_subscribers(
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
+
+/// Plants what a killed client's queued waiter leaves under `prefix`: the ID `ghost` first in
+/// `queue` (scores are the server's TIME in µs) and its waiter key `"30000 0 CHANNEL"` (a 30 s
+/// lease, no lock-delay) on a channel nobody subscribes to. Returns the waiter key.
+async fn plant_ghost_waiter(
+    conn: &mut redis::aio::MultiplexedConnection,
+    prefix: &str,
+    queue: &str,
+) -> String {
+    let ghost_key = format!("{prefix}:waiter:ghost");
+    let _: () = redis::pipe()
+        .cmd("ZADD")
+        .arg(queue)
+        .arg(1)
+        .arg("ghost")
+        .ignore()
+        .cmd("SET")
+        .arg(&ghost_key)
+        .arg(format!("30000 0 {prefix}:client:ghost"))
+        .arg("PX")
+        .arg(60_000)
+        .ignore()
+        .query_async(conn)
+        .await
+        .expect("ZADD + SET");
+    ghost_key
+}

@@ -9,7 +9,7 @@ use lockkit::redis::{RedisLock, WAITER_TTL};
 use lockkit::{AcquireOptions, LeaseState, Lock, Wait};
 use tokio::time::Instant;
 
-use super::{PrivateRedis, await_exists, exists, kill_pubsub_connections};
+use super::{PrivateRedis, await_exists, exists, kill_pubsub_connections, plant_ghost_waiter};
 use crate::common::proxy::Proxy;
 use crate::common::{fresh_prefix, with_prefix};
 
@@ -239,24 +239,7 @@ async fn a_waiter_whose_client_is_gone_is_passed_over_at_once() {
         .acquire(name, opts(30_000, Wait::No))
         .await
         .expect("acquire");
-    // What a killed client's waiter leaves: first in the queue (scores are the server's TIME in
-    // µs), its waiter key "TTL_MS DELAY_MS CHANNEL" on a channel nobody subscribes to.
-    let ghost_key = format!("{prefix}:waiter:ghost");
-    let _: () = redis::pipe()
-        .cmd("ZADD")
-        .arg(&queue)
-        .arg(1)
-        .arg("ghost")
-        .ignore()
-        .cmd("SET")
-        .arg(&ghost_key)
-        .arg(format!("30000 0 {prefix}:client:ghost"))
-        .arg("PX")
-        .arg(60_000)
-        .ignore()
-        .query_async(&mut conn)
-        .await
-        .expect("ZADD + SET");
+    let ghost_key = plant_ghost_waiter(&mut conn, &prefix, &queue).await;
     let waiting = tokio::spawn(async move {
         let l = live
             .acquire(name, opts(30_000, Wait::Timeout(Duration::from_secs(20))))

@@ -13,7 +13,7 @@ use lockkit::{
 };
 use tokio::time::Instant;
 
-use super::{PrivateRedis, kill_pubsub_connections};
+use super::{PrivateRedis, kill_pubsub_connections, plant_ghost_waiter};
 use crate::common::{ConnectUrl, SlotClients, fresh_prefix, with_prefix};
 
 /// The slot harness: a new `RedisLock` (its own connections) per client, all under one fresh
@@ -396,4 +396,59 @@ async fn a_timed_out_campaign_that_took_the_slot_is_not_reported_as_held() {
     );
     leader.resign().await.expect("resign");
     assert_eq!(elections.leader(name).await.expect("leader()"), None);
+}
+
+/// A queued permit waiter whose client is gone (killed: nobody is subscribed to its channel,
+/// while its queue entry and waiter key live on for up to WAITER_TTL) is passed over: the
+/// release's PUBLISH to it reaches nobody, so the live waiter behind it gets the permit at once,
+/// not after the dead waiter's 30 s lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_permit_waiter_whose_client_is_gone_is_passed_over_at_once() {
+    let server = PrivateRedis::start(None).await;
+    let prefix = fresh_prefix();
+    let (holder, live) = (
+        client(&server, &prefix).await,
+        client(&server, &prefix).await,
+    );
+    let prefix = holder.prefix().to_owned();
+    let mut admin = server.raw().await;
+    let name = "gone";
+    let opts = |wait| {
+        AcquireOptions::new()
+            .ttl(Duration::from_secs(30))
+            .keepalive(false)
+            .wait(wait)
+    };
+    let held = holder
+        .acquire_permit(name, 1, opts(Wait::No))
+        .await
+        .expect("permit");
+    let queue = format!("{prefix}:queue:sem/{name}");
+    let ghost_key = plant_ghost_waiter(&mut admin, &prefix, &queue).await;
+    let waiting = tokio::spawn(async move {
+        let p = live
+            .acquire_permit(name, 1, opts(Wait::Timeout(Duration::from_secs(20))))
+            .await;
+        (Instant::now(), p)
+    });
+    await_queued(&mut admin, &queue, 2).await;
+    let released = Instant::now();
+    held.release().await.expect("release");
+    let (at, p) = waiting.await.expect("live waiter");
+    let p = p.expect("the live waiter got the permit");
+    let took = at - released;
+    // A PUBLISH to the live waiter: no poll (MAX_WAIT_POLL, 1 s) is needed.
+    assert!(
+        took < MAX_WAIT_POLL * 9 / 10,
+        "the live waiter waited {took:?}"
+    );
+    assert_eq!(p.state(), LeaseState::Held);
+    let ghost: bool = redis::cmd("EXISTS")
+        .arg(&ghost_key)
+        .query_async(&mut admin)
+        .await
+        .expect("EXISTS");
+    assert!(!ghost, "the ghost's waiter key");
+    await_queued(&mut admin, &queue, 0).await;
+    p.release().await.expect("release");
 }

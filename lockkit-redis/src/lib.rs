@@ -65,7 +65,8 @@
 //!   only (<https://redis.io/docs/latest/develop/interact/pubsub/>); a release with nobody
 //!   waiting publishes nothing. A `PUBLISH` that reaches nobody (the waiter's client is gone:
 //!   killed, its sockets closed by the server) passes that waiter over to the next, so a dead
-//!   waiter does not hold the lock for its TTL. Each [`RedisLock`] subscribes to its own
+//!   waiter does not hold the lock for its TTL (semaphore permits and election terms, in
+//!   `slots.rs`, are handed on the same way). Each [`RedisLock`] subscribes to its own
 //!   channel once, on one shared pub/sub connection, before its first waiter queues; no
 //!   SUBSCRIBE per wait. Pub/sub delivery is at-most-once, so a waiter also looks again just
 //!   after the holder's `PTTL` (plus up to [`EXPIRY_JITTER`]) and at least every

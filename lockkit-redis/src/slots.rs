@@ -68,14 +68,16 @@ const CATCH_UP: Duration = Duration::from_millis(250);
 ///
 /// `bump(f)` makes a token as the lock does (`INCR`, never left below `TIME` in µs: a counter
 /// restored from an older snapshot or replica must not hand out a lost token again).
-/// `grant(k, id, ttl, value)` gives slot `k` to `id`, writes its record and publishes
-/// `g k TOKEN 0 TTL PREV VALUE` (`PREV` the counter before the bump, `-` if none).
+/// `mint(k)` bumps slot `k`'s counter: the new token and `PREV`, the counter before the bump
+/// (`-` if none). `write(k, id, ttl, value, t, p)` gives slot `k` to `id` with token `t`, writes
+/// its record and publishes `g k TOKEN 0 TTL PREV VALUE`; `grant` is the two in a row.
 /// `serve(k, me)` hands slot `k` to the first live waiter (up to `me`, which is removed, as the
-/// lock's `serve`) and tells that waiter's client only (`"ID TOKEN"` on its channel, before the
-/// slot is written): a `PUBLISH` that reached nobody means the waiter's client is gone or
+/// lock's `serve`) and tells that waiter's client only (`"ID TOKEN"` on its channel, between
+/// `mint` and `write`): a `PUBLISH` that reached nobody means the waiter's client is gone or
 /// reconnecting (as for the lock, [`SERVE_LUA`](crate::core::SERVE_LUA)), so that waiter is
-/// dropped (its token skipped) and the next one served. `free(k)` ends slot `k`'s holding: the slot goes to the
-/// next live waiter, or is deleted with its record and `r k TOKEN` is published.
+/// dropped (its token skipped) and the next one served. `free(k)` ends slot `k`'s holding: the
+/// slot goes to the next live waiter, or is deleted with its record and `r k TOKEN` is
+/// published.
 const SLOT_LUA: &str = r"
 local function lk(k)
   if ARGV[5] == '1' then return ARGV[1] end
@@ -96,14 +98,17 @@ local function bump(f)
   end
   return t
 end
+local function mint(k)
+  local p = redis.call('GET', fk(k)) or '-'
+  return str(bump(fk(k))), p
+end
 local function write(k, id, ttl, value, t, p)
   redis.call('SET', lk(k), id, 'PX', ttl)
   redis.call('HSET', KEYS[1], 's' .. k, id .. ' ' .. t .. ' 0 ' .. value)
   redis.pcall('PUBLISH', ARGV[4], 'g ' .. k .. ' ' .. t .. ' 0 ' .. ttl .. ' ' .. p .. ' ' .. value)
 end
 local function grant(k, id, ttl, value)
-  local p = redis.call('GET', fk(k)) or '-'
-  local t = str(bump(fk(k)))
+  local t, p = mint(k)
   write(k, id, ttl, value, t, p)
   return t
 end
@@ -129,8 +134,7 @@ local function serve(k, me)
     local ttl, ch
     if w then ttl, ch = string.match(w, '^(%d+) %d+ (.*)$') end
     if ttl then
-      local p = redis.call('GET', fk(k)) or '-'
-      local t = str(bump(fk(k)))
+      local t, p = mint(k)
       -- Nobody is subscribed to the waiter's channel: its client is gone (or reconnecting,
       -- and looks again within MAX_WAIT_POLL): the next waiter is served instead.
       if redis.pcall('PUBLISH', ch, h .. ' ' .. t) ~= 0 then

@@ -13,7 +13,7 @@ use lockkit::{
 };
 use tokio::time::Instant;
 
-use super::{PrivateRedis, kill_pubsub_connections, plant_ghost_waiter};
+use super::{PrivateRedis, exists, kill_pubsub_connections, plant_ghost_waiter};
 use crate::common::{ConnectUrl, SlotClients, fresh_prefix, with_prefix};
 
 /// The slot harness: a new `RedisLock` (its own connections) per client, all under one fresh
@@ -443,12 +443,10 @@ async fn a_permit_waiter_whose_client_is_gone_is_passed_over_at_once() {
         "the live waiter waited {took:?}"
     );
     assert_eq!(p.state(), LeaseState::Held);
-    let ghost: bool = redis::cmd("EXISTS")
-        .arg(&ghost_key)
-        .query_async(&mut admin)
-        .await
-        .expect("EXISTS");
-    assert!(!ghost, "the ghost's waiter key");
+    assert!(
+        !exists(&mut admin, &ghost_key).await,
+        "the ghost's waiter key"
+    );
     await_queued(&mut admin, &queue, 0).await;
     p.release().await.expect("release");
 }

@@ -196,7 +196,8 @@ return 0
 /// looks again within [`MAX_WAIT_POLL`](crate::MAX_WAIT_POLL) and queues at the tail); only
 /// the token it was to get is skipped. A channel that starts with `:` (Cluster mode: the
 /// client's channel in the lock's slot, `shard.rs`) is `SPUBLISH`ed without the `:`, and stays
-/// on the slot's shard; its count (of the node's own subscribers) is not used. Returns the
+/// on the slot's shard; its count is of the master's own subscribers, where every waiter's
+/// client subscribes before it queues, so it passes dead waiters over the same way. Returns the
 /// new holder's ID, or `false` if no other waiter is live. With `me` (a waiter's own acquire),
 /// the queue is only looked at up to `me`, which is removed: then the caller takes the lock.
 pub(crate) const SERVE_LUA: &str = r"
@@ -244,9 +245,9 @@ local function serve(me)
       end
       local t = bump()
       local msg = h .. ' ' .. string.format('%d', t)
-      local sent = 1
+      local sent
       if string.sub(ch, 1, 1) == ':' then
-        redis.pcall('SPUBLISH', string.sub(ch, 2), msg)
+        sent = redis.pcall('SPUBLISH', string.sub(ch, 2), msg)
       else
         sent = redis.pcall('PUBLISH', ch, msg)
       end

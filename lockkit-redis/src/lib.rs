@@ -256,7 +256,10 @@
 //!   subscribes (`SSUBSCRIBE`, on a RESP3 cluster connection of its own) to its channel of
 //!   each slot it waits in, at most 256 slots at once (idle ones are dropped first; beyond
 //!   that its waiters poll), and again after the slot moved or a node's connection dropped;
-//!   a message lost meanwhile is covered by the waiters' timer.
+//!   a message lost meanwhile is covered by the waiters' timer. An `SPUBLISH` that reaches
+//!   nobody on the master passes the waiter over, as a `PUBLISH` does on one server; a queued
+//!   waiter has the master of its slot `PING`ed on that connection (at most once a second per
+//!   client), so a half-open node connection is found and replaced while it only waits.
 //! - **Failover**: a master's replica is promoted by the cluster. A lease whose key reached
 //!   the replica stays held (its next renewal, after `MOVED`, proves it there); one whose key
 //!   did not is [`Lost`](lockkit_core::LeaseState::Lost)

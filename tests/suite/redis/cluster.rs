@@ -337,6 +337,61 @@ async fn hand_offs_are_spublished_on_the_locks_shard() {
     b.release().await.unwrap();
 }
 
+/// A queued waiter whose client is gone (nobody subscribes to its shard channel, while its
+/// queue entry and waiter key live on for up to WAITER_TTL) is passed over: the release's
+/// `SPUBLISH` reaches nobody on the slot's master, so the live waiter behind it gets the lock at
+/// once, not after the dead waiter's 30 s lease (which outlasts the live waiter's 20 s wait).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_whose_client_is_gone_is_passed_over_at_once() {
+    let url = server_url("LOCKKIT_REDIS_CLUSTER_URL");
+    let seed = seed_ports(&url)[0];
+    let prefix = fresh_prefix();
+    let holder = RedisLock::connect(&with_prefix(&url, &prefix))
+        .await
+        .unwrap();
+    let live = RedisLock::connect(&with_prefix(&url, &prefix))
+        .await
+        .unwrap();
+    let name = "gone";
+    let lease = holder
+        .acquire(name, opts(Duration::from_secs(30)).wait(Wait::No))
+        .await
+        .unwrap();
+    let queue = holder.queue_key(name);
+    let master = owner(seed, slot_of(seed, &queue));
+    // What a killed client's waiter leaves: first in the queue (scores are TIME in µs), its
+    // waiter key (a 30 s lease, no lock-delay) naming a shard channel of the lock's slot.
+    let ghost_key = format!("{prefix}:waiter:{{={name}}}:ghost");
+    let ghost_channel = format!(":{prefix}:client:{{={name}}}:ghost");
+    assert_eq!(cli(master.port, &["zadd", &queue, "1", "ghost"]), "1");
+    let value = format!("30000 0 {ghost_channel}");
+    assert_eq!(
+        cli(master.port, &["set", &ghost_key, &value, "px", "60000"]),
+        "OK"
+    );
+    let waiting = tokio::spawn(async move {
+        let l = live.acquire(name, opts(Duration::from_secs(30))).await;
+        (Instant::now(), l)
+    });
+    until("the live waiter queued", Duration::from_secs(10), || {
+        cli(master.port, &["zcard", &queue]) == "2"
+    })
+    .await;
+    let released = Instant::now();
+    lease.release().await.unwrap();
+    let (at, l) = waiting.await.unwrap();
+    let l = l.expect("the live waiter got the lock");
+    let took = at - released;
+    // Handed over by its SPUBLISH: no poll (MAX_WAIT_POLL, 1 s) was needed.
+    assert!(
+        took < Duration::from_millis(900),
+        "the live waiter waited {took:?}"
+    );
+    assert_eq!(cli(master.port, &["exists", &ghost_key]), "0");
+    assert_eq!(cli(master.port, &["zcard", &queue]), "0");
+    l.release().await.unwrap();
+}
+
 /// Cluster mode refuses elections and semaphores with a typed error: `lockkit::connect_election`
 /// and `connect_semaphore` at connect (as for Redlock, so that `lockkit guarantees` lists none),
 /// a `RedisLock` used as a `SlotBackend` directly at the campaign or acquire.

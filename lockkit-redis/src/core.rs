@@ -162,6 +162,37 @@ return 0
     )
 });
 
+/// Lua shared by the scripts that hand a lock or slot to a queued waiter ([`SERVE_LUA`], the
+/// slot scripts): `tell(ch, msg)` sends hand-off message `msg` to the waiter's client channel
+/// `ch` and says whether that client is still there to hear it. A classic channel is `PUBLISH`ed
+/// only if `PUBSUB NUMSUB` counts a subscriber of its own: `PUBLISH`'s count would include
+/// pattern subscribers (anyone's `PSUBSCRIBE *`, a monitoring tool), for whom a dead waiter's
+/// channel still "reaches" someone. A client subscribes to its channel before any of its
+/// waiters queues and stays subscribed, so none means its process died and the server closed
+/// its sockets, or it is reconnecting. If `PUBSUB` is refused (an ACL), `PUBLISH`'s count
+/// decides, and a refused `PUBLISH` hands over (the waiter finds its ID by polling). A channel
+/// that starts with `:` (Cluster mode, the client's channel in the lock's slot, `shard.rs`) is
+/// `SPUBLISH`ed without the `:`: its count is of the slot master's own subscribers (shard
+/// channels have no patterns), where every waiter's client subscribes before it queues.
+/// See <https://redis.io/docs/latest/commands/pubsub-numsub/> and
+/// <https://redis.io/docs/latest/commands/publish/>.
+macro_rules! tell_lua {
+    () => {
+        r"
+local function tell(ch, msg)
+  if string.sub(ch, 1, 1) == ':' then
+    return redis.pcall('SPUBLISH', string.sub(ch, 2), msg) ~= 0
+  end
+  local subs = redis.pcall('PUBSUB', 'NUMSUB', ch)[2]
+  if subs == 0 then return false end
+  local sent = redis.pcall('PUBLISH', ch, msg)
+  return subs ~= nil or sent ~= 0
+end
+"
+    };
+}
+pub(crate) use tell_lua;
+
 /// Lua shared by the scripts that may hand a free lock to the next waiter. `KEYS[1]` lock key,
 /// `KEYS[2]` fence counter key, `KEYS[3]` the lock's queue, `KEYS[4]` the lock-delay key;
 /// `ARGV[1]` the waiter-key prefix (`P:waiter:`).
@@ -187,20 +218,21 @@ return 0
 /// lock-delay, `0` without a delay) exists; dead ones are dropped on the way. The lock key
 /// becomes the waiter's ID with its TTL (and the delay key its ID with TTL + delay, if it asked
 /// for a delay; else the delay key is deleted), the counter is bumped, and
-/// `"ID TOKEN"` is `PUBLISH`ed on that waiter's client channel only (a `pcall`: an ACL without
-/// channel permission still hands over; the waiter then finds its ID by polling). A `PUBLISH`
-/// that reached nobody means the waiter's client has no pub/sub connection (a client
+/// `"ID TOKEN"` is `PUBLISH`ed on that waiter's client channel only ([`tell_lua`]; a `pcall`: an
+/// ACL without channel permission still hands over, and the waiter then finds its ID by
+/// polling). A channel with no subscriber means the waiter's client has no pub/sub connection (a client
 /// subscribes to its channel before any of its waiters queues and stays subscribed): its
 /// process died and the server closed its sockets, or it is reconnecting. That waiter is dropped
 /// and the next one served, so a dead waiter does not hold the lock for its TTL (a live one
 /// looks again within [`MAX_WAIT_POLL`](crate::MAX_WAIT_POLL) and queues at the tail); only
 /// the token it was to get is skipped. A channel that starts with `:` (Cluster mode: the
 /// client's channel in the lock's slot, `shard.rs`) is `SPUBLISH`ed without the `:`, and stays
-/// on the slot's shard; its count is of the master's own subscribers, where every waiter's
-/// client subscribes before it queues, so it passes dead waiters over the same way. Returns the
+/// on the slot's shard. Returns the
 /// new holder's ID, or `false` if no other waiter is live. With `me` (a waiter's own acquire),
 /// the queue is only looked at up to `me`, which is removed: then the caller takes the lock.
-pub(crate) const SERVE_LUA: &str = r"
+pub(crate) const SERVE_LUA: &str = concat!(
+    tell_lua!(),
+    r"
 local function bump()
   local now = redis.call('TIME')
   local t = tonumber(now[1]) * 1000000 + tonumber(now[2])
@@ -244,16 +276,9 @@ local function serve(me)
         ttl, ch = string.match(w, '^(%d+) (.*)$')
       end
       local t = bump()
-      local msg = h .. ' ' .. string.format('%d', t)
-      local sent
-      if string.sub(ch, 1, 1) == ':' then
-        sent = redis.pcall('SPUBLISH', string.sub(ch, 2), msg)
-      else
-        sent = redis.pcall('PUBLISH', ch, msg)
-      end
       -- Nobody is subscribed to the waiter's channel: its client is gone (or reconnecting,
       -- and looks again within MAX_WAIT_POLL): the next waiter is served instead.
-      if sent ~= 0 then
+      if tell(ch, h .. ' ' .. string.format('%d', t)) then
         redis.call('SET', KEYS[1], h, 'PX', ttl)
         if dpx ~= '0' then
           redis.call('SET', KEYS[4], h, 'PX', dpx)
@@ -265,7 +290,8 @@ local function serve(me)
     end
   end
 end
-";
+"
+);
 
 /// Compare-and-delete, handing the lock to the next live waiter if there is one (see
 /// [`SERVE_LUA`]; no `PUBLISH` when nobody waits): `GET`, the queue's `ZPOPMIN`, and one `DEL`

@@ -63,9 +63,10 @@
 //!   first live waiter: the lock key becomes that waiter's ID with its TTL, the counter is
 //!   bumped, and `"ID TOKEN"` is `PUBLISH`ed on that waiter's client channel `P:client:CID`
 //!   only (<https://redis.io/docs/latest/develop/interact/pubsub/>); a release with nobody
-//!   waiting publishes nothing. A `PUBLISH` that reaches nobody (the waiter's client is gone:
-//!   killed, its sockets closed by the server) passes that waiter over to the next, so a dead
-//!   waiter does not hold the lock for its TTL (semaphore permits and election terms, in
+//!   waiting publishes nothing. A waiter whose client channel has no subscriber (`PUBSUB
+//!   NUMSUB`, which unlike `PUBLISH`'s count leaves out pattern subscribers: the waiter's
+//!   client is gone, killed, its sockets closed by the server) is passed over to the next, so a
+//!   dead waiter does not hold the lock for its TTL (semaphore permits and election terms, in
 //!   `slots.rs`, are handed on the same way). Each [`RedisLock`] subscribes to its own
 //!   channel once, on one shared pub/sub connection, before its first waiter queues; no
 //!   SUBSCRIBE per wait. Pub/sub delivery is at-most-once, so a waiter also looks again just

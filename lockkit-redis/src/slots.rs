@@ -73,12 +73,16 @@ const CATCH_UP: Duration = Duration::from_millis(250);
 /// its record and publishes `g k TOKEN 0 TTL PREV VALUE`; `grant` is the two in a row.
 /// `serve(k, me)` hands slot `k` to the first live waiter (up to `me`, which is removed, as the
 /// lock's `serve`) and tells that waiter's client only (`"ID TOKEN"` on its channel, between
-/// `mint` and `write`): a `PUBLISH` that reached nobody means the waiter's client is gone or
-/// reconnecting (as for the lock, [`SERVE_LUA`](crate::core::SERVE_LUA)), so that waiter is
-/// dropped (its token skipped) and the next one served. `free(k)` ends slot `k`'s holding: the
+/// `mint` and `write`, by [`tell_lua`](crate::core::tell_lua)): a channel that nobody subscribes
+/// to means the waiter's client is gone or reconnecting (as for the lock,
+/// [`SERVE_LUA`](crate::core::SERVE_LUA)), so that waiter is dropped (its token skipped) and the
+/// next one served; that grant's `PREV` is the counter before the first token skipped (no grant
+/// came between, so observers see no gap). `free(k)` ends slot `k`'s holding: the
 /// slot goes to the next live waiter, or is deleted with its record and `r k TOKEN` is
 /// published.
-const SLOT_LUA: &str = r"
+const SLOT_LUA: &str = concat!(
+    crate::core::tell_lua!(),
+    r"
 local function lk(k)
   if ARGV[5] == '1' then return ARGV[1] end
   return ARGV[1] .. k
@@ -113,6 +117,7 @@ local function grant(k, id, ttl, value)
   return t
 end
 local function serve(k, me)
+  local prev
   while true do
     local h
     if me then
@@ -135,10 +140,12 @@ local function serve(k, me)
     if w then ttl, ch = string.match(w, '^(%d+) %d+ (.*)$') end
     if ttl then
       local t, p = mint(k)
+      -- PREV is the counter before the first waiter passed over: no grant came between.
+      prev = prev or p
       -- Nobody is subscribed to the waiter's channel: its client is gone (or reconnecting,
       -- and looks again within MAX_WAIT_POLL): the next waiter is served instead.
-      if redis.pcall('PUBLISH', ch, h .. ' ' .. t) ~= 0 then
-        write(k, h, ttl, v or '', t, p)
+      if tell(ch, h .. ' ' .. t) then
+        write(k, h, ttl, v or '', t, prev)
         return h
       end
     end
@@ -152,7 +159,8 @@ local function free(k)
     redis.pcall('PUBLISH', ARGV[4], 'r ' .. k .. ' ' .. t)
   end
 end
-";
+"
+);
 
 /// The slot acquire script (with [`SLOT_LUA`]). `KEYS[3]` the waiter ID's tombstone;
 /// `ARGV[7]` the waiter ID (the grant's owner value), `ARGV[8]` TTL in ms, `ARGV[9]` the

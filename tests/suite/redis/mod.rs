@@ -838,6 +838,19 @@ pub(super) async fn until_subscribers(
     }
 }
 
+/// An unrelated client subscribed to every channel by pattern (`PSUBSCRIBE *`, as an operator's
+/// `redis-cli` or a monitoring tool may be), for as long as the returned connection lives:
+/// `PUBLISH` counts it for any channel, a dead waiter's too.
+async fn subscriber_to_every_channel(url: &str) -> redis::aio::PubSub {
+    let mut p = redis::Client::open(url)
+        .expect("client")
+        .get_async_pubsub()
+        .await
+        .expect("pub/sub connection");
+    p.psubscribe("*").await.expect("PSUBSCRIBE");
+    p
+}
+
 /// Plants what a killed client's queued waiter leaves under `prefix`: the ID `ghost` first in
 /// `queue` (scores are the server's TIME in µs) and its waiter key `"30000 0 CHANNEL"` (a 30 s
 /// lease, no lock-delay) on a channel nobody subscribes to. Returns the waiter key.

@@ -9,7 +9,10 @@ use lockkit::redis::{RedisLock, WAITER_TTL};
 use lockkit::{AcquireOptions, LeaseState, Lock, Wait};
 use tokio::time::Instant;
 
-use super::{PrivateRedis, await_exists, exists, kill_pubsub_connections, plant_ghost_waiter};
+use super::{
+    PrivateRedis, await_exists, exists, kill_pubsub_connections, plant_ghost_waiter,
+    subscriber_to_every_channel,
+};
 use crate::common::proxy::Proxy;
 use crate::common::{fresh_prefix, with_prefix};
 
@@ -224,8 +227,10 @@ async fn dead_waiter_does_not_block_the_queue_past_its_ttl() {
 
 /// A queued waiter whose client is gone (its process was killed and the server closed its
 /// sockets: nobody is subscribed to its channel, while its queue entry and waiter key live on
-/// for up to WAITER_TTL) is passed over: the release's PUBLISH reaches nobody, so the live
-/// waiter behind it gets the lock at once, not after the dead waiter's 30 s lease.
+/// for up to WAITER_TTL) is passed over: its channel has no subscriber, so the live waiter
+/// behind it gets the lock at once, not after the dead waiter's 30 s lease. Also while another
+/// client subscribes to every channel by pattern, which a PUBLISH's count would include (the
+/// breaker's find: the dead waiter was handed the lock).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiter_whose_client_is_gone_is_passed_over_at_once() {
     let (server, url) = private_server().await;
@@ -240,6 +245,7 @@ async fn a_waiter_whose_client_is_gone_is_passed_over_at_once() {
         .await
         .expect("acquire");
     let ghost_key = plant_ghost_waiter(&mut conn, &prefix, &queue).await;
+    let _every_channel = subscriber_to_every_channel(&url).await;
     let waiting = tokio::spawn(async move {
         let l = live
             .acquire(name, opts(30_000, Wait::Timeout(Duration::from_secs(20))))

@@ -306,6 +306,25 @@ async fn a_resign_hands_over_in_two_round_trips() {
     );
 }
 
+/// The observer's events up to the next `Leader`, which must be of `term` (10 s per event).
+async fn events_until_a_leader(
+    observer: &mut lockkit::Observer,
+    term: lockkit::FencingToken,
+) -> Vec<LeaderEvent> {
+    let mut seen = Vec::new();
+    loop {
+        let e = tokio::time::timeout(Duration::from_secs(10), observer.next())
+            .await
+            .unwrap_or_else(|_| panic!("no observer event; so far {seen:?}"))
+            .expect("observer");
+        seen.push(e.clone());
+        if let LeaderEvent::Leader(l) = e {
+            assert_eq!(l.term, term, "events {seen:?}");
+            return seen;
+        }
+    }
+}
+
 /// An observer whose pub/sub connection is killed (changes published meanwhile are lost to it)
 /// says so: `Missed`, then the state it reads on resubscribing, even where the term moved by
 /// only one.
@@ -338,18 +357,7 @@ async fn an_observer_that_lost_its_connection_says_missed() {
     la.resign().await.expect("resign");
     let lb = b.campaign(&name, b"b", once).await.expect("campaign");
     assert!(lb.term() > term_a);
-    let mut seen = Vec::new();
-    loop {
-        let e = tokio::time::timeout(Duration::from_secs(10), observer.next())
-            .await
-            .unwrap_or_else(|_| panic!("no observer event; so far {seen:?}"))
-            .expect("observer");
-        seen.push(e.clone());
-        if let LeaderEvent::Leader(l) = e {
-            assert_eq!(l.term, lb.term(), "events {seen:?}");
-            break;
-        }
-    }
+    let seen = events_until_a_leader(&mut observer, lb.term()).await;
     assert_eq!(
         seen.first(),
         Some(&LeaderEvent::Missed),
@@ -399,18 +407,7 @@ async fn an_observer_sees_no_gap_for_a_candidate_passed_over() {
     la.resign().await.expect("resign");
     let lb = waiting.await.expect("b").expect("b leads");
     assert!(lb.term() > term_a);
-    let mut seen = Vec::new();
-    loop {
-        let e = tokio::time::timeout(Duration::from_secs(10), observer.next())
-            .await
-            .unwrap_or_else(|_| panic!("no observer event; so far {seen:?}"))
-            .expect("observer");
-        seen.push(e.clone());
-        if let LeaderEvent::Leader(l) = e {
-            assert_eq!(l.term, lb.term(), "events {seen:?}");
-            break;
-        }
-    }
+    let seen = events_until_a_leader(&mut observer, lb.term()).await;
     assert!(
         !seen.contains(&LeaderEvent::Missed),
         "a Missed although no change was missed: {seen:?}"

@@ -141,8 +141,8 @@ pub async fn connect(url: &str) -> Result<Arc<dyn Lock>> {
 ///
 /// The URL is the one [`connect`] takes; the same server and prefix give the same elections to
 /// every process. `memory://` returns a fresh in-process backend each time (nothing is shared
-/// with another call). Elections and semaphores are on `memory://`, PostgreSQL and etcd so far;
-/// the crate docs' table says which backend has them.
+/// with another call). Every backend has elections and semaphores except Redis Cluster and
+/// Redlock (see `# Errors`; the crate docs' table says what each backend guarantees).
 ///
 /// ```
 /// use lockkit::{AcquireOptions, LeaderEvent};
@@ -210,6 +210,24 @@ enum Connected {
     #[cfg(feature = "postgres")]
     Postgres(lockkit_postgres::PgLock),
 }
+
+/// Every scheme [`connect`] takes (with the backend's feature), for its error message.
+const SCHEMES: &[&str] = &[
+    "memory",
+    "redis",
+    "rediss",
+    "redis+sentinel",
+    "rediss+sentinel",
+    "redis+cluster",
+    "rediss+cluster",
+    "redlock",
+    "redlocks",
+    "etcd",
+    "etcds",
+    "zk",
+    "postgres",
+    "postgresql",
+];
 
 /// A backend's elections and semaphores: the same object behind both.
 struct Slots {
@@ -296,9 +314,8 @@ impl Connected {
                     String::new()
                 };
                 Err(Error::config(format!(
-                    "unknown lock service scheme{named}: expected memory, redis, rediss, \
-                     redis+sentinel, redis+cluster, rediss+cluster, redlock, redlocks, etcd, zk, \
-                     postgres or postgresql"
+                    "unknown lock service scheme{named}: expected {}",
+                    SCHEMES.join(", ")
                 )))
             }
         }
@@ -404,9 +421,23 @@ mod tests {
                 other => panic!("{bad:?}: {other:?}"),
             }
         }
+        // Every scheme the message lists is one `connect` takes (an error of that backend, or
+        // of its feature being off, never "unknown scheme"), and the message lists them all.
+        let unknown = connect("foo://x").await.err().unwrap().to_string();
+        for scheme in SCHEMES {
+            assert!(unknown.contains(scheme), "{unknown}");
+            let e = connect(&format!("{scheme}://h:1/?no_such_parameter=1"))
+                .await
+                .err();
+            assert!(
+                !e.as_ref()
+                    .is_some_and(|e| e.to_string().contains("unknown lock service scheme")),
+                "{scheme}: {e:?}"
+            );
+        }
         let huge = format!("{}://x", "s".repeat(40_000));
         let e = connect(&huge).await.err().unwrap();
-        assert!(e.to_string().len() < 200);
+        assert!(e.to_string().len() < 300, "{e}");
     }
 
     /// TLS to Redis Sentinel is a typed `NotSupported`, not an unknown scheme.

@@ -1428,11 +1428,11 @@ pub async fn run(args: RunArgs) -> i32 {
         md.push('\n');
     }
     println!("{md}");
-    if let Some(out) = &args.out {
-        if let Err(e) = std::fs::write(out, &md) {
-            eprintln!("faults: write {}: {e}", out.display());
-            return 1;
-        }
+    if let Some(out) = &args.out
+        && let Err(e) = std::fs::write(out, &md)
+    {
+        eprintln!("faults: write {}: {e}", out.display());
+        return 1;
     }
     let any_failed = rows
         .iter()

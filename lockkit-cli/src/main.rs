@@ -308,11 +308,11 @@ another --permits.";
 fn human(d: Duration) -> String {
     let ms = d.as_millis();
     for (unit, n) in [("h", 3_600_000), ("m", 60_000), ("s", 1000)] {
-        if ms >= n && ms % n == 0 {
+        if ms >= n && ms.is_multiple_of(n) {
             return format!("{}{unit}", ms / n);
         }
     }
-    if ms > 0 && d.subsec_nanos() % 1_000_000 == 0 {
+    if ms > 0 && d.subsec_nanos().is_multiple_of(1_000_000) {
         return format!("{ms}ms");
     }
     format!("{d:?}")
@@ -1065,13 +1065,13 @@ fn loss_text(lease: &Lease, what: &str) -> String {
 }
 
 async fn release(lease: Lease) {
-    if let Err(e) = lease.release().await {
-        if !matches!(e, Error::NotHeld { .. }) {
-            stderr_line!(
-                "lockkit: release: {} (the lock lapses at its TTL)",
-                chain(&e)
-            );
-        }
+    if let Err(e) = lease.release().await
+        && !matches!(e, Error::NotHeld { .. })
+    {
+        stderr_line!(
+            "lockkit: release: {} (the lock lapses at its TTL)",
+            chain(&e)
+        );
     }
 }
 

@@ -186,10 +186,10 @@ pub(crate) fn register(
 fn driver_for(handle: &Handle) -> Arc<Driver> {
     let id = handle.id();
     let mut drivers = lock(&DRIVERS);
-    if let Some(d) = drivers.get(&id).and_then(Weak::upgrade) {
-        if d.alive.load(Ordering::Acquire) {
-            return d;
-        }
+    if let Some(d) = drivers.get(&id).and_then(Weak::upgrade)
+        && d.alive.load(Ordering::Acquire)
+    {
+        return d;
     }
     drivers.retain(|_, d| d.upgrade().is_some_and(|d| d.alive.load(Ordering::Acquire)));
     let driver = Arc::new(Driver {

@@ -346,15 +346,15 @@ impl Drop for Lease {
         // lock-delay set at the grant must run.
         let was_lost = self.tracker.state() == LeaseState::Lost;
         self.tracker.mark_lost(LossReason::Dropped);
-        if self.release_on_drop {
-            if let Ok(rt) = tokio::runtime::Handle::try_current() {
-                rt.spawn(release_in_background(
-                    self.name.clone(),
-                    self.ops.clone(),
-                    self.tracker.valid_until() + drift_margin(self.tracker.ttl()),
-                    was_lost,
-                ));
-            }
+        if self.release_on_drop
+            && let Ok(rt) = tokio::runtime::Handle::try_current()
+        {
+            rt.spawn(release_in_background(
+                self.name.clone(),
+                self.ops.clone(),
+                self.tracker.valid_until() + drift_margin(self.tracker.ttl()),
+                was_lost,
+            ));
         }
     }
 }

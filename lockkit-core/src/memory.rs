@@ -45,11 +45,11 @@ impl Entry {
     /// The holder whose lease has not lapsed by `now`. A lapsed holder is removed here, and its
     /// lock-delay, if any, starts at the instant its lease lapsed.
     fn holder_live(&mut self, now: Instant) -> Option<&Holder> {
-        if let Some(h) = self.holder.take_if(|h| h.expires <= now) {
-            if let Some(d) = h.lock_delay {
-                let until = h.expires + d;
-                self.delayed_until = Some(self.delayed_until.map_or(until, |u| u.max(until)));
-            }
+        if let Some(h) = self.holder.take_if(|h| h.expires <= now)
+            && let Some(d) = h.lock_delay
+        {
+            let until = h.expires + d;
+            self.delayed_until = Some(self.delayed_until.map_or(until, |u| u.max(until)));
         }
         self.holder.as_ref()
     }

@@ -170,10 +170,10 @@ impl Slots {
     }
 
     fn publish(&self, key: &Key, e: &Entry) {
-        if let Some(tx) = &e.events {
-            if tx.receiver_count() > 0 {
-                let _ = tx.send(self.snapshot(key, e, None));
-            }
+        if let Some(tx) = &e.events
+            && tx.receiver_count() > 0
+        {
+            let _ = tx.send(self.snapshot(key, e, None));
         }
     }
 

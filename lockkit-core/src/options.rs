@@ -228,27 +228,27 @@ impl AcquireOptions {
     /// [`MAX_LOCK_DELAY`].
     pub fn validate(&self) -> Result<()> {
         validate_ttl(self.ttl)?;
-        if let Some(d) = self.lock_delay {
-            if d > MAX_LOCK_DELAY {
-                return Err(Error::config(format!(
-                    "lock-delay {d:?} is longer than {MAX_LOCK_DELAY:?}"
-                )));
-            }
+        if let Some(d) = self.lock_delay
+            && d > MAX_LOCK_DELAY
+        {
+            return Err(Error::config(format!(
+                "lock-delay {d:?} is longer than {MAX_LOCK_DELAY:?}"
+            )));
         }
-        if let Some(min) = self.min_validity {
-            if min >= self.ttl {
-                return Err(Error::config(format!(
-                    "minimum validity {min:?} is not shorter than the TTL {:?}",
-                    self.ttl
-                )));
-            }
+        if let Some(min) = self.min_validity
+            && min >= self.ttl
+        {
+            return Err(Error::config(format!(
+                "minimum validity {min:?} is not shorter than the TTL {:?}",
+                self.ttl
+            )));
         }
-        if let Wait::Timeout(d) = self.wait {
-            if d > MAX_TTL {
-                return Err(Error::config(format!(
-                    "wait timeout {d:?} is longer than {MAX_TTL:?}; use Wait::Forever"
-                )));
-            }
+        if let Wait::Timeout(d) = self.wait
+            && d > MAX_TTL
+        {
+            return Err(Error::config(format!(
+                "wait timeout {d:?} is longer than {MAX_TTL:?}; use Wait::Forever"
+            )));
         }
         if let Some(r) = &self.retry {
             if r.min_delay > r.max_delay {

@@ -640,11 +640,11 @@ impl TrackerHandle {
 
     /// The lease was leaked: it is no longer this process's to count.
     pub(crate) fn leaked(&self) {
-        if let Some(m) = self.view.shared.meta.get() {
-            if !m.ended.swap(true, Ordering::AcqRel) {
-                m.labels
-                    .ended(Instant::now().saturating_duration_since(m.granted_at), None);
-            }
+        if let Some(m) = self.view.shared.meta.get()
+            && !m.ended.swap(true, Ordering::AcqRel)
+        {
+            m.labels
+                .ended(Instant::now().saturating_duration_since(m.granted_at), None);
         }
     }
 }

@@ -58,11 +58,11 @@ struct ReadsState(Arc<OnceLock<LeaseTracker>>, Arc<AtomicUsize>);
 
 impl<S: Subscriber> Layer<S> for ReadsState {
     fn on_event(&self, ev: &tracing::Event<'_>, _: Context<'_, S>) {
-        if ev.metadata().target() == "lockkit" {
-            if let Some(t) = self.0.get() {
-                let _ = t.state();
-                self.1.fetch_add(1, Ordering::SeqCst);
-            }
+        if ev.metadata().target() == "lockkit"
+            && let Some(t) = self.0.get()
+        {
+            let _ = t.state();
+            self.1.fetch_add(1, Ordering::SeqCst);
         }
     }
 }

@@ -305,13 +305,13 @@ impl Inner {
         }
         let mut conn = connect_listener(opts).await?;
         let db = sqlx::Acquire::acquire(&mut conn).await.map_err(from_sqlx)?;
-        if let Some(v) = db.server_version_num() {
-            if v < 140_000 {
-                return Err(Error::NotSupported {
-                    operation: "PostgreSQL older than 14 (idle_session_timeout is needed)",
-                    backend: BACKEND,
-                });
-            }
+        if let Some(v) = db.server_version_num()
+            && v < 140_000
+        {
+            return Err(Error::NotSupported {
+                operation: "PostgreSQL older than 14 (idle_session_timeout is needed)",
+                backend: BACKEND,
+            });
         }
         let sent = Instant::now();
         let (seen, pid): (Option<String>, i32) =
@@ -442,10 +442,10 @@ impl Inner {
 }
 
 pub(crate) fn connect_error(e: sqlx::Error) -> Error {
-    if let sqlx::Error::Database(db) = &e {
-        if db.message().contains("unsupported startup parameter") {
-            return pooler_detected();
-        }
+    if let sqlx::Error::Database(db) = &e
+        && db.message().contains("unsupported startup parameter")
+    {
+        return pooler_detected();
     }
     if let Some(f) = lockkit_core::backend::tls_failure(&e) {
         return f.into_error(BACKEND, e.into());
@@ -497,13 +497,11 @@ async fn connect_listener(opts: PgConnectOptions) -> Result<PgListener> {
     let res = tokio::select! {
         r = &mut listen => r,
         () = tokio::time::sleep(REFUSED_PROBE_AFTER) => {
-            if let Some(addr) = &tcp {
-                if let Err(e) = tokio::net::TcpStream::connect((addr.0.as_str(), addr.1)).await {
-                    if e.kind() == std::io::ErrorKind::ConnectionRefused {
+            if let Some(addr) = &tcp
+                && let Err(e) = tokio::net::TcpStream::connect((addr.0.as_str(), addr.1)).await
+                    && e.kind() == std::io::ErrorKind::ConnectionRefused {
                         return Err(from_sqlx(sqlx::Error::Io(e)));
                     }
-                }
-            }
             listen.await
         }
     };

@@ -229,10 +229,8 @@ impl Inner {
                 .map_err(from_sqlx)?;
             c.idle_ms = ttl_ms;
         }
-        if !held {
-            if let Some(outcome) = self.try_first(c, req).await? {
-                return Ok(outcome);
-            }
+        if !held && let Some(outcome) = self.try_first(c, req).await? {
+            return Ok(outcome);
         }
         self.wait(c, req).await
     }
@@ -366,11 +364,11 @@ impl Inner {
         let ttl_ms = ttl_ms(req.opts.ttl);
         loop {
             let left = Duration::from_millis(u64::try_from(wait_ms).unwrap_or(0));
-            if let Some(d) = req.deadline {
-                if Instant::now() + left > d {
-                    tokio::time::sleep_until(d).await;
-                    return Ok(Outcome::Timeout { reusable: false });
-                }
+            if let Some(d) = req.deadline
+                && Instant::now() + left > d
+            {
+                tokio::time::sleep_until(d).await;
+                return Ok(Outcome::Timeout { reusable: false });
             }
             tracing::debug!(lock = %req.name, wait = ?left,
                 "the last holder ended without a release: waiting out its lock-delay");

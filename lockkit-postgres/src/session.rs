@@ -343,10 +343,8 @@ impl Holder {
         op.flight = Flight::Idle;
         match res {
             Ok(pid) if pid == self.pid => {
-                if solo {
-                    if let Some(c) = op.conn.as_mut() {
-                        c.idle_ms = ttl_ms;
-                    }
+                if solo && let Some(c) = op.conn.as_mut() {
+                    c.idle_ms = ttl_ms;
                 }
                 Ok(())
             }
@@ -711,11 +709,11 @@ impl Op<'_> {
         if let Some(s) = &sessions {
             s.remove(self.h);
         }
-        if let Some(mut c) = self.conn.take() {
-            if let Some(inner) = self.h.inner.upgrade() {
-                c.last_sent = self.h.state().last_ok;
-                inner.put_idle(c);
-            }
+        if let Some(mut c) = self.conn.take()
+            && let Some(inner) = self.h.inner.upgrade()
+        {
+            c.last_sent = self.h.state().last_ok;
+            inner.put_idle(c);
         }
         true
     }

@@ -455,11 +455,11 @@ impl PgLock {
         let mut listener: Option<PgListener> = None;
         loop {
             let status = self.inner.status_on(c, &self.q(), &r.keys).await?;
-            if status.rows.iter().any(|s| !s.held) {
-                if let Some((slot, token, sent)) = self.try_slots(c, r, &status).await? {
-                    self.unlock(c, r, true).await?;
-                    return Ok(SemOutcome::Granted { slot, token, sent });
-                }
+            if status.rows.iter().any(|s| !s.held)
+                && let Some((slot, token, sent)) = self.try_slots(c, r, &status).await?
+            {
+                self.unlock(c, r, true).await?;
+                return Ok(SemOutcome::Granted { slot, token, sent });
             }
             let Some(l) = listener.as_mut() else {
                 // Listen before the next look, so no release between the two is missed.

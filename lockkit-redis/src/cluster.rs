@@ -134,10 +134,10 @@ pub(crate) async fn connect(config: &RedisConfig) -> Result<Conn> {
 /// wrong password is not a retryable `Unavailable`.
 async fn refused_credentials(seeds: &[redis::Client]) -> Option<lockkit_core::Error> {
     for seed in seeds {
-        if let Err(e) = seed.get_multiplexed_async_connection().await {
-            if let e @ lockkit_core::Error::Auth { .. } = connect_error(e) {
-                return Some(e);
-            }
+        if let Err(e) = seed.get_multiplexed_async_connection().await
+            && let e @ lockkit_core::Error::Auth { .. } = connect_error(e)
+        {
+            return Some(e);
         }
     }
     None

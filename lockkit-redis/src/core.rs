@@ -133,12 +133,11 @@ impl Keys {
 /// the bytes between the first `{` and the first `}` after it, if there are any; else the
 /// whole key. Keys with equal tags share a slot.
 pub(crate) fn hash_tag(key: &str) -> &str {
-    if let Some(open) = key.find('{') {
-        if let Some(len) = key[open + 1..].find('}') {
-            if len > 0 {
-                return &key[open + 1..open + 1 + len];
-            }
-        }
+    if let Some(open) = key.find('{')
+        && let Some(len) = key[open + 1..].find('}')
+        && len > 0
+    {
+        return &key[open + 1..open + 1 + len];
     }
     key
 }

@@ -257,10 +257,10 @@ impl ZkLock {
     /// (used by nothing but the map) are closed to make room.
     pub(crate) async fn session(&self, ttl: Duration, strict: bool) -> Result<Arc<Session>> {
         let mut sessions = self.inner.sessions.lock().await;
-        if let Some(s) = sessions.get(&ttl) {
-            if !s.is_dead() {
-                return Ok(s.clone());
-            }
+        if let Some(s) = sessions.get(&ttl)
+            && !s.is_dead()
+        {
+            return Ok(s.clone());
         }
         let control = self.inner.control_ttl;
         // Dead sessions go at once; idle ones too when room is needed. Under the map's lock a
@@ -304,7 +304,7 @@ impl ZkLock {
                 backend: BACKEND,
             });
         }
-        if opts.ttl.subsec_nanos() % 1_000_000 != 0 {
+        if !opts.ttl.subsec_nanos().is_multiple_of(1_000_000) {
             return Err(Error::config(format!(
                 "TTL {:?} is not a whole number of milliseconds (ZooKeeper session timeouts are)",
                 opts.ttl

@@ -441,11 +441,10 @@ pub(crate) fn spawn_release(
                 session.delete_holder(&path, marker.as_deref(), version)
             })
             .await;
-        if let Err(e) = &res {
-            if !matches!(e, zk::Error::NoNode | zk::Error::BadVersion) && !session.is_dead() {
+        if let Err(e) = &res
+            && !matches!(e, zk::Error::NoNode | zk::Error::BadVersion) && !session.is_dead() {
                 tracing::warn!(node = %path, error = %e, "could not delete lock node; the session's end will");
             }
-        }
         if let Some(id) = lease_id {
             session.deregister(id);
         }

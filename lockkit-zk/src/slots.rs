@@ -509,12 +509,12 @@ impl Drop for SlotPending {
                     }
                 })
                 .await;
-            if let Ok((data, stat)) = read {
-                if data.starts_with(own.as_bytes()) {
-                    let _ = session
-                        .retry_loss(None, || session.client.delete(&path, Some(stat.version)))
-                        .await;
-                }
+            if let Ok((data, stat)) = read
+                && data.starts_with(own.as_bytes())
+            {
+                let _ = session
+                    .retry_loss(None, || session.client.delete(&path, Some(stat.version)))
+                    .await;
             }
         });
     }
@@ -580,15 +580,15 @@ impl Seen {
     /// Whether, going from `old` to `self`, a leader or a value may have come and gone
     /// unseen (one-shot watches: changes between a watch firing and the re-read).
     fn missed_since(&self, old: &Seen) -> bool {
-        if let (Some(a), Some(b)) = (old.queue.first(), self.queue.first()) {
-            if a == b {
-                // The same leader: a value proclaimed and replaced before our read.
-                let (va, vb) = (
-                    old.leader.as_ref().map_or(0, |l| l.1),
-                    self.leader.as_ref().map_or(0, |l| l.1),
-                );
-                return vb > va + 1;
-            }
+        if let (Some(a), Some(b)) = (old.queue.first(), self.queue.first())
+            && a == b
+        {
+            // The same leader: a value proclaimed and replaced before our read.
+            let (va, vb) = (
+                old.leader.as_ref().map_or(0, |l| l.1),
+                self.leader.as_ref().map_or(0, |l| l.1),
+            );
+            return vb > va + 1;
         }
         if old.queue.is_empty() && self.queue.is_empty() && old.cversion == self.cversion {
             return false;

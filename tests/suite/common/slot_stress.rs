@@ -199,14 +199,14 @@ async fn hold_then_end<T>(
 ) {
     tokio::time::sleep(Duration::from_millis(u64::from(rand::random::<u8>() % 20))).await;
     live.lock().unwrap().retain(|o| !Arc::ptr_eq(o, &held));
-    if let Ok(held) = Arc::try_unwrap(held) {
-        if let Err(e) = end(held).await {
-            report
-                .lock()
-                .unwrap()
-                .violations
-                .push(format!("{what}: {e:?}"));
-        }
+    if let Ok(held) = Arc::try_unwrap(held)
+        && let Err(e) = end(held).await
+    {
+        report
+            .lock()
+            .unwrap()
+            .violations
+            .push(format!("{what}: {e:?}"));
     }
 }
 

@@ -157,10 +157,11 @@ async fn leader_within(eps: &[String], limit: Duration) -> Result<(), String> {
         for e in eps {
             leaders.push(status(e).await.map(|s| s.1));
         }
-        if let Some(Some(l)) = leaders.first() {
-            if *l != 0 && leaders.iter().all(|x| *x == Some(*l)) {
-                return Ok(());
-            }
+        if let Some(Some(l)) = leaders.first()
+            && *l != 0
+            && leaders.iter().all(|x| *x == Some(*l))
+        {
+            return Ok(());
         }
         if Instant::now() >= deadline {
             return Err(format!("{leaders:?}"));
@@ -172,10 +173,10 @@ async fn leader_within(eps: &[String], limit: Duration) -> Result<(), String> {
 /// The index in `members` of the current leader (from the maintenance status API).
 pub async fn leader_index(members: &[Member]) -> usize {
     for (i, m) in members.iter().enumerate() {
-        if let Some((me, leader)) = status(&m.endpoint()).await {
-            if me == leader {
-                return i;
-            }
+        if let Some((me, leader)) = status(&m.endpoint()).await
+            && me == leader
+        {
+            return i;
         }
     }
     panic!("no member says it is the leader");

@@ -169,7 +169,7 @@ async fn contend(url: &str, clients: usize, secs: Duration, flaky: bool) {
                         .ttl(Duration::from_secs(5))
                         .wait(Wait::Timeout(Duration::from_secs(15))),
                 };
-                let lapse = kind == 3 && round % 5 == 0;
+                let lapse = kind == 3 && round.is_multiple_of(5);
                 let opts = if lapse {
                     opts.ttl(Duration::from_millis(300))
                         .lock_delay(Duration::from_millis(200))

@@ -163,16 +163,26 @@ return 0
 
 /// Lua shared by the scripts that hand a lock or slot to a queued waiter ([`SERVE_LUA`], the
 /// slot scripts): `tell(ch, msg)` sends hand-off message `msg` to the waiter's client channel
-/// `ch` and says whether that client is still there to hear it. A classic channel is `PUBLISH`ed
-/// only if `PUBSUB NUMSUB` counts a subscriber of its own: `PUBLISH`'s count would include
-/// pattern subscribers (anyone's `PSUBSCRIBE *`, a monitoring tool), for whom a dead waiter's
-/// channel still "reaches" someone. A client subscribes to its channel before any of its
-/// waiters queues and stays subscribed, so none means its process died and the server closed
-/// its sockets, or it is reconnecting. If `PUBSUB` is refused (an ACL), `PUBLISH`'s count
-/// decides, and a refused `PUBLISH` hands over (the waiter finds its ID by polling). A channel
-/// that starts with `:` (Cluster mode, the client's channel in the lock's slot, `shard.rs`) is
-/// `SPUBLISH`ed without the `:`: its count is of the slot master's own subscribers (shard
-/// channels have no patterns), where every waiter's client subscribes before it queues.
+/// `ch` and says whether that waiter is to be served (`false`: pass it over, nothing was sent).
+/// The rule it keeps: a waiter told of a grant is the one the script writes the lock for, since
+/// a waiter takes the lease a message names without asking the server again.
+///
+/// A classic channel is `PUBLISH`ed only if `PUBSUB NUMSUB` counts a subscriber of its own (a
+/// client subscribes to its channel before any of its waiters queues and stays subscribed, so
+/// none means its process died and the server closed its sockets, or it is reconnecting), not
+/// by `PUBLISH`'s own count, which includes pattern subscribers (anyone's `PSUBSCRIBE *`, a
+/// monitoring tool) and would serve a dead waiter. If `PUBSUB` is refused (an ACL), or the
+/// `PUBLISH` is, the waiter is served (it finds its ID by polling if it heard nothing): a
+/// `PUBLISH` reaches the server's replicas too, where no count sees a subscriber.
+///
+/// A channel that starts with `:` (Cluster mode, the client's channel in the lock's slot,
+/// `shard.rs`) is `SPUBLISH`ed without the `:`, and the waiter is always served: the message
+/// reaches the slot's replicas, where the redis crate may subscribe a client again after a
+/// reconnect, but `SPUBLISH` and `PUBSUB SHARDNUMSUB` count only the master's own subscribers:
+/// a waiter passed over by that count could still hear of the grant and take a lease someone
+/// else holds (the second breaker's find: two holders). So in Cluster mode a dead waiter holds
+/// the lock for its TTL.
+///
 /// See <https://redis.io/docs/latest/commands/pubsub-numsub/> and
 /// <https://redis.io/docs/latest/commands/publish/>.
 macro_rules! tell_lua {
@@ -180,12 +190,12 @@ macro_rules! tell_lua {
         r"
 local function tell(ch, msg)
   if string.sub(ch, 1, 1) == ':' then
-    return redis.pcall('SPUBLISH', string.sub(ch, 2), msg) ~= 0
+    redis.pcall('SPUBLISH', string.sub(ch, 2), msg)
+    return true
   end
-  local subs = redis.pcall('PUBSUB', 'NUMSUB', ch)[2]
-  if subs == 0 then return false end
-  local sent = redis.pcall('PUBLISH', ch, msg)
-  return subs ~= nil or sent ~= 0
+  if redis.pcall('PUBSUB', 'NUMSUB', ch)[2] == 0 then return false end
+  redis.pcall('PUBLISH', ch, msg)
+  return true
 end
 "
     };

@@ -67,8 +67,10 @@
 //!   NUMSUB`, which unlike `PUBLISH`'s count leaves out pattern subscribers: the waiter's
 //!   client is gone, killed, its sockets closed by the server) is passed over to the next, so a
 //!   dead waiter does not hold the lock for its TTL (semaphore permits and election terms, in
-//!   `slots.rs`, are handed on the same way). Each [`RedisLock`] subscribes to its own
-//!   channel once, on one shared pub/sub connection, before its first waiter queues; no
+//!   `slots.rs`, are handed on the same way). Where the user may not run `PUBSUB` (an ACL),
+//!   and in Cluster mode (see *Cluster*), every waiter is served, dead or not. Each
+//!   [`RedisLock`] subscribes to its own channel once, on one shared pub/sub connection,
+//!   before its first waiter queues; no
 //!   SUBSCRIBE per wait. Pub/sub delivery is at-most-once, so a waiter also looks again just
 //!   after the holder's `PTTL` (plus up to [`EXPIRY_JITTER`]) and at least every
 //!   [`MAX_WAIT_POLL`] (≈1 s, jittered): a waiter that was handed the lock finds its ID in the
@@ -257,10 +259,10 @@
 //!   subscribes (`SSUBSCRIBE`, on a RESP3 cluster connection of its own) to its channel of
 //!   each slot it waits in, at most 256 slots at once (idle ones are dropped first; beyond
 //!   that its waiters poll), and again after the slot moved or a node's connection dropped;
-//!   a message lost meanwhile is covered by the waiters' timer. An `SPUBLISH` that reaches
-//!   nobody on the master passes the waiter over, as a `PUBLISH` does on one server; a queued
-//!   waiter has the master of its slot `PING`ed on that connection (at most once a second per
-//!   client), so a half-open node connection is found and replaced while it only waits.
+//!   a message lost meanwhile is covered by the waiters' timer. Unlike on one server, a waiter
+//!   whose client is gone is not passed over: the message also reaches the slot's replicas,
+//!   where a client may be subscribed after a reconnect, and no count covers them, so a dead
+//!   waiter is handed the lock and holds it for its TTL.
 //! - **Failover**: a master's replica is promoted by the cluster. A lease whose key reached
 //!   the replica stays held (its next renewal, after `MOVED`, proves it there); one whose key
 //!   did not is [`Lost`](lockkit_core::LeaseState::Lost)

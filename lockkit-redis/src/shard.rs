@@ -26,7 +26,7 @@ use std::sync::{Arc, LazyLock, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::{self, RoutingInfo, SingleNodeRoutingInfo, Slot, SlotAddr};
+use redis::cluster_routing::Slot;
 use redis::{PushInfo, PushKind, Value};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::AbortHandle;
@@ -68,10 +68,8 @@ struct Route {
 
 #[derive(Default)]
 struct State {
-    /// The pub/sub cluster connection, once opened, and its number (a probe drops only the
-    /// connection it checked).
-    conn: Option<(u64, ClusterConnection)>,
-    generation: u64,
+    /// The pub/sub cluster connection, once opened.
+    conn: Option<ClusterConnection>,
     reader: Option<AbortHandle>,
     /// The slots whose channel the server confirmed (and did not take back since).
     subscribed: HashSet<Slot>,
@@ -202,7 +200,7 @@ impl Shards {
                     "this client waits in the most hash slots it subscribes to at once",
                 ));
             }
-            (st.conn.as_ref().map(|(_, c)| c.clone()), idle)
+            (st.conn.clone(), idle)
         };
         if conn.is_none() {
             conn = Some(self.open().await?);
@@ -257,60 +255,8 @@ impl Shards {
         if let Some(old) = st.reader.replace(reader.abort_handle()) {
             old.abort();
         }
-        st.generation += 1;
-        st.conn = Some((st.generation, conn.clone()));
+        st.conn = Some(conn.clone());
         Ok(conn)
-    }
-
-    /// Checks that the master of every slot with a waiter still answers on the pub/sub
-    /// connection: one `PING` routed to it (the node whose socket holds the slot's
-    /// subscription), all at once, each bounded by the response timeout. If one fails or stays
-    /// silent, the connection is dropped with every subscription, which wakes the waiters: they
-    /// look at their locks and subscribe again, on a new connection. A release passes over a
-    /// waiter whose `SPUBLISH` reaches nobody ([`SERVE_LUA`](crate::core::SERVE_LUA)), so a
-    /// node connection that the server closed without the client hearing of it (half-open)
-    /// must be found while the client only waits.
-    ///
-    /// # Cancel safety
-    /// Cancel safe.
-    pub(crate) async fn probe(&self) {
-        let (conn, slots) = {
-            let st = self.lock();
-            let slots: HashSet<Slot> = st.routes.values().map(|r| r.slot).collect();
-            (st.conn.clone(), slots)
-        };
-        let Some((generation, conn)) = conn else {
-            return;
-        };
-        let pings = slots.into_iter().map(|slot| {
-            let mut conn = conn.clone();
-            let to = cluster_routing::Route::with_slot(slot, SlotAddr::Master);
-            let to = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(to));
-            async move {
-                tokio::time::timeout(self.timeout, conn.route_command(redis::cmd("PING"), to)).await
-            }
-        });
-        for answer in futures_util::future::join_all(pings).await {
-            match answer {
-                Ok(Ok(_)) => continue,
-                Ok(Err(e)) => {
-                    tracing::debug!(error = %e, "a node of the sharded pub/sub connection failed a PING")
-                }
-                Err(_) => tracing::debug!(
-                    "a node of the sharded pub/sub connection did not answer a PING in time"
-                ),
-            }
-            let mut st = self.lock();
-            if st.conn.as_ref().is_some_and(|(g, _)| *g == generation) {
-                st.conn = None;
-                if let Some(h) = st.reader.take() {
-                    h.abort();
-                }
-                st.subscribed.clear();
-                st.routes.clear();
-            }
-            return;
-        }
     }
 
     /// A hand-off message `payload` (`"WAITER TOKEN"`) to its waiter's route.

@@ -275,23 +275,11 @@ impl Hub {
     }
 
     /// Checks that the connection still answers (one `PING`, bounded by the response timeout);
-    /// drops it if not, which reopens it when it is kept up. Nothing without a connection. In
-    /// Cluster mode the sharded pub/sub connection is checked too, at the same time
-    /// ([`Shards::probe`]).
+    /// drops it if not, which reopens it when it is kept up. Nothing without a connection.
     ///
     /// # Cancel safety
     /// Cancel safe.
     pub(crate) async fn probe(&self) {
-        let shards = async {
-            if let Some(shards) = &self.shards {
-                shards.probe().await;
-            }
-        };
-        futures_util::future::join(shards, self.probe_classic()).await;
-    }
-
-    /// [`probe`](Self::probe) of the classic pub/sub connection.
-    async fn probe_classic(&self) {
         let Some((generation, mut sink)) = lock(&self.state).conn.clone() else {
             return;
         };

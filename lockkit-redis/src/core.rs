@@ -227,17 +227,17 @@ pub(crate) use tell_lua;
 /// lock-delay, `0` without a delay) exists; dead ones are dropped on the way. The lock key
 /// becomes the waiter's ID with its TTL (and the delay key its ID with TTL + delay, if it asked
 /// for a delay; else the delay key is deleted), the counter is bumped, and
-/// `"ID TOKEN"` is `PUBLISH`ed on that waiter's client channel only ([`tell_lua`]; a `pcall`: an
-/// ACL without channel permission still hands over, and the waiter then finds its ID by
-/// polling). A channel with no subscriber means the waiter's client has no pub/sub connection (a client
-/// subscribes to its channel before any of its waiters queues and stays subscribed): its
-/// process died and the server closed its sockets, or it is reconnecting. That waiter is dropped
-/// and the next one served, so a dead waiter does not hold the lock for its TTL (a live one
-/// looks again within [`MAX_WAIT_POLL`](crate::MAX_WAIT_POLL) and queues at the tail); only
-/// the token it was to get is skipped. A channel that starts with `:` (Cluster mode: the
-/// client's channel in the lock's slot, `shard.rs`) is `SPUBLISH`ed without the `:`, and stays
-/// on the slot's shard. Returns the
-/// new holder's ID, or `false` if no other waiter is live. With `me` (a waiter's own acquire),
+/// `"ID TOKEN"` is `PUBLISH`ed on that waiter's client channel only ([`tell_lua`]; a `pcall`:
+/// an ACL without channel permission still hands over, and the waiter then finds its ID by
+/// polling). A channel with no subscriber means the waiter's client has no pub/sub connection
+/// (a client subscribes to its channel before any of its waiters queues and stays subscribed):
+/// its process died and the server closed its sockets, or it is reconnecting. That waiter is
+/// dropped and the next one served, so a dead waiter does not hold the lock for its TTL (a live
+/// one looks again within [`MAX_WAIT_POLL`](crate::MAX_WAIT_POLL) and queues at the tail);
+/// only the token it was to get is skipped. A channel that starts with `:` (Cluster mode: the
+/// client's channel in the lock's slot, `shard.rs`) is `SPUBLISH`ed without the `:`, stays on
+/// the slot's shard, and its waiter is always served (see [`tell_lua`]). Returns the new
+/// holder's ID, or `false` if no other waiter is live. With `me` (a waiter's own acquire),
 /// the queue is only looked at up to `me`, which is removed: then the caller takes the lock.
 pub(crate) const SERVE_LUA: &str = concat!(
     tell_lua!(),

@@ -272,6 +272,52 @@ async fn a_waiter_whose_client_is_gone_is_passed_over_at_once() {
     l.release().await.expect("release");
 }
 
+/// A user that may not run `PUBSUB` (an ACL: `-pubsub`) still hands the lock over by message:
+/// the release cannot count the waiter's subscribers, so it serves the waiter rather than pass
+/// it over or fail, and tells it by one PUBLISH.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_without_pubsub_still_hands_over_by_message() {
+    let server = PrivateRedis::start(None).await;
+    let mut admin = server.raw().await;
+    redis::cmd("ACL")
+        .arg(&[
+            "SETUSER", "app", "on", ">app-pw", "~*", "&*", "+@all", "-pubsub",
+        ])
+        .query_async::<()>(&mut admin)
+        .await
+        .expect("ACL SETUSER");
+    let url = format!(
+        "redis://app:app-pw@127.0.0.1:{}?prefix={}",
+        server.port,
+        fresh_prefix()
+    );
+    let (holder, waiter) = (
+        RedisLock::connect(&url).await.expect("connect as app"),
+        RedisLock::connect(&url).await.expect("connect as app"),
+    );
+    let name = "no-pubsub";
+    let queue = holder.queue_key(name);
+    let lease = holder
+        .acquire(name, opts(30_000, Wait::No))
+        .await
+        .expect("acquire");
+    let waiting = tokio::spawn(async move {
+        waiter
+            .acquire(name, opts(30_000, Wait::Timeout(Duration::from_secs(10))))
+            .await
+    });
+    await_queue(&mut admin, &queue, 1).await;
+    let published = stat(&info(&mut admin).await, "publish");
+    lease.release().await.expect("release without PUBSUB");
+    let l = waiting.await.expect("waiter task");
+    // Told by the release's one PUBLISH (not passed over, then finding the lock by a poll).
+    assert_eq!(stat(&info(&mut admin).await, "publish"), published + 1);
+    l.expect("the waiter got the lock")
+        .release()
+        .await
+        .expect("release");
+}
+
 /// A live waiter whose pub/sub connection went half-open (the server dropped it, the client
 /// never heard: the close is held in a frozen proxy connection) while two other clients take
 /// turns on the lock: every hand-off's PUBLISH to it reaches nobody and passes it over, so it

@@ -340,24 +340,7 @@ async fn waiters_keep_polling_when_the_pubsub_connection_goes_silent() {
 async fn a_user_without_channel_permission_releases_and_waiters_poll() {
     let server = PrivateRedis::start(None).await;
     let mut conn = server.raw().await;
-    redis::cmd("ACL")
-        .arg(&[
-            "SETUSER",
-            "app",
-            "on",
-            ">app-pw",
-            "~*",
-            "resetchannels",
-            "+@all",
-        ])
-        .query_async::<()>(&mut conn)
-        .await
-        .expect("ACL SETUSER");
-    let url = format!(
-        "redis://app:app-pw@127.0.0.1:{}?prefix={}",
-        server.port,
-        fresh_prefix()
-    );
+    let url = server.app_user(&["resetchannels", "+@all"]).await;
     let locks = RedisLock::connect(&url).await.expect("connect as app");
     let lease = locks
         .acquire("acl", opts(30_000, Wait::No))

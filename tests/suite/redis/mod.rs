@@ -113,6 +113,23 @@ impl PrivateRedis {
     async fn raw(&self) -> redis::aio::MultiplexedConnection {
         raw(&self.url()).await
     }
+
+    /// Creates ACL user `app` (password `app-pw`, every key) with `rules` added, and returns a
+    /// URL that logs in as it, with a fresh prefix.
+    async fn app_user(&self, rules: &[&str]) -> String {
+        let mut conn = self.raw().await;
+        redis::cmd("ACL")
+            .arg(&["SETUSER", "app", "on", ">app-pw", "~*"])
+            .arg(rules)
+            .query_async::<()>(&mut conn)
+            .await
+            .expect("ACL SETUSER");
+        format!(
+            "redis://app:app-pw@127.0.0.1:{}?prefix={}",
+            self.port,
+            crate::common::fresh_prefix()
+        )
+    }
 }
 
 async fn raw(url: &str) -> redis::aio::MultiplexedConnection {

@@ -279,18 +279,7 @@ async fn a_waiter_whose_client_is_gone_is_passed_over_at_once() {
 async fn a_user_without_pubsub_still_hands_over_by_message() {
     let server = PrivateRedis::start(None).await;
     let mut admin = server.raw().await;
-    redis::cmd("ACL")
-        .arg(&[
-            "SETUSER", "app", "on", ">app-pw", "~*", "&*", "+@all", "-pubsub",
-        ])
-        .query_async::<()>(&mut admin)
-        .await
-        .expect("ACL SETUSER");
-    let url = format!(
-        "redis://app:app-pw@127.0.0.1:{}?prefix={}",
-        server.port,
-        fresh_prefix()
-    );
+    let url = server.app_user(&["&*", "+@all", "-pubsub"]).await;
     let (holder, waiter) = (
         RedisLock::connect(&url).await.expect("connect as app"),
         RedisLock::connect(&url).await.expect("connect as app"),

@@ -28,8 +28,8 @@ set -a
 set +a
 # The scenarios (issues #11, #14) write their tables and plots here.
 export LOCKBENCH_REPORT="${LOCKBENCH_REPORT:-$PWD/docs/benchmarks.md}"
-# The report names the run: when it started and the commit it measured (with "+ changes" if the
-# working tree differs from it).
+# The report names the run: when it started and the commit it measured ("+ uncommitted changes"
+# if the working tree differs from it).
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 git diff --quiet HEAD 2>/dev/null || commit="$commit + uncommitted changes"
 export LOCKBENCH_RUN="started $(date -u '+%Y-%m-%d %H:%M UTC') at commit $commit"

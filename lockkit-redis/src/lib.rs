@@ -70,12 +70,12 @@
 //!   `slots.rs`, are handed on the same way). Where the user may not run `PUBSUB` (an ACL),
 //!   and in Cluster mode (see *Cluster*), every waiter is served, dead or not. Each
 //!   [`RedisLock`] subscribes to its own channel once, on one shared pub/sub connection,
-//!   before its first waiter queues; no
-//!   SUBSCRIBE per wait. Pub/sub delivery is at-most-once, so a waiter also looks again just
-//!   after the holder's `PTTL` (plus up to [`EXPIRY_JITTER`]) and at least every
-//!   [`MAX_WAIT_POLL`] (≈1 s, jittered): a waiter that was handed the lock finds its ID in the
-//!   lock key. A `SUBSCRIBE` that gets no reply within the response timeout drops the pub/sub
-//!   connection (the next waiter opens a new one). Waiters are served in FIFO order; one that
+//!   before its first waiter queues; no SUBSCRIBE per wait. Pub/sub delivery is at-most-once,
+//!   so a waiter also looks again just after the holder's `PTTL` (plus up to
+//!   [`EXPIRY_JITTER`]) and at least every [`MAX_WAIT_POLL`] (≈1 s, jittered): a waiter that
+//!   was handed the lock finds its ID in the lock key. A `SUBSCRIBE` that gets no reply within
+//!   the response timeout drops the pub/sub connection (the next waiter opens a new one).
+//!   Waiters are served in FIFO order; one that
 //!   stops looking (its process died) leaves the queue after [`WAITER_TTL`], and a lock handed
 //!   to it in that window is free again after that lease's TTL, plus its lock-delay if it
 //!   asked for one (it failed before it could release: nobody can tell it never saw the grant).

@@ -127,7 +127,7 @@ impl PrivateRedis {
         format!(
             "redis://app:app-pw@127.0.0.1:{}?prefix={}",
             self.port,
-            crate::common::fresh_prefix()
+            fresh_prefix()
         )
     }
 }

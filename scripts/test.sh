@@ -39,9 +39,11 @@ fail() {
   exit 1
 }
 
+# Every step has a time limit well inside CI's 90 minutes, so a hang (a server stuck on a full
+# disk, say) is reported with the server logs instead of killing the whole job silently.
 # --no-fail-fast: one failing test binary does not hide the others' results.
 failed=0
-cargo test --workspace --all-features --no-fail-fast "$@" 2>&1 | tee "$log" || failed=1
+timeout -k 10 50m cargo test --workspace --all-features --no-fail-fast "$@" 2>&1 | tee "$log" || failed=1
 
 # The examples as `cargo test --workspace --all-features` built them (a `cargo run` without
 # `--workspace` resolves features differently and would rebuild lockkit for minutes).
@@ -51,7 +53,7 @@ examples="${CARGO_TARGET_DIR:-target}/debug/examples"
 # The fencing demo, on the embedded default and on every real server: the stale write and the
 # write with another lock's token must be rejected.
 for url in memory:// "$LOCKKIT_REDIS_URL" "$LOCKKIT_REDIS_SENTINEL_URL" "$LOCKKIT_REDLOCK_URL" "$LOCKKIT_REDIS_CLUSTER_URL" "$LOCKKIT_ETCD_URL" "$LOCKKIT_ZK_URL" "$LOCKKIT_POSTGRES_URL"; do
-  if ! out=$("$examples/fencing" --backend "$url" 2>&1); then
+  if ! out=$(timeout -k 5 120 "$examples/fencing" --backend "$url" 2>&1); then
     echo "$out"; echo "fencing demo on ${url%%://*}: FAILED" | tee -a "$log"; failed=1; continue
   fi
   if grep -q "REJECTED A's write" <<<"$out" && grep -q "REJECTED C's write" <<<"$out"; then
@@ -63,13 +65,13 @@ done
 
 # The election and semaphore example of the README, on every backend.
 for url in memory:// "$LOCKKIT_POSTGRES_URL" "$LOCKKIT_ETCD_URL" "$LOCKKIT_REDIS_URL" "$LOCKKIT_REDIS_SENTINEL_URL" "$LOCKKIT_ZK_URL"; do
-  if ! out=$("$examples/election" --backend "$url" 2>&1); then
+  if ! out=$(timeout -k 5 120 "$examples/election" --backend "$url" 2>&1); then
     echo "$out"; echo "election example on ${url%%://*}: FAILED" | tee -a "$log"; failed=1
   fi
 done
 
 # The fault matrix (its own private servers; writes docs/faults.md): a failing cell fails the run.
-LOCKKIT_FAULTS_BUILT=1 scripts/faults.sh || { echo "fault matrix (scripts/faults.sh): FAILED" | tee -a "$log"; failed=1; }
+LOCKKIT_FAULTS_BUILT=1 timeout -k 10 25m scripts/faults.sh || { echo "fault matrix (scripts/faults.sh): FAILED" | tee -a "$log"; failed=1; }
 
 if [ "$failed" != 0 ]; then
   echo "scripts/test.sh: FAILED (see above)"

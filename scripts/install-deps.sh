@@ -29,4 +29,7 @@ echo "install-deps: installing ${missing[*]}"
 export DEBIAN_FRONTEND=noninteractive
 $SUDO apt-get update -qq
 $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+# The downloaded .deb files (a few hundred MB, ZooKeeper's Java among them) are not needed again:
+# a small CI disk keeps the room for the build.
+$SUDO apt-get clean
 echo "install-deps: done"

@@ -752,6 +752,10 @@ pub(crate) struct CallState {
     /// Send time of the last attempt of this ID that left it queued: a lock handed to the ID
     /// later was handed after that.
     pub(crate) queued_at: Option<Instant>,
+    /// The highest fence counter a look of this call saw with the lock held by another (or in
+    /// its lock-delay): a hand-off message whose token is not above it was sent for a grant made
+    /// before that look, which has lapsed since.
+    pub(crate) seen_token: u64,
     /// Retired IDs whose grant this call may still meet (their cleanup runs in the background).
     retired: Vec<String>,
 }
@@ -777,6 +781,7 @@ impl<K: Cleanup> Call<K> {
                 armed: false,
                 queued: false,
                 queued_at: None,
+                seen_token: 0,
                 retired: Vec::new(),
             }),
         }

@@ -67,22 +67,24 @@ pub const WAITER_TTL: Duration = Duration::from_secs(3);
 ///   commands for a free lock. Otherwise (after one `EXISTS` of the tombstone, one `GET` of
 ///   the lock key tells the cases apart):
 /// - A tombstone means the ID was retired and its cleanup ran first (it came on another
-///   connection): `{2, 0, ''}`, nothing touched.
+///   connection): `{2, 0, '', ''}`, nothing touched.
 /// - No lock key but a lock-delay key: the last holder lapsed with a lock-delay, and nobody gets
 ///   the lock before the delay key expires. As for a held lock, but with the delay key's `PTTL`
-///   and no holder: `{0, PTTL, ''}`.
+///   and no holder: `{0, PTTL, '', COUNTER}`.
 /// - The lock key holds our ID (a release handed it to us): the TTL is set anew from now and
-///   the token read back, `{1, token, ''}`.
+///   the token read back, `{1, token, '', ''}`.
 /// - Free lock (set to our ID with `SET PX`): if live waiters queue before
 ///   us (the holder's key expired, nobody released), the first is handed the lock instead and we
 ///   go on as for a held lock. Otherwise the counter is bumped (a counter that is not an
 ///   integer fails the script, and the lock key is deleted again) and we leave the queue:
-///   `{1, token, ''}`. A queue or counter key of another type fails the script too, with the
+///   `{1, token, '', ''}`. A queue or counter key of another type fails the script too, with the
 ///   lock key deleted again.
 /// - Held lock: with a channel, we join the queue's tail (`ZADD NX` scored by the server's
 ///   `TIME` in µs: a script takes longer than a µs, so scores increase in arrival order; an
-///   existing entry keeps its place) and refresh our waiter key; `{0, PTTL, holder}` (the holder's remaining TTL in ms, or -1 for a key without
-///   expiry).
+///   existing entry keeps its place) and refresh our waiter key; `{0, PTTL, holder, COUNTER}`
+///   (the holder's remaining TTL in ms, or -1 for a key without expiry; `COUNTER` the fence
+///   counter now, `''` if missing: a hand-off message with a token up to it is for a grant made
+///   before this look, which has lapsed since, and is ignored).
 ///
 /// A grant with a lock-delay sets the delay key to our ID with TTL + delay.
 ///
@@ -98,7 +100,9 @@ local function wait(pttl, holder)
     redis.call('ZADD', KEYS[3], 'NX', tonumber(now[1]) * 1000000 + tonumber(now[2]), me)
     redis.call('SET', ARGV[1] .. me, ARGV[3] .. ' ' .. ARGV[6] .. ' ' .. ARGV[4], 'PX', ARGV[5])
   end
-  return {{0, pttl, holder}}
+  local seen = redis.pcall('GET', KEYS[2])
+  if type(seen) ~= 'string' then seen = '' end
+  return {{0, pttl, holder, seen}}
 end
 local function delay()
   if ARGV[6] ~= '0' then
@@ -112,7 +116,7 @@ local function granted()
     return redis.error_reply('lockkit: the fence counter is not an integer')
   end
   delay()
-  return {{1, t, ''}}
+  return {{1, t, '', ''}}
 end
 if redis.call('EXISTS', KEYS[5], KEYS[4], KEYS[3]) == 0 then
   local v = redis.call('SET', KEYS[1], me, 'NX', 'PX', ARGV[3], 'GET')
@@ -124,13 +128,13 @@ if redis.call('EXISTS', KEYS[5], KEYS[4], KEYS[3]) == 0 then
   end
 end
 if redis.call('EXISTS', KEYS[5]) == 1 then
-  return {{2, 0, ''}}
+  return {{2, 0, '', ''}}
 end
 local v = redis.call('GET', KEYS[1])
 if v == me then
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
   delay()
-  return {{1, tonumber(redis.call('GET', KEYS[2])) or bump(), ''}}
+  return {{1, tonumber(redis.call('GET', KEYS[2])) or bump(), '', ''}}
 end
 if v then
   return wait(redis.call('PTTL', KEYS[1]), v)
@@ -468,7 +472,7 @@ impl RedisLock {
             String::new()
         };
         let sent = Instant::now();
-        let reply: (i64, i64, String) = match self
+        let reply: (i64, i64, String, String) = match self
             .inner
             .conn
             .invoke(
@@ -495,7 +499,7 @@ impl RedisLock {
             }
         };
         match reply {
-            (1, token, _) if token > 0 => {
+            (1, token, _, _) if token > 0 => {
                 if let Err(e) = self.confirm(keys, &me, ttl, delay).await {
                     // Not replicated: give the grant back (the next waiter gets it).
                     if cancel_once(&self.inner.conn, keys, &me, ttl).await.is_ok() {
@@ -530,13 +534,17 @@ impl RedisLock {
                     tracker,
                 })
             }
-            (0, pttl, holder) => {
+            (0, pttl, holder, seen) => {
                 let mut st = call.lock();
                 st.queued |= queue;
                 st.armed = st.queued;
                 if queue {
                     st.queued_at = Some(sent);
                 }
+                // A grant to us before this look would have shown here as ours: a hand-off
+                // message with a token up to the counter seen now is stale (a lock handed to
+                // this ID while it could not hear, that lapsed since).
+                st.seen_token = st.seen_token.max(seen.parse().unwrap_or(0));
                 Ok(Attempt::Held {
                     pttl: held_pttl(pttl),
                     holder,
@@ -820,9 +828,20 @@ impl LockBackend for RedisLock {
                 }
                 Woken::Handed(token) => {
                     let me = call.me();
-                    let Some(queued_at) = call.lock().queued_at else {
+                    let (queued_at, seen) = {
+                        let st = call.lock();
+                        (st.queued_at, st.seen_token)
+                    };
+                    let Some(queued_at) = queued_at else {
                         continue;
                     };
+                    if token <= seen {
+                        // Handed before our last look, which found the lock someone else's:
+                        // that grant was lost (it lapsed, or the key was evicted) while we
+                        // could not hear (the breaker's frozen waiter). Look again; never
+                        // return it.
+                        continue;
+                    }
                     if route.as_ref().is_none_or(|r| r.id() != me) {
                         continue; // for a retired ID: its cleanup gives the lock on
                     }

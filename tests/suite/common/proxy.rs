@@ -190,6 +190,14 @@ impl Proxy {
         self.shared.rules.send_modify(|r| r.frozen.push(id));
     }
 
+    /// Ends the freeze of connection `id` (one [`Proxy::freeze_connection`] froze): what it held
+    /// is delivered, in order; other freezes stay.
+    pub fn thaw_connection(&self, id: u64) {
+        self.shared
+            .rules
+            .send_modify(|r| r.frozen.retain(|&f| f != id));
+    }
+
     /// Ends every freeze: what was held is delivered, in order.
     pub fn thaw(&self) {
         self.shared.rules.send_modify(|r| {

@@ -225,6 +225,91 @@ async fn dead_waiter_does_not_block_the_queue_past_its_ttl() {
     }
 }
 
+/// A lock handed to a waiter that cannot hear (its connections frozen, as for a SIGSTOPped
+/// process) is lost on the server before the waiter learns of it (deleted here, as by an
+/// eviction or the lease's TTL running out) and another client takes it; the waiter's next look
+/// finds it held by the other and queues again; only then does the old hand-off message arrive.
+/// It is stale and must not come back as a lease: the breaker saw such a waiter return a `Held`
+/// lease with the old (lower) token while the other client held the lock. Here the waiter must
+/// get the lock only from the other's release, with a higher token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hand_off_heard_after_the_lock_was_lost_and_retaken_is_ignored() {
+    let (server, url) = private_server().await;
+    let a = RedisLock::connect(&url).await.expect("connect");
+    let prefix = a.prefix().to_owned();
+    let name = "stale-hand-off";
+    let (queue, lock_key) = (a.queue_key(name), a.lock_key(name));
+    let mut admin = server.raw().await;
+    let proxy = Proxy::start_local(server.port).await;
+    // A response timeout longer than the test: W's pub/sub PING must not replace the frozen
+    // connection that holds the message.
+    let w = RedisLock::connect(&format!(
+        "redis://127.0.0.1:{}?prefix={prefix}&response_timeout=20s",
+        proxy.port
+    ))
+    .await
+    .expect("connect");
+    // W's connections in the order it opened them: its connect's PING, its commands, and last
+    // its pub/sub connection (subscribed at connect, for loss notices).
+    let pubsub = proxy.connections() - 1;
+    let lease_a = a
+        .acquire(name, opts(10_000, Wait::No))
+        .await
+        .expect("acquire");
+    let mut waiting = tokio::spawn(async move {
+        w.acquire(name, opts(2_000, Wait::Timeout(Duration::from_secs(20))))
+            .await
+            .map(|l| (l.token(), l.state(), l))
+    });
+    await_queue(&mut admin, &queue, 1).await;
+    assert_eq!(
+        proxy.connections(),
+        pubsub + 1,
+        "W waits on the connections it opened"
+    );
+    for id in 0..=pubsub {
+        proxy.freeze_connection(id);
+    }
+    // Handed to W (its channel still has a subscriber on the server): the message is held.
+    lease_a.release().await.expect("release");
+    assert!(
+        !exists(&mut admin, &queue).await,
+        "W was popped from the queue"
+    );
+    let _: () = redis::cmd("DEL")
+        .arg(&lock_key)
+        .query_async(&mut admin)
+        .await
+        .expect("DEL");
+    let c = RedisLock::connect(&url).await.expect("connect");
+    let lease_c = c
+        .acquire(name, opts(10_000, Wait::No))
+        .await
+        .expect("C takes the lost lock");
+    // W's next look finds C holding (W queues again); then the message.
+    for id in 0..pubsub {
+        proxy.thaw_connection(id);
+    }
+    await_queue(&mut admin, &queue, 1).await;
+    proxy.thaw();
+    if let Ok(got) = tokio::time::timeout(Duration::from_millis(700), &mut waiting).await {
+        let (token, state, _l) = got.expect("W's task").expect("W got a lease");
+        panic!(
+            "W returned a lease ({state:?}, token {token}) while C holds the lock (token {})",
+            lease_c.token()
+        );
+    }
+    let c_token = lease_c.token();
+    lease_c.release().await.expect("release");
+    let (token, state, l) = waiting
+        .await
+        .expect("W's task")
+        .expect("W got the lock after C");
+    assert!(token > c_token, "W's token {token} after C's {c_token}");
+    assert_eq!(state, LeaseState::Held);
+    l.release().await.expect("release");
+}
+
 /// A queued waiter whose client is gone (its process was killed and the server closed its
 /// sockets: nobody is subscribed to its channel, while its queue entry and waiter key live on
 /// for up to WAITER_TTL) is passed over: its channel has no subscriber, so the live waiter

@@ -433,9 +433,10 @@ pub async fn one_leader_under_cancels_and_lapses(h: &dyn SlotHarness, backend: &
         .expect("resign");
 }
 
-/// Five clients contend with N = 2 or N = 3 at random (plus cancels and try-onces; no lapses,
-/// which would keep it busy): a permit is never granted while a permit of the other N is Held,
-/// never more than N at once; the losers get `PermitsMismatch`, and N does change.
+/// Five clients contend with N = 2 or N = 3 at random (plus cancels, try-onces and permits left
+/// to lapse with a 2 s TTL): a permit is never granted while a permit of the other N is Held,
+/// never more than N at once; the losers get `PermitsMismatch`, and after the run a permit of
+/// the other N is granted ([`the_other_n_is_taken_once_idle`]).
 pub async fn permits_of_two_ns_never_mix(h: &dyn SlotHarness, backend: &str) {
     let name = format!("mixed-{:08x}", rand::random::<u32>());
     let mut clients = Vec::new();

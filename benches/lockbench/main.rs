@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 
 #[cfg(feature = "etcd")]
 mod etcd;
+mod many;
 mod memory;
 mod plot;
 #[cfg(feature = "postgres")]
@@ -288,6 +289,10 @@ fn main() {
         .expect("runtime");
     if let Ok(w) = std::env::var("LOCKBENCH_WORKER") {
         rt.block_on(worker(&w));
+        return;
+    }
+    if let Ok(m) = std::env::var("LOCKBENCH_MANY") {
+        rt.block_on(many::child(&m));
         return;
     }
     let args: Vec<String> = std::env::args()

@@ -10,7 +10,8 @@
 //! - hand-off: N = 1, 4, 16 queued waiters, release → next acquire returns (median, p99), and
 //!   hand-off messages (PUBLISH) per release;
 //! - many leases: 1,000 and 10,000 held leases on one client: time to acquire them, client RSS
-//!   per lease, renewal requests and commands per second from the server's counters.
+//!   per lease (the client in a process of its own), renewal requests and commands per second
+//!   from the server's counters.
 //!
 //! With `LOCKKIT_REDIS_CLUSTER_URL` set (`scripts/servers.sh`'s cluster topology), the same
 //! floor done with the redis crate's cluster client and lockkit on `redis+cluster://` join the
@@ -30,8 +31,8 @@ use lockkit::redis::RedisLock;
 use lockkit::redis::redis::{self, Script, aio::ConnectionManager};
 use lockkit::{AcquireOptions, Lease, Lock, Wait};
 
-use crate::scenario;
 use crate::{Row, env_or, interleaved, median, op, spread, url};
+use crate::{many, scenario};
 
 const RELEASE: &str = r"
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -160,13 +161,18 @@ impl Client {
 /// A lockkit client under `prefix`; `LOCKBENCH_LOCKKIT_PARAMS` (e.g. `notifications=off`) adds
 /// URL parameters to lockkit's clients only, for A/B runs against the peers.
 async fn lockkit_client(base: &str, prefix: &str) -> RedisLock {
+    RedisLock::connect(&lockkit_url(base, prefix))
+        .await
+        .expect("lockkit connect")
+}
+
+/// lockkit's URL for the server at `base` with key prefix `prefix` (and `LOCKBENCH_LOCKKIT_PARAMS`).
+fn lockkit_url(base: &str, prefix: &str) -> String {
     let sep = if base.contains('?') { '&' } else { '?' };
     let extra = std::env::var("LOCKBENCH_LOCKKIT_PARAMS")
         .map(|p| format!("&{p}"))
         .unwrap_or_default();
-    RedisLock::connect(&format!("{base}{sep}prefix={prefix}{extra}"))
-        .await
-        .expect("lockkit connect")
+    format!("{base}{sep}prefix={prefix}{extra}")
 }
 
 /// A critical section of `d` of work (busy, as a computation would be: a timer sleep has
@@ -513,16 +519,6 @@ async fn handoff(base: &str, waiters: usize, samples: usize, admin: &mut Admin) 
     )
 }
 
-fn rss_bytes() -> u64 {
-    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
-    let pages: u64 = statm
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    pages * 4096
-}
-
 struct ManyResult {
     leases: usize,
     acquire_time: Duration,
@@ -532,40 +528,23 @@ struct ManyResult {
     per_lease_requests_per_s: f64,
 }
 
-/// `n` leases held by one client with keepalive (TTL 3 s: a tick every second), then the
-/// server's counters over 4 s.
+/// `n` leases held by one client with keepalive (TTL 3 s: a tick every second) in a process of
+/// its own ([`many::hold`]), then the server's counters over 4 s.
 async fn many(base: &str, n: usize, admin: &mut Admin) -> ManyResult {
     let prefix = format!("lockbench-{:08x}", rand::random::<u32>());
-    let locks = lockkit_client(base, &prefix).await;
     let ttl = Duration::from_secs(3);
-    let opts = AcquireOptions::new().ttl(ttl).wait(Wait::No);
-    let names: Vec<String> = (0..n).map(|i| format!("many-{i}")).collect();
-    let rss0 = rss_bytes();
-    let t = Instant::now();
-    let mut leases = Vec::with_capacity(n);
-    for chunk in names.chunks(256) {
-        let got = futures_util::future::join_all(
-            chunk.iter().map(|name| locks.acquire(name, opts.clone())),
-        )
-        .await;
-        leases.extend(got.into_iter().map(|l| l.expect("acquire")));
-    }
-    let acquire_time = t.elapsed();
-    let rss1 = rss_bytes();
+    let (holder, acquired) = many::hold(&lockkit_url(base, &prefix), n).await;
+    assert_eq!(acquired.error, None, "acquire");
     let window = Duration::from_secs(4);
     let before = commandstats(admin).await;
     tokio::time::sleep(window).await;
     let stats = delta(&commandstats(admin).await, &before);
-    let held = leases
-        .iter()
-        .filter(|l| l.state() != lockkit::LeaseState::Lost)
-        .count();
-    assert_eq!(held, n, "leases lost while kept alive");
+    assert_eq!(holder.finish().await, n, "leases lost while kept alive");
     let secs = window.as_secs_f64();
-    let r = ManyResult {
+    ManyResult {
         leases: n,
-        acquire_time,
-        rss_per_lease: rss1.saturating_sub(rss0) as f64 / n as f64,
+        acquire_time: acquired.acquire_time,
+        rss_per_lease: acquired.rss_per_lease,
         requests_per_s: Variant::Lockkit.requests(&stats) as f64 / secs,
         commands_per_s: stats
             .iter()
@@ -574,12 +553,7 @@ async fn many(base: &str, n: usize, admin: &mut Admin) -> ManyResult {
             .sum::<u64>() as f64
             / secs,
         per_lease_requests_per_s: n as f64 / (ttl / 3).as_secs_f64(),
-    };
-    while !leases.is_empty() {
-        let tail = leases.split_off(leases.len().saturating_sub(256));
-        futures_util::future::join_all(tail.into_iter().map(|l| l.release())).await;
     }
-    r
 }
 
 pub async fn run(iters: usize) -> Vec<Row> {
@@ -952,7 +926,8 @@ fn report(
         md,
         "### Many held leases on one client (TTL 3 s, keepalive on)\n\nRenewal traffic over 4 s \
          from the server's counters; the per-lease column is what one renewal script per lease \
-         per TTL/3 (core's keepalive, before) sends.\n"
+         per TTL/3 (core's keepalive, before) sends. RSS = the resident memory growth, while \
+         acquiring, of the client's process (one of its own, `many.rs`), per lease.\n"
     );
     let _ = writeln!(
         md,

@@ -8,7 +8,8 @@
 //! - hand-off: N = 1, 4, 16 queued waiters, release → the next acquire returns (median, p99),
 //!   wakes per release where the server counts them;
 //! - many leases (lockkit): 1,000 and 10,000 held with keepalive, time to acquire all, client RSS
-//!   per lease, renewal requests/s from the server's counters.
+//!   per lease (the client in a process of its own), renewal requests/s from the server's
+//!   counters.
 //!
 //! A backend module describes itself as a [`Spec`]: its variants (lockkit first) and its
 //! [`Counters`].
@@ -22,10 +23,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use lockkit::{AcquireOptions, Lease, LeaseState, Lock, Wait};
+use lockkit::{AcquireOptions, Lease, Lock, Wait};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
-use crate::{Row, env_or, median, spread};
+use crate::{Row, env_or, many, median, spread};
 
 pub type BoxFut<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
@@ -517,16 +518,6 @@ async fn handoff(spec: &Spec, v: usize, waiters: usize, samples: usize, run: usi
     HandRun { lat, per_release }
 }
 
-fn rss_bytes() -> u64 {
-    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
-    let pages: u64 = statm
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    pages * 4096
-}
-
 struct ManyResult {
     leases: usize,
     held: usize,
@@ -536,38 +527,11 @@ struct ManyResult {
     per_s: Counts,
 }
 
-/// `n` leases (TTL 3 s, keepalive: a renewal due every second) held by one lockkit client, then
-/// the server's counters over 4 s.
+/// `n` leases (TTL 3 s, keepalive: a renewal due every second) held by one lockkit client in a
+/// process of its own ([`many::hold`]), then the server's counters over 4 s.
 async fn many(spec: &Spec, n: usize) -> ManyResult {
     let url = format!("{}-many{n}", spec.lockkit_url);
-    let locks = lockkit::connect(&url).await.expect("lockkit connect");
-    let opts = AcquireOptions::new()
-        .ttl(Duration::from_secs(3))
-        .wait(Wait::No);
-    let rss0 = rss_bytes();
-    let t = Instant::now();
-    let mut leases = Vec::with_capacity(n);
-    let mut error = None;
-    let names: Vec<String> = (0..n).map(|i| format!("many-{i}")).collect();
-    for chunk in names.chunks(256) {
-        let got = futures_util::future::join_all(
-            chunk.iter().map(|name| locks.acquire(name, opts.clone())),
-        )
-        .await;
-        for g in got {
-            match g {
-                Ok(l) => leases.push(l),
-                Err(e) => {
-                    error.get_or_insert_with(|| e.to_string());
-                }
-            }
-        }
-        if error.is_some() {
-            break;
-        }
-    }
-    let acquire_time = t.elapsed();
-    let rss1 = rss_bytes();
+    let (holder, acquired) = many::hold(&url, n).await;
     let window = Duration::from_secs(4);
     if spec.counters.lagging() {
         // Counters published late (PostgreSQL: up to 10 s after a backend went idle) would
@@ -577,29 +541,22 @@ async fn many(spec: &Spec, n: usize) -> ManyResult {
     let c0 = spec.counters.read(0).await;
     tokio::time::sleep(window).await;
     let d = spec.counters.read(0).await - c0;
-    let held = leases
-        .iter()
-        .filter(|l| l.state() != LeaseState::Lost)
-        .count();
-    if held < leases.len() && error.is_none() {
+    let held = holder.finish().await;
+    let mut error = acquired.error;
+    if held < acquired.count && error.is_none() {
         error = Some(format!(
             "{} leases lost while kept alive",
-            leases.len() - held
+            acquired.count - held
         ));
     }
-    let r = ManyResult {
+    ManyResult {
         leases: n,
         held,
         error,
-        acquire_time,
-        rss_per_lease: rss1.saturating_sub(rss0) as f64 / leases.len().max(1) as f64,
+        acquire_time: acquired.acquire_time,
+        rss_per_lease: acquired.rss_per_lease,
         per_s: d.per(window.as_secs_f64()),
-    };
-    while !leases.is_empty() {
-        let tail = leases.split_off(leases.len().saturating_sub(256));
-        futures_util::future::join_all(tail.into_iter().map(|l| l.release())).await;
     }
-    r
 }
 
 /// How long the many-leases scenario waits before its window where counters are published late
@@ -910,8 +867,8 @@ pub fn report(spec: &Spec, uncontended: &[Row], res: &Results, plots: Option<&Pa
     let _ = writeln!(
         md,
         "### Many held leases on one lockkit client (TTL 3 s, keepalive on)\n\nServer counters \
-         over 4 s while the leases are held ({}{}); RSS = the client process's resident memory \
-         growth while acquiring, per lease.\n",
+         over 4 s while the leases are held ({}{}); RSS = the resident memory growth, while \
+         acquiring, of the client's process (one of its own, `many.rs`), per lease.\n",
         spec.labels.requests,
         spec.labels
             .writes

@@ -723,7 +723,14 @@ impl EtcdLock {
                 )
                 .await?;
             }
-            let mut created = false;
+            // Both watchers (on `target`, and on `second` if there is one) must be in place
+            // before the wait counts as begun: each starts at the revision it was created at,
+            // and a delete between the read and a watcher's creation (the second one is
+            // created a round trip after the first) is only in a new read. Before, only the
+            // first watcher's revision was checked: a holder that released in that window
+            // cost the waiter two places back a read after its wake.
+            let watchers = 1 + usize::from(queue.second.is_some());
+            let mut created = 0;
             let mut waiting = None;
             loop {
                 let msg = match tokio::time::timeout_at(recheck_at, stream.message()).await {
@@ -740,19 +747,19 @@ impl EtcdLock {
                     return Ok(Turn::Again);
                 }
                 if msg.created() {
-                    if !created {
-                        created = true;
-                        let from = msg.header().map_or(i64::MAX, |h| h.revision());
-                        if from > queue.revision {
-                            // Writes between our read and the watch: what they did to the
-                            // queue is only in a new read.
-                            let again = self.read_queue(name, own, delay).await?;
-                            let same = queue.same_as(&again);
-                            queue = again;
-                            if !same {
-                                continue 'watch;
-                            }
+                    created += 1;
+                    let from = msg.header().map_or(i64::MAX, |h| h.revision());
+                    if from > queue.revision {
+                        // Writes between our read and this watcher: what they did to the
+                        // queue is only in a new read.
+                        let again = self.read_queue(name, own, delay).await?;
+                        let same = queue.same_as(&again);
+                        queue = again;
+                        if !same {
+                            continue 'watch;
                         }
+                    }
+                    if created == watchers {
                         waiting = Some(Waiting::new(&self.inner.stats));
                     }
                     continue;

@@ -3,16 +3,16 @@
 
 use std::any::Any;
 use std::fmt;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use etcd_client::{Client, Compare, CompareOp, Txn};
 use lockkit_core::backend::{LeaseOps, TrackerHandle};
-use lockkit_core::{Error, Instant, LossReason, Result, async_trait};
+use lockkit_core::{Error, Instant, LeaseState, LossReason, Result, async_trait};
 
 use crate::core::{
-    KeepAlive, KeyWatch, Marker, Reservation, delete_key_ops, delete_while_lease_lives,
+    KeepAlive, KeyWatch, KeyWatched, Marker, Reservation, delete_key_ops, delete_while_lease_lives,
     detach_marker, keep_alive_hedged, keepalive_attempt_limit, renew_companions, renewal_counts,
     stale_term, timed, with_retries,
 };
@@ -53,6 +53,8 @@ pub struct EtcdLease {
     /// The key is gone without a release: a dedicated lease's companion (of the marker) is no
     /// longer renewed, so the delay runs.
     pub(crate) marker_frozen: AtomicBool,
+    /// The watcher of the key's delete ([`watch_own_key`]); dropped with the lease.
+    pub(crate) key_watch: OnceLock<KeyWatched>,
 }
 
 impl fmt::Debug for EtcdLease {
@@ -223,35 +225,29 @@ impl EtcdLease {
 /// marks its tracker lost as soon as etcd deletes the key while the holder did not release it:
 /// an admin's `etcdctl lease revoke` (etcd deletes every key of the lease, in one revision) or
 /// `etcdctl del`. Without it the holder would learn of it only at its next keepalive (up to
-/// TTL/3 later) or at its deadline. The watcher is cancelled when the lease ends (its tracker
-/// lost for any reason).
+/// TTL/3 later) or at its deadline. The watcher lives as long as `lease` (its [`KeyWatched`] is
+/// kept there) or until the delete; a delete after the lease ended (released, or lost for
+/// another reason) changes nothing.
 pub(crate) fn watch_own_key(lease: &Arc<EtcdLease>, tracker: TrackerHandle, keys: &KeyWatch) {
-    let Ok(rt) = tokio::runtime::Handle::try_current() else {
-        return;
-    };
     let weak = Arc::downgrade(lease);
-    let key = lease.key.clone();
-    let mut watched = keys.watch(key.clone(), lease.create_revision);
-    let ended = tracker.view().lost();
-    rt.spawn(async move {
-        tokio::select! {
-            _ = ended => {}
-            deleted = &mut watched.deleted => {
-                // Our own release (or the drop's cleanup) deletes the key too: only a delete
-                // nobody on this side asked for is a loss.
-                let ours = weak
-                    .upgrade()
-                    .is_some_and(|l| !l.release_attempted.load(Ordering::SeqCst));
-                if deleted.is_ok() && ours {
-                    tracing::debug!(key = %String::from_utf8_lossy(&key), "etcd deleted the lock's key (lease revoked or key deleted)");
-                    tracker.mark_lost(LossReason::NotHeldOnServer);
-                    if let Some(lease) = weak.upgrade() {
-                        lease.start_delay();
-                    }
-                }
-            }
+    let on_delete = Box::new(move || {
+        // Our own release (or the drop's cleanup) deletes the key too: only a delete nobody on
+        // this side asked for is a loss.
+        let Some(lease) = weak.upgrade() else {
+            return;
+        };
+        if lease.release_attempted.load(Ordering::SeqCst)
+            || tracker.view().state() == LeaseState::Lost
+        {
+            return;
         }
+        tracing::debug!(key = %String::from_utf8_lossy(&lease.key), "etcd deleted the lock's key (lease revoked or key deleted)");
+        tracker.mark_lost(LossReason::NotHeldOnServer);
+        lease.start_delay();
     });
+    let watched = keys.watch(lease.key.clone(), lease.create_revision, on_delete);
+    // Set once, by the grant that made the lease.
+    let _ = lease.key_watch.set(watched);
 }
 
 #[async_trait]

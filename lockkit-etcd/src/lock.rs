@@ -25,7 +25,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use etcd_client::{
@@ -1045,6 +1045,7 @@ impl EtcdLock {
             release_attempted: AtomicBool::new(false),
             marker,
             marker_frozen: AtomicBool::new(false),
+            key_watch: OnceLock::new(),
         });
         crate::lease::watch_own_key(&ops, tracker.clone(), &self.inner.key_watch);
         let token = FencingToken::new(space.token_id.clone(), u64::try_from(my_rev).unwrap_or(0));

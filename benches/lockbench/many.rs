@@ -11,7 +11,9 @@
 use std::time::{Duration, Instant};
 
 use lockkit::{AcquireOptions, LeaseState, Wait};
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+use crate::scenario::Worker;
 
 /// What the child reported once its leases were acquired.
 pub struct Acquired {
@@ -24,32 +26,15 @@ pub struct Acquired {
     pub error: Option<String>,
 }
 
-/// A child process holding the leases.
-pub struct Holder {
-    child: tokio::process::Child,
-    stdin: tokio::process::ChildStdin,
-    stdout: tokio::io::Lines<BufReader<tokio::process::ChildStdout>>,
-}
+/// The child process holding the leases.
+pub struct Holder(Worker);
 
 /// Starts a child that acquires `n` leases named `many-0…` on a lockkit client of `url`; returns
 /// once they are acquired.
 pub async fn hold(url: &str, n: usize) -> (Holder, Acquired) {
-    let exe = std::env::current_exe().expect("current exe");
-    let mut child = tokio::process::Command::new(exe)
-        .env("LOCKBENCH_MANY", format!("{n}\t{url}"))
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("spawn the many-leases child");
-    let stdin = child.stdin.take().expect("child stdin");
-    let stdout = BufReader::new(child.stdout.take().expect("child stdout")).lines();
-    let mut h = Holder {
-        child,
-        stdin,
-        stdout,
-    };
-    let line = h.line().await;
+    let spec = format!("{n}\t{url}");
+    let mut w = Worker::start(&[("LOCKBENCH_MANY", &spec)]);
+    let line = w.line().await;
     let mut it = line.splitn(5, ' ');
     assert_eq!(it.next(), Some("acquired"), "many-leases child: {line:?}");
     let mut num = || -> u64 {
@@ -66,28 +51,20 @@ pub async fn hold(url: &str, n: usize) -> (Holder, Acquired) {
         rss_per_lease: rss as f64 / count.max(1) as f64,
         error,
     };
-    (h, acquired)
+    (Holder(w), acquired)
 }
 
 impl Holder {
-    async fn line(&mut self) -> String {
-        self.stdout
-            .next_line()
-            .await
-            .expect("many-leases child stdout")
-            .expect("many-leases child exited")
-    }
-
     /// How many of the leases are still held (not Lost); the child then releases them and exits.
-    pub async fn finish(mut self) -> usize {
-        self.stdin.write_all(b"check\n").await.expect("child stdin");
-        self.stdin.flush().await.expect("child stdin");
-        let line = self.line().await;
+    pub async fn finish(self) -> usize {
+        let mut w = self.0;
+        w.send("check").await;
+        let line = w.line().await;
         let held = line
             .strip_prefix("held ")
             .and_then(|s| s.parse().ok())
             .unwrap_or_else(|| panic!("many-leases child: {line:?}"));
-        let _ = self.child.wait().await;
+        w.wait().await;
         held
     }
 }

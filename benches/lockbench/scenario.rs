@@ -220,53 +220,68 @@ enum Pool {
     Procs(Vec<Worker>),
 }
 
-struct Worker {
+/// A child process of this binary (re-executed with some `LOCKBENCH_*` variables set), spoken
+/// to in lines on its stdin and stdout: a contention worker ([`worker`]) or the many-leases
+/// client ([`many::child`]).
+pub struct Worker {
     child: tokio::process::Child,
     stdin: tokio::process::ChildStdin,
     stdout: tokio::io::Lines<BufReader<tokio::process::ChildStdout>>,
 }
 
 impl Worker {
-    async fn spawn(backend: &str, variant: usize, name: &str, prefix: &str) -> Worker {
+    /// Starts this binary again with `env` added to its environment.
+    pub fn start(env: &[(&str, &str)]) -> Worker {
         let exe = std::env::current_exe().expect("current exe");
         let mut child = tokio::process::Command::new(exe)
-            .env("LOCKBENCH_WORKER", format!("{backend}\t{variant}\t{name}"))
-            .env("LOCKBENCH_PREFIX", prefix)
+            .envs(env.iter().copied())
             .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::piped())
             .kill_on_drop(true)
             .spawn()
-            .expect("spawn worker");
-        let stdin = child.stdin.take().expect("worker stdin");
-        let stdout = BufReader::new(child.stdout.take().expect("worker stdout")).lines();
-        let mut w = Worker {
+            .expect("spawn a child process");
+        let stdin = child.stdin.take().expect("child stdin");
+        let stdout = BufReader::new(child.stdout.take().expect("child stdout")).lines();
+        Worker {
             child,
             stdin,
             stdout,
-        };
+        }
+    }
+
+    async fn spawn(backend: &str, variant: usize, name: &str, prefix: &str) -> Worker {
+        let spec = format!("{backend}\t{variant}\t{name}");
+        let mut w = Self::start(&[("LOCKBENCH_WORKER", &spec), ("LOCKBENCH_PREFIX", prefix)]);
         assert_eq!(w.line().await, "ready", "worker did not start");
         w
     }
 
-    async fn line(&mut self) -> String {
+    /// The child's next line.
+    pub async fn line(&mut self) -> String {
         self.stdout
             .next_line()
             .await
-            .expect("worker stdout")
-            .expect("worker exited")
+            .expect("child stdout")
+            .expect("child exited")
     }
 
-    async fn send(&mut self, s: &str) {
+    /// Writes `s` and a newline to the child.
+    pub async fn send(&mut self, s: &str) {
         self.stdin
             .write_all(format!("{s}\n").as_bytes())
             .await
-            .expect("worker stdin");
-        self.stdin.flush().await.expect("worker stdin");
+            .expect("child stdin");
+        self.stdin.flush().await.expect("child stdin");
+    }
+
+    /// Waits until the child has exited.
+    pub async fn wait(mut self) {
+        let _ = self.child.wait().await;
     }
 
     async fn finish(mut self) {
         self.send("exit").await;
-        let _ = self.child.wait().await;
+        self.wait().await;
     }
 }
 
